@@ -1,0 +1,64 @@
+"""One switch that decides how every op in `nanospec.kernels` runs.
+
+* ``triton``  - the Triton kernel. On CUDA tensors it is compiled; on CPU tensors it runs only under
+  Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported), which is how the
+  kernels are tested on a machine without a GPU.
+* ``torch``   - the plain-PyTorch reference of the same op (same signature, same result).
+* ``auto``    - (default) Triton for CUDA tensors, the reference for everything else.
+
+Choose with the environment variable ``NANOSPEC_BACKEND`` or, in code, with :func:`set_backend`
+(also usable as a context manager through :func:`backend`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+_VALID = ("auto", "triton", "torch")
+_backend = os.environ.get("NANOSPEC_BACKEND", "auto").lower()
+if _backend not in _VALID:
+    raise ValueError(f"NANOSPEC_BACKEND={_backend!r} is not one of {_VALID}")
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def get_backend() -> str:
+    return _backend
+
+
+def set_backend(name: str) -> None:
+    global _backend
+    name = name.lower()
+    if name not in _VALID:
+        raise ValueError(f"backend {name!r} is not one of {_VALID}")
+    _backend = name
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    """Temporarily run every op with the given backend: ``with backend("triton"): ...``."""
+    previous = _backend
+    set_backend(name)
+    try:
+        yield
+    finally:
+        set_backend(previous)
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether an op whose main input is ``t`` should run its Triton kernel."""
+    if _backend == "torch":
+        return False
+    if _backend == "triton":
+        if not t.is_cuda and not interpreter_enabled():
+            raise RuntimeError(
+                "the triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
+            )
+        return True
+    return t.is_cuda
