@@ -1,0 +1,268 @@
+"""The engine loop: one step = schedule, propose, one target forward, verify, commit.
+
+    seqs     = scheduler.schedule()              which sequences run, KV blocks reserved
+    drafts   = proposer.propose(seqs)            candidate tokens (+ draft probs) per sequence
+    batch    = [uncached tokens + drafts]        one ragged batch: prefill, decode and verify alike
+    logits   = model(batch)                      ONE target pass
+    tokens   = verify(logits, drafts)            greedy / rejection sampling (plain sampling if no drafts)
+    commit                                       append tokens, roll back rejected KV, stop checks
+
+Each sequence's new tokens are ``token_ids[num_cached_tokens:]`` followed by its drafts ``d_1..d_k``.
+The target's logits at those last k+1 rows give ``p_1..p_{k+1}``: ``p_i`` judges ``d_i`` and
+``p_{k+1}`` gives the bonus token when every draft is accepted. After verification the K/V of the
+rejected drafts is dead: ``num_cached_tokens`` moves to just before the newly emitted token and
+the blocks past it return to the pool.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from nanospec.cache.block_manager import BlockManager
+from nanospec.cache.kv_cache import KVCache
+from nanospec.forward_batch import build_forward_batch
+from nanospec.kernels.sampling import greedy, probs_from_logits, sample
+from nanospec.model.llama import Llama
+from nanospec.outputs import RequestOutput
+from nanospec.sampling_params import SamplingParams
+from nanospec.scheduler import Scheduler
+from nanospec.sequence import Sequence
+from nanospec.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class EngineConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int = 8192
+
+
+@dataclass
+class Proposal:
+    """Candidate tokens for one sequence; ``draft_probs`` ``[k, V]`` for a draft model, None = one-hot."""
+
+    token_ids: list[int]
+    draft_probs: torch.Tensor | None = None
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    num_generated_tokens: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class Engine:
+    def __init__(self, model: Llama, tokenizer: Tokenizer, config: EngineConfig, proposer=None, seed: int = 0):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = config
+        self.proposer = proposer
+        mc = model.config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.kv_cache = KVCache(mc.num_hidden_layers, config.num_blocks, config.block_size, mc.num_key_value_heads,
+                                mc.head_dim, model.dtype, model.device)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   num_lookahead_slots=self._num_lookahead_slots, on_preempt=self._on_preempt)
+        self.sequences: dict[int, Sequence] = {}
+        self.stats = EngineStats()
+        self._next_id = 0
+        self._seed_rng = random.Random(seed)
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Validate and queue a request; returns its id. Raises ValueError before any work."""
+        self.validate_prompt(prompt_token_ids, params)
+        seq = Sequence(self._next_id, prompt_token_ids, params,
+                       params.seed if params.seed is not None else self._seed_rng.getrandbits(63))
+        seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
+        if self._speculates(seq):
+            self.proposer.start(seq)
+        self._next_id += 1
+        self.sequences[seq.seq_id] = seq
+        self.scheduler.add(seq)
+        return seq.seq_id
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if len(prompt_token_ids) == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.model.config.vocab_size
+        for t in prompt_token_ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"token id {t!r} is out of the vocabulary [0, {vocab})")
+        max_len = self.config.max_model_len
+        if len(prompt_token_ids) >= max_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "
+                             f"(prompt + at least one generated token)")
+        lifetime = min(len(prompt_token_ids) + params.max_tokens, max_len) + self._max_lookahead()
+        need = self.block_manager.blocks_for(lifetime)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(f"the KV pool is too small for this request: it needs {need} blocks of "
+                             f"{self.config.block_size} tokens ({lifetime} tokens) but the pool has "
+                             f"{self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory or lower max_tokens")
+
+    def abort(self, request_id: int) -> None:
+        seq = self.sequences.pop(request_id, None)
+        if seq is not None and not seq.is_finished:
+            self._finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---------------------------------------------------------------- speculation hooks
+    def _speculates(self, seq: Sequence) -> bool:
+        return self.proposer is not None and seq.params.speculate
+
+    def _max_lookahead(self) -> int:
+        return self.proposer.max_tokens_per_step if self.proposer is not None else 0
+
+    def _num_lookahead_slots(self, seq: Sequence) -> int:
+        in_decode = seq.num_tokens - seq.num_cached_tokens == 1
+        return self.proposer.max_tokens_per_step if in_decode and self._speculates(seq) else 0
+
+    def _on_preempt(self, seq: Sequence) -> None:
+        if self._speculates(seq):
+            self.proposer.preempt(seq)
+
+    # ---------------------------------------------------------------- the loop
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        seqs = self.scheduler.schedule()
+        if not seqs:
+            return []
+
+        # 1. propose: drafts only for sequences in decode (one uncached token)
+        proposals = [Proposal([]) for _ in seqs]
+        spec_seqs = [i for i, s in enumerate(seqs) if self._num_lookahead_slots(s) > 0]
+        if spec_seqs:
+            for i, proposal in zip(spec_seqs, self.proposer.propose([seqs[i] for i in spec_seqs])):
+                budget = self.config.max_model_len - seqs[i].num_tokens - 1
+                proposal.token_ids = proposal.token_ids[: max(budget, 0)]
+                if proposal.draft_probs is not None:
+                    proposal.draft_probs = proposal.draft_probs[: len(proposal.token_ids)]
+                proposals[i] = proposal
+
+        # 2. one ragged batch: uncached tokens + drafts; logits rows for the last k+1 of each
+        token_lists, starts, logits_rows = [], [], []
+        for seq, proposal in zip(seqs, proposals):
+            tokens = seq.token_ids[seq.num_cached_tokens:] + proposal.token_ids
+            token_lists.append(tokens)
+            starts.append(seq.num_cached_tokens)
+            k = len(proposal.token_ids)
+            logits_rows.append(list(range(len(tokens) - k - 1, len(tokens))))
+        batch = build_forward_batch(token_lists, starts, [s.block_table for s in seqs], self.config.block_size,
+                                    logits_rows, self.model.device)
+
+        # 3. ONE target forward
+        t1 = time.perf_counter()
+        logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+        self.stats.forward_seconds += time.perf_counter() - t1
+
+        # 4. verify (or sample), 5. commit
+        emitted = self._verify(seqs, proposals, logits)
+        outputs = []
+        for seq, proposal, tokens in zip(seqs, proposals, emitted):
+            outputs.append(self._commit(seq, proposal, tokens))
+        self.stats.num_steps += 1
+        self.stats.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[list[int]]:
+        """The tokens each sequence emits this step: accepted drafts, then one corrected or bonus token."""
+        ks = [len(p.token_ids) for p in proposals]
+        speculating = [self._speculates(s) for s in seqs]
+        if not any(speculating):
+            return [[t] for t in self._sample(seqs, logits)]
+        from nanospec.spec.verify import verify  # the rejection-sampling step
+
+        return verify(seqs, proposals, logits, ks, speculating, self._sample)
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        """One token per row of ``logits`` (row r belongs to ``seqs[r]``, drawn at its current length)."""
+        if all(s.params.greedy for s in seqs):
+            return greedy(logits).tolist()
+        dev = logits.device
+        temperature = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([s.params.top_k for s in seqs], dtype=torch.int32, device=dev)
+        top_p = torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev)
+        seeds = torch.tensor([s.seed for s in seqs], dtype=torch.int64, device=dev)
+        offsets = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev)
+        return sample(logits, temperature, top_k, top_p, seeds, offsets).tolist()
+
+    def _commit(self, seq: Sequence, proposal: Proposal, tokens: list[int]) -> RequestOutput:
+        num_accepted = len(tokens) - 1
+        k = len(proposal.token_ids)
+        seq.num_steps += 1
+        seq.num_draft_tokens += k
+        seq.num_accepted_tokens += num_accepted
+        self.stats.num_draft_tokens += k
+        self.stats.num_accepted_tokens += num_accepted
+        self.stats.num_verify_steps += k > 0
+        # K/V now exists for every old token and the accepted drafts; the emitted last token has none yet
+        seq.num_cached_tokens = seq.num_tokens + num_accepted
+        if self._speculates(seq):
+            self.proposer.commit(seq, proposal, num_accepted)
+
+        eos = set() if seq.params.ignore_eos else set(self.tokenizer.eos_token_ids)
+        finish_reason = None
+        new_tokens = []
+        for t in tokens:
+            new_tokens.append(t)
+            if t in eos:
+                finish_reason = "stop"
+                break
+            if seq.num_output_tokens + len(new_tokens) >= seq.params.max_tokens:
+                finish_reason = "length"
+                break
+            if seq.num_tokens + len(new_tokens) >= self.config.max_model_len:
+                finish_reason = "length"
+                break
+        seq.token_ids.extend(new_tokens)
+        seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
+        self.stats.num_generated_tokens += len(new_tokens)
+        if self._speculates(seq):
+            self.proposer.extend(seq, new_tokens)
+
+        delta = seq.detokenizer.add(new_tokens)
+        previous_len = len(seq.text)
+        seq.text += delta
+        for stop in seq.params.stop_list:
+            # a stop string may straddle the previous delta: search from just before it
+            idx = seq.text.find(stop, max(0, previous_len - len(stop) + 1))
+            if idx >= 0:
+                seq.text = seq.text[:idx]
+                finish_reason = "stop"
+                break
+        delta = seq.text[previous_len:]
+        if finish_reason is not None:
+            self._finish(seq, finish_reason)
+        else:
+            self.block_manager.truncate(seq.block_table, seq.num_tokens)
+        return self._output(seq, delta)
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq, reason)
+        if self._speculates(seq):
+            self.proposer.free(seq)
+
+    def _output(self, seq: Sequence, delta: str = "") -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
+            token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,
+            num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta)
+
+    def pop_finished(self, request_id: int) -> None:
+        self.sequences.pop(request_id, None)

@@ -1,0 +1,222 @@
+"""The public entry point, shaped like vLLM's ``LLM``.
+
+    llm = LLM()                                            # the embedded SmolLM2-135M-Instruct
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=64))[0]
+    out.text, out.token_ids, out.num_steps
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64))[0].text
+    for chunk in llm.stream("Hello", SamplingParams(max_tokens=32)): print(chunk.delta_text, end="")
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Sequence as Seq
+
+import torch
+
+from nanospec.cache.kv_cache import kv_bytes_per_block
+from nanospec.engine import Engine, EngineConfig
+from nanospec.model.llama import Llama
+from nanospec.model.loader import load_checkpoint
+from nanospec.outputs import RequestOutput
+from nanospec.sampling_params import SamplingParams
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+Prompt = str | list[int]
+
+
+def resolve_device(device) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {str(device)!r} asked for, but CUDA is not available on this machine")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported (cpu or cuda)")
+    return device
+
+
+def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+class LLM:
+    """Load a Llama (HF directory, .gguf file, or the embedded SmolLM2 when ``model`` is None) and serve it.
+
+    KV pool: ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes
+    hold (default: 1 GiB on CPU, 40% of free memory on CUDA, never more than ``max_num_seqs``
+    full contexts). ``speculative_config``: see :mod:`nanospec.spec`.
+    """
+
+    def __init__(self, model: str | os.PathLike | None = None, dtype=None, device=None, *,
+                 speculative_config: dict | None = None, num_blocks: int | None = None, block_size: int = 16,
+                 kv_cache_memory: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
+                 max_model_len: int | None = None, seed: int = 0):
+        if model is not None and not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"model must be a path or None, got {model!r}")
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if num_blocks is not None and num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        from nanospec.spec.config import make_proposer, parse_speculative_config
+
+        spec_config = parse_speculative_config(speculative_config)
+        checkpoint = load_checkpoint(model, self.dtype)
+        self.config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.model = Llama(checkpoint.config, checkpoint.tensors, self.device, self.dtype)
+        del checkpoint
+        context = self.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = context
+        elif not 1 < max_model_len <= context:
+            raise ValueError(f"max_model_len must be in (1, {context}], got {max_model_len}")
+        proposer = make_proposer(spec_config, self) if spec_config is not None else None
+        if num_blocks is None:
+            num_blocks = self._blocks_from_memory(kv_cache_memory, block_size, max_model_len, max_num_seqs)
+        config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+        self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer, seed=seed)
+
+    def _blocks_from_memory(self, kv_cache_memory, block_size, max_model_len, max_num_seqs) -> int:
+        c = self.config
+        per_block = kv_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, self.dtype)
+        if kv_cache_memory is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                kv_cache_memory = int(free * 0.4)
+            else:
+                kv_cache_memory = 1 << 30
+        if kv_cache_memory < per_block:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block ({per_block} bytes each)")
+        cap = max_num_seqs * -(-max_model_len // block_size)
+        return min(kv_cache_memory // per_block, cap)
+
+    # ---------------------------------------------------------------- inputs
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: give some text or token ids")
+            return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)):
+            return list(prompt)
+        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list[Prompt]:
+        if isinstance(prompts, str):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+            return [list(prompts)]
+        if isinstance(prompts, (list, tuple)):
+            return list(prompts)
+        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+
+    def _params_list(self, params, n: int) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * n
+        params = list(params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+        for p in params:
+            if not isinstance(p, SamplingParams):
+                raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
+        return params
+
+    def _add_all(self, prompts, params) -> list[int]:
+        """Encode and validate every prompt first, then queue them: a bad one queues nothing."""
+        prompt_list = self._as_prompt_list(prompts)
+        params_list = self._params_list(params, len(prompt_list))
+        encoded = [self._encode(p) for p in prompt_list]
+        for i, (ids, p) in enumerate(zip(encoded, params_list)):
+            try:
+                self.engine.validate_prompt(ids, p)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return [self.engine.add_request(ids, p) for ids, p in zip(encoded, params_list)]
+
+    # ---------------------------------------------------------------- generation
+    def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in prompt order."""
+        ids = self._add_all(prompts, params)
+        finished: dict[int, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating")
+        try:
+            while len(finished) < len(ids):
+                for out in self.engine.step():
+                    if out.finished and out.request_id in ids:
+                        finished[out.request_id] = out
+                        self.engine.pop_finished(out.request_id)
+                        if bar is not None:
+                            bar.update(1)
+        except BaseException:
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return [finished[i] for i in ids]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield a RequestOutput after every step that produced tokens; ``delta_text`` is the new text."""
+        (rid,) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == rid:
+                        yield out
+                        if out.finished:
+                            self.engine.pop_finished(rid)
+                            return
+        finally:
+            self.engine.abort(rid)
+
+    def _render_chat(self, messages) -> list[int]:
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+    def chat(self, messages, params: SamplingParams | None = None) -> list[RequestOutput]:
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        return self.generate([self._render_chat(c) for c in conversations], params)
+
+    def stream_chat(self, messages, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        return self.stream(self._render_chat(messages), params)
+
+    # ---------------------------------------------------------------- introspection
+    def kv_cache_stats(self) -> dict:
+        bm = self.engine.block_manager
+        return {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks, "block_size": bm.block_size}
+
+    def stats(self) -> dict:
+        s = self.engine.stats
+        return {
+            "num_steps": s.num_steps,
+            "num_generated_tokens": s.num_generated_tokens,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
+            "num_preemptions": self.engine.scheduler.num_preemptions,
+            "forward_seconds": s.forward_seconds,
+            "step_seconds": s.step_seconds,
+        }

@@ -1,0 +1,96 @@
+"""Llama, from scratch, on paged KV: RMSNorm, RoPE (theta, llama3 scaling), GQA attention, SwiGLU.
+
+One forward serves prefill, decode and speculative verify: it takes a flat ragged
+:class:`~nanospec.forward_batch.ForwardBatch`, writes the new tokens' K/V into the paged cache and
+attends over each sequence's cached context plus the new tokens its mask allows.
+
+    h_0 = embed(x)
+    for each layer:  a = h + Attn(RMSNorm(h));  h = a + MLP(RMSNorm(a))
+    logits = RMSNorm(h) @ W_head^T          (W_head = embed when embeddings are tied)
+    Attn:  q, k, v = x Wq, x Wk, x Wv;  q, k = RoPE(q, k, position);  o = softmax(q k^T / sqrt(d)) v
+    MLP:   down(silu(gate(x)) * up(x))
+
+q/k/v and gate/up are fused into single matrices (one matmul each); the residual add is fused
+into RMSNorm. Matmuls stay in torch (cuBLAS / MKL); everything else is a kernel from
+``nanospec.kernels`` (Triton on CUDA, the torch reference on CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanospec.cache.kv_cache import KVCache
+from nanospec.forward_batch import ForwardBatch
+from nanospec.kernels.activation import silu_and_mul
+from nanospec.kernels.kv_store import store_kv
+from nanospec.kernels.paged_attention import paged_attention
+from nanospec.kernels.rmsnorm import rms_norm
+from nanospec.kernels.rope import apply_rope, build_rope_cache
+from nanospec.model.config import LlamaConfig
+
+
+class LlamaLayer:
+    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], prefix: str):
+        t = lambda name: tensors[prefix + name]  # noqa: E731
+        self.input_norm = t("input_layernorm.weight")
+        self.post_attention_norm = t("post_attention_layernorm.weight")
+        self.qkv_proj = torch.cat([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"),
+                                   t("self_attn.v_proj.weight")]).contiguous()
+        self.o_proj = t("self_attn.o_proj.weight")
+        self.gate_up_proj = torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]).contiguous()
+        self.down_proj = t("mlp.down_proj.weight")
+
+
+class Llama:
+    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: torch.device | str,
+                 dtype: torch.dtype):
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        tensors = {name: w.to(device=device, dtype=dtype) for name, w in tensors.items()}
+        self.embed_tokens = tensors["model.embed_tokens.weight"]
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else tensors["lm_head.weight"]
+        self.norm = tensors["model.norm.weight"]
+        self.layers = [LlamaLayer(config, tensors, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.cos_sin_cache = build_rope_cache(self.head_dim, config.max_position_embeddings, config.rope_theta,
+                                              config.rope_scaling, device=self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
+        """Hidden states (after the final norm) of the rows ``batch.logits_indices``: ``[R, hidden]``."""
+        T = batch.num_tokens
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual = hidden
+                x = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
+            else:
+                x, residual = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual=residual)
+            qkv = F.linear(x, layer.qkv_proj)
+            q = qkv[:, :q_size].view(T, self.num_heads, self.head_dim)
+            k = qkv[:, q_size:q_size + kv_size].view(T, self.num_kv_heads, self.head_dim)
+            v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
+            q, k = apply_rope(q, k, batch.positions, self.cos_sin_cache)
+            k_cache, v_cache = kv_cache.layer(i)
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
+                                   self.scale, batch.max_query_len, batch.tree_mask)
+            hidden = F.linear(attn.view(T, q_size), layer.o_proj)
+            x, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual=residual)
+            hidden = F.linear(silu_and_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+        if residual is None:  # a model with no layers
+            residual, hidden = hidden, torch.zeros_like(hidden)
+        rows = batch.logits_indices
+        return rms_norm(hidden[rows], self.norm, self.config.rms_norm_eps, residual=residual[rows])[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[R, vocab]`` float32 logits."""
+        return F.linear(hidden, self.lm_head).float()

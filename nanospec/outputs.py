@@ -1,0 +1,32 @@
+"""What a finished (or streaming) request returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]            # generated tokens only
+    finish_reason: str | None       # "stop" (eos / stop string), "length", "abort", None while running
+    num_steps: int                  # target forward passes that produced tokens for it, prefill included
+    num_draft_tokens: int = 0       # speculative tokens proposed for it
+    num_accepted_tokens: int = 0    # of those, accepted by the target
+    delta_text: str = ""            # text added by the step that produced this output (streaming)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens produced per target step after prefill (1.0 without speculation)."""
+        decode_steps = self.num_steps - 1
+        return (len(self.token_ids) - 1) / decode_steps if decode_steps > 0 else float(len(self.token_ids) > 0)

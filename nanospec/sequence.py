@@ -1,0 +1,57 @@
+"""One request as the engine sees it: its tokens, its KV blocks, its progress."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from nanospec.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens ``token_ids`` = prompt + output. The target's K/V exists for the first
+    ``num_cached_tokens`` of them; the next forward computes ``token_ids[num_cached_tokens:]``
+    (the whole prompt on prefill, the last token on decode, everything again after preemption)."""
+
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int):
+        self.seq_id = seq_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.seed = seed
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.num_cached_tokens = 0
+        self.finish_reason: str | None = None
+        self.text = ""
+        self.num_steps = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.spec_state: Any = None  # owned by the proposer (n-gram index, draft KV, ...)
+        self.detokenizer: Any = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,65 @@
+"""``speculative_config``: which proposer guesses tokens for the target to verify.
+
+    {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
+    {"method": "draft", "model": "path/to/small-llama", "num_speculative_tokens": 4}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_KEYS = {
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
+    "draft": {"method", "num_speculative_tokens", "model", "dtype"},
+}
+
+
+@dataclass
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    model: str | None = None
+    dtype: str | None = None
+
+
+def _positive_int(config: dict, key: str, default: int) -> int:
+    value = config.get(key, default)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"speculative_config[{key!r}] must be an integer >= 1, got {value!r}")
+    return value
+
+
+def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
+    if config is None:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError(f"speculative_config must be a dict, got {type(config).__name__}")
+    method = config.get("method")
+    if method not in _KEYS:
+        raise ValueError(f"speculative_config['method'] must be one of {sorted(_KEYS)}, got {method!r}")
+    unknown = set(config) - _KEYS[method]
+    if unknown:
+        raise ValueError(f"unknown speculative_config keys for method {method!r}: {sorted(unknown)}")
+    k = _positive_int(config, "num_speculative_tokens", 5 if method == "ngram" else 4)
+    if method == "ngram":
+        lo = _positive_int(config, "prompt_lookup_min", 1)
+        hi = _positive_int(config, "prompt_lookup_max", 4)
+        if lo > hi:
+            raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+    if not config.get("model"):
+        raise ValueError("speculative_config for method 'draft' needs 'model': the path of a small Llama")
+    return SpeculativeConfig(method, k, model=str(config["model"]), dtype=config.get("dtype"))
+
+
+def make_proposer(config: SpeculativeConfig, llm):
+    """The proposer object the engine drives (see ``nanospec.spec.proposer.Proposer``)."""
+    if config.method == "ngram":
+        from nanospec.spec.ngram_proposer import NgramSpeculator
+
+        return NgramSpeculator(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+    from nanospec.spec.draft import DraftProposer
+
+    return DraftProposer(config, llm)
