@@ -1,0 +1,215 @@
+"""Writing and moving K/V in the paged cache.
+
+Layout per layer: ``k_cache, v_cache: [num_blocks, block_size, Hk, D]``. A slot is
+``block_id * block_size + offset_in_block``: an index into the view ``[num_blocks * block_size, Hk, D]``
+(so the first two dims of a cache must be mergeable, e.g. the cache is contiguous).
+
+store_kv (in place), for every new token t with ``slot_mapping[t] >= 0`` (negative slots are padding):
+
+    k_cache[slot_mapping[t]] = k[t];  v_cache[slot_mapping[t]] = v[t]
+
+``k``, ``v`` ``[T, Hk, D]`` may be strided views of a fused qkv projection (last dim contiguous).
+
+copy_kv_slots (in place), for every pair i, all reads before any writes:
+
+    cache[dst_slots[i]] = old cache[src_slots[i]]            (K and V)
+
+so a destination may also be the source of another pair (compacting an accepted tree path moves
+slots down onto slots that are themselves still to be read). ``dst_slots`` must be distinct.
+The Triton version gathers the sources into a temporary, then scatters it with the store kernel.
+
+Both Triton kernels run one program per token, moving all of its heads at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanospec.kernels.backend import use_triton
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr,
+    v_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    k_token_stride,
+    k_head_stride,
+    v_token_stride,
+    v_head_stride,
+    k_cache_slot_stride,
+    k_cache_head_stride,
+    v_cache_slot_stride,
+    v_cache_head_stride,
+    num_heads,
+    head_dim,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token
+        return
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_DIM)[None, :]
+    mask = (heads < num_heads) & (dims < head_dim)
+
+    k = tl.load(k_ptr + token * k_token_stride + heads * k_head_stride + dims, mask=mask)
+    v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+    tl.store(k_cache_ptr + slot * k_cache_slot_stride + heads * k_cache_head_stride + dims, k, mask=mask)
+    tl.store(v_cache_ptr + slot * v_cache_slot_stride + heads * v_cache_head_stride + dims, v, mask=mask)
+
+
+@triton.jit
+def _gather_kv_kernel(
+    k_cache_ptr,
+    v_cache_ptr,
+    k_out_ptr,
+    v_out_ptr,
+    slots_ptr,
+    k_cache_slot_stride,
+    k_cache_head_stride,
+    v_cache_slot_stride,
+    v_cache_head_stride,
+    num_heads,
+    head_dim,
+    BLOCK_HEADS: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + index).to(tl.int64)
+    heads = tl.arange(0, BLOCK_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_DIM)[None, :]
+    mask = (heads < num_heads) & (dims < head_dim)
+
+    k = tl.load(k_cache_ptr + slot * k_cache_slot_stride + heads * k_cache_head_stride + dims, mask=mask)
+    v = tl.load(v_cache_ptr + slot * v_cache_slot_stride + heads * v_cache_head_stride + dims, mask=mask)
+    out_offsets = (index * num_heads + heads) * head_dim + dims
+    tl.store(k_out_ptr + out_offsets, k, mask=mask)
+    tl.store(v_out_ptr + out_offsets, v, mask=mask)
+
+
+def _slot_view(cache: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_size, Hk, D]`` -> ``[num_blocks * block_size, Hk, D]`` without a copy."""
+    return cache.view(-1, *cache.shape[2:])
+
+
+def store_kv_ref(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if bool((slot_mapping < 0).any()):  # drop padding tokens (most batches have none)
+        is_real = slot_mapping >= 0
+        k, v, slot_mapping = k[is_real], v[is_real], slot_mapping[is_real]
+    _slot_view(k_cache).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    _slot_view(v_cache).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def store_kv_triton(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    if k.stride(-1) != 1:
+        k = k.contiguous()
+    if v.stride(-1) != 1:
+        v = v.contiguous()
+    k_slots, v_slots = _slot_view(k_cache), _slot_view(v_cache)
+    _store_kv_kernel[(num_tokens,)](
+        k,
+        v,
+        k_slots,
+        v_slots,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_slots.stride(0),
+        k_slots.stride(1),
+        v_slots.stride(0),
+        v_slots.stride(1),
+        num_heads,
+        head_dim,
+        BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        BLOCK_DIM=triton.next_power_of_2(head_dim),
+    )
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    if use_triton(k):
+        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
+    else:
+        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
+
+
+def copy_kv_slots_ref(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+) -> None:
+    for cache in (k_cache, v_cache):
+        slots = _slot_view(cache)
+        slots.index_copy_(0, dst_slots, slots.index_select(0, src_slots))
+
+
+def copy_kv_slots_triton(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+) -> None:
+    num_pairs = src_slots.shape[0]
+    if num_pairs == 0:
+        return
+    k_slots, v_slots = _slot_view(k_cache), _slot_view(v_cache)
+    num_heads, head_dim = k_slots.shape[1:]
+    k_moved = torch.empty((num_pairs, num_heads, head_dim), dtype=k_cache.dtype, device=k_cache.device)
+    v_moved = torch.empty((num_pairs, num_heads, head_dim), dtype=v_cache.dtype, device=v_cache.device)
+    _gather_kv_kernel[(num_pairs,)](
+        k_slots,
+        v_slots,
+        k_moved,
+        v_moved,
+        src_slots,
+        k_slots.stride(0),
+        k_slots.stride(1),
+        v_slots.stride(0),
+        v_slots.stride(1),
+        num_heads,
+        head_dim,
+        BLOCK_HEADS=triton.next_power_of_2(num_heads),
+        BLOCK_DIM=triton.next_power_of_2(head_dim),
+    )
+    store_kv_triton(k_moved, v_moved, k_cache, v_cache, dst_slots)
+
+
+def copy_kv_slots(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    src_slots: torch.Tensor,
+    dst_slots: torch.Tensor,
+) -> None:
+    if use_triton(k_cache):
+        copy_kv_slots_triton(k_cache, v_cache, src_slots, dst_slots)
+    else:
+        copy_kv_slots_ref(k_cache, v_cache, src_slots, dst_slots)

@@ -1,0 +1,121 @@
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+    out[t, :] = x[t, :] / sqrt(mean_h(x[t, h]^2) + eps) * weight
+
+computed in fp32 and stored in ``x.dtype``: HF ``LlamaRMSNorm`` up to its extra rounding of the
+normalised x to the input dtype before the weight multiply (identical in fp32).
+
+With ``residual`` given, the add comes first and its sum is the new residual stream:
+
+    s = x + residual                      (stored in x.dtype, and normalised as stored)
+    returns (rms_norm(s), s)
+
+Shapes: ``x`` and ``residual`` are ``[T, H]`` (any leading dims work, ``T`` may be 0), ``weight`` is ``[H]``.
+The Triton kernel runs one program per row with the whole row in one block (BLOCK = next_power_of_2(H)).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanospec.kernels.backend import use_triton
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    x_row_stride,
+    residual_row_stride,
+    hidden_size,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+
+    x = tl.load(x_ptr + row * x_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        residual = tl.load(residual_ptr + row * residual_row_stride + cols, mask=mask, other=0.0)
+        summed = (x + residual.to(tl.float32)).to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * hidden_size + cols, summed, mask=mask)
+        x = summed.to(tl.float32)
+
+    mean_square = tl.sum(x * x, axis=0) / hidden_size
+    inv_rms = tl.rsqrt(mean_square + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    out = x * inv_rms * weight
+    tl.store(out_ptr + row * hidden_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if residual is not None:
+        summed = x + residual
+        return rms_norm_ref(summed, weight, eps), summed
+    x32 = x.float()
+    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return (x32 * inv_rms * weight.float()).to(x.dtype)
+
+
+def rms_norm_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    hidden_size = x.shape[-1]
+    x_rows = x.reshape(-1, hidden_size)
+    if x_rows.stride(-1) != 1:
+        x_rows = x_rows.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if residual is None:
+        residual_rows = residual_out = x_rows  # unused by the kernel when HAS_RESIDUAL is False
+    else:
+        residual_rows = residual.reshape(-1, hidden_size)
+        if residual_rows.stride(-1) != 1:
+            residual_rows = residual_rows.contiguous()
+        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+    num_rows = x_rows.shape[0]
+    if num_rows > 0:
+        block = triton.next_power_of_2(hidden_size)
+        _rms_norm_kernel[(num_rows,)](
+            x_rows,
+            residual_rows,
+            weight,
+            out,
+            residual_out,
+            x_rows.stride(0),
+            residual_rows.stride(0),
+            hidden_size,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            num_warps=min(max(block // 256, 1), 8),
+        )
+    if residual is None:
+        return out
+    return out, residual_out
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    if use_triton(x):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
