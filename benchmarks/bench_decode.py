@@ -1,0 +1,164 @@
+"""Batch-1 decode and prefill speed: nanospec vs transformers, same model, same dtype, one process.
+
+    python benchmarks/bench_decode.py                       # embedded SmolLM2, fp32 on CPU
+    python benchmarks/bench_decode.py --dtype bfloat16 --device cuda --batch-sizes 1 32
+    python benchmarks/bench_decode.py --random-shape llama-1b --device cuda   # random weights, no files
+
+Decode tok/s is measured between the first and the last generated token (prefill excluded), greedy,
+eos ignored. The roofline is the memory bandwidth measured here (a large tensor copy) divided by the
+bytes one decode step must read (every weight once, plus the KV cache read by attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanospec import LLM, SamplingParams  # noqa: E402
+from nanospec.model.embedded import embedded_model_path  # noqa: E402
+
+PROMPT = ("The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "
+          "movable metal type, oil-based ink and a wooden press adapted from wine making. ") * 8
+
+RANDOM_SHAPES = {  # vocab of the embedded tokenizer so text can be decoded; other dims as named
+    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=64),
+}
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure_bandwidth(device, nbytes=1 << 30) -> float:
+    """Bytes/s of a large copy (read + write), best of 5."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - t)
+    return 2 * nbytes / best
+
+
+def weight_bytes(llm: LLM) -> int:
+    m = llm.model
+    tensors = [m.embed_tokens, m.norm] + ([] if m.lm_head is m.embed_tokens else [m.lm_head])
+    for layer in m.layers:
+        tensors += [layer.input_norm, layer.post_attention_norm, layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                    layer.down_proj]
+    # the embedding row gather reads one row; the head reads the whole matrix, so count it once
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def time_nanospec(llm: LLM, prompt_ids: list[int], batch: int, new_tokens: int, device) -> tuple[float, float]:
+    """(prefill tok/s, decode tok/s summed over the batch)."""
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    engine = llm.engine
+    for _ in range(batch):
+        llm.engine.add_request(list(prompt_ids), params)
+    sync(device)
+    t0 = time.perf_counter()
+    engine.step()  # prefill of the whole batch
+    sync(device)
+    t1 = time.perf_counter()
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+    sync(device)
+    t2 = time.perf_counter()
+    for seq_id in list(engine.sequences):
+        engine.pop_finished(seq_id)
+    return batch * len(prompt_ids) / (t1 - t0), batch * steps / (t2 - t1)
+
+
+def time_transformers(model, prompt_ids, batch: int, new_tokens: int, device) -> tuple[float, float]:
+    ids = torch.tensor([prompt_ids] * batch, device=device)
+    kwargs = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+
+    def run(n):
+        sync(device)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, **kwargs)
+        sync(device)
+        return time.perf_counter() - t
+
+    prefill = run(1)
+    total = run(new_tokens)
+    return batch * len(prompt_ids) / prefill, batch * (new_tokens - 1) / (total - prefill)
+
+
+def load_transformers(args, dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    if args.random_shape:
+        return None
+    path = Path(args.model) if args.model else embedded_model_path()
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None)
+    p.add_argument("--random-shape", choices=sorted(RANDOM_SHAPES), default=None)
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-transformers", action="store_true")
+    args = p.parse_args()
+
+    torch.set_grad_enabled(False)
+    if args.random_shape:
+        from nanospec.model.random_model import random_llm
+
+        llm = random_llm(RANDOM_SHAPES[args.random_shape], dtype=args.dtype, device=args.device)
+    else:
+        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+    device, dtype = llm.device, llm.dtype
+    hf = None if args.no_transformers else load_transformers(args, dtype, device)
+    prompt_ids = llm.tokenizer.encode(PROMPT)
+    bandwidth = measure_bandwidth(device)
+    wbytes = weight_bytes(llm)
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+          f"threads {torch.get_num_threads()}, dtype {dtype}, prompt {len(prompt_ids)} tokens, "
+          f"{args.new_tokens} new tokens, best of {args.repeats}")
+    print(f"measured bandwidth {bandwidth / 1e9:.1f} GB/s; weights {wbytes / 1e6:.0f} MB -> batch-1 roofline "
+          f"{bandwidth / wbytes:.1f} tok/s")
+    header = f"{'engine':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'roofline':>10}{'vs hf':>8}"
+    print(header)
+    print("-" * len(header))
+    for batch in args.batch_sizes:
+        time_nanospec(llm, prompt_ids[:16], batch, 4, device)  # warm-up
+        ns = [time_nanospec(llm, prompt_ids, batch, args.new_tokens, device) for _ in range(args.repeats)]
+        ns_prefill, ns_decode = max(r[0] for r in ns), max(r[1] for r in ns)
+        hf_decode = None
+        if hf is not None:
+            time_transformers(hf, prompt_ids[:16], batch, 4, device)
+            hf_runs = [time_transformers(hf, prompt_ids, batch, args.new_tokens, device) for _ in range(args.repeats)]
+            hf_prefill, hf_decode = max(r[0] for r in hf_runs), max(r[1] for r in hf_runs)
+            print(f"{'transformers':<14}{batch:>6}{hf_prefill:>15.1f}{hf_decode:>14.1f}"
+                  f"{hf_decode / batch / (bandwidth / wbytes):>10.0%}{'':>8}")
+        ratio = f"{ns_decode / hf_decode:.2f}x" if hf_decode else "-"
+        print(f"{'nanospec':<14}{batch:>6}{ns_prefill:>15.1f}{ns_decode:>14.1f}"
+              f"{ns_decode / batch / (bandwidth / wbytes):>10.0%}{ratio:>8}")
+
+
+if __name__ == "__main__":
+    main()

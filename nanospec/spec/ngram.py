@@ -1,0 +1,175 @@
+"""N-gram (prompt lookup) proposer: speculate by copying what followed an earlier occurrence of the suffix.
+
+For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n tokens of the sequence (prompt +
+output) are the pattern. If the pattern also ends at an earlier position e < L (L = sequence length;
+occurrences may overlap the suffix), the proposal is tokens[e : min(e + k, L)]: the tokens that followed
+that occurrence, which may run into the suffix and stop at the end of the sequence. The first (largest)
+n with an earlier occurrence wins, even if its continuation is shorter than k.
+
+Which earlier occurrence: the MOST RECENT one. vLLM's n-gram proposer takes the earliest match; the
+most recent one is the better guess when text is repeated with edits (code, rewrites, lists) or when
+generation loops, since the newest copy is the one being continued.
+
+Cost: `NgramIndex` keeps, for every n-gram (n in [min, max]) of the sequence, the list of positions
+where it ends, in increasing order. `extend` appends in O(new tokens * number of n values) and
+`propose` is one dict lookup per n plus a slice: O(n_max^2 + k), independent of the sequence length.
+Memory is about 0.7 KB per token with n in [1, 4] (CPython tuples, lists and dict entries).
+
+Tree proposals (`max_candidates > 1`): for the winning n, up to `max_candidates` continuations from
+different earlier occurrences (most recent first, each adding at least one new node) are merged into a
+token trie, shared prefixes once, at most `budget` nodes.
+"""
+
+from collections.abc import Sequence
+from itertools import islice
+
+# The tree proposal looks at no more than this many earlier occurrences per wanted candidate, so a
+# pattern that recurs thousands of times with the same continuation (a long run of one token) costs
+# O(max_candidates) per call, not O(sequence length).
+OCCURRENCES_SCANNED_PER_CANDIDATE = 8
+
+
+class NgramIndex:
+    """The token sequence of one request plus, for every n-gram in it, the positions where it ends.
+
+    `ends[ngram]` lists, in increasing order, every p with tokens[p - len(ngram):p] == ngram; the
+    continuation of that occurrence starts at tokens[p]. N-grams of different lengths are different
+    tuples, so one dict holds all lengths.
+    """
+
+    def __init__(self, min_n: int, max_n: int, token_ids: Sequence[int] = ()):
+        self.min_n = min_n
+        self.max_n = max_n
+        self._tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+        self.extend(token_ids)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The sequence so far (read only: change it through `extend` / `truncate`)."""
+        return self._tokens
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Append tokens to the sequence and index the n-grams that end at each of them."""
+        tokens = self._tokens
+        for token in token_ids:
+            tokens.append(int(token))
+            end = len(tokens)
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
+
+    def truncate(self, length: int) -> None:
+        """Drop the tokens from position `length` on (e.g. to roll back), un-indexing their n-grams."""
+        if not 0 <= length <= len(self._tokens):
+            raise ValueError(f"truncate length {length} is outside [0, {len(self._tokens)}]")
+        tokens = self._tokens
+        for end in range(len(tokens), length, -1):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                ngram = tuple(tokens[end - n : end])
+                positions = self.ends[ngram]
+                positions.pop()  # `end` is the largest position of this n-gram still indexed
+                if not positions:
+                    del self.ends[ngram]
+        del tokens[length:]
+
+    def match(self) -> tuple[int, list[int]] | None:
+        """The largest n whose suffix n-gram also occurs earlier, with the earlier end positions
+        (increasing; the suffix itself excluded), or None when no n in [min, max] has one."""
+        tokens = self._tokens
+        length = len(tokens)
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            positions = self.ends[tuple(tokens[length - n :])]
+            if len(positions) > 1:  # positions[-1] is the suffix itself
+                return n, positions
+        return None
+
+
+class NgramProposer:
+    """Proposes draft tokens by prompt lookup (see the module docstring for the exact rule)."""
+
+    def __init__(
+        self,
+        num_speculative_tokens: int,
+        prompt_lookup_min: int = 1,
+        prompt_lookup_max: int = 4,
+        max_candidates: int = 1,
+    ):
+        if num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
+        if prompt_lookup_min < 1:
+            raise ValueError(f"prompt_lookup_min must be >= 1, got {prompt_lookup_min}")
+        if prompt_lookup_max < prompt_lookup_min:
+            raise ValueError(
+                f"prompt_lookup_max must be >= prompt_lookup_min = {prompt_lookup_min}, got {prompt_lookup_max}"
+            )
+        if max_candidates < 1:
+            raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
+        self.num_speculative_tokens = num_speculative_tokens
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+        self.max_candidates = max_candidates
+
+    def new_index(self, prompt_ids: list[int]) -> NgramIndex:
+        """Per-sequence state; feed it the accepted output with `extend`."""
+        return NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max, prompt_ids)
+
+    def propose(self, index: NgramIndex, k: int | None = None) -> list[int]:
+        """Up to k (default num_speculative_tokens) tokens that followed the most recent earlier
+        occurrence of the longest matching suffix; [] when nothing matches."""
+        k = self.num_speculative_tokens if k is None else k
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        found = index.match()
+        if found is None:
+            return []
+        _, positions = found
+        start = positions[-2]
+        return index.tokens[start : min(start + k, len(index))]
+
+    def propose_tree(self, index: NgramIndex, budget: int) -> tuple[list[int], list[int]]:
+        """A trie of candidate continuations, as (tokens, parents).
+
+        Node i holds tokens[i]; parents[i] < i is the index of its parent node, or -1 when the parent
+        is the root: the last committed token, which the caller places as node 0 (so caller node
+        i + 1 has parent parents[i] + 1). Children of a node carry distinct tokens. Each path from the
+        root is at most num_speculative_tokens long, there are at most `budget` nodes, and
+        continuations are inserted most recent occurrence first, so when the budget runs out the
+        older ones are cut. With max_candidates == 1 this is the chain of `propose`.
+        """
+        if budget < 0:
+            raise ValueError(f"budget must be >= 0, got {budget}")
+        found = index.match()
+        if found is None or budget == 0:
+            return [], []
+        _, positions = found
+        tokens = index.tokens
+        length = len(tokens)
+        depth = self.num_speculative_tokens
+
+        node_tokens: list[int] = []
+        parents: list[int] = []
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> child node
+        num_candidates = 0
+        max_scanned = self.max_candidates * OCCURRENCES_SCANNED_PER_CANDIDATE
+        earlier = islice(reversed(positions), 1, 1 + max_scanned)  # most recent first, suffix skipped
+        for start in earlier:
+            parent = -1
+            added_node = False
+            for token in tokens[start : min(start + depth, length)]:
+                child = children.get((parent, token))
+                if child is None:
+                    if len(node_tokens) == budget:
+                        break
+                    child = len(node_tokens)
+                    children[(parent, token)] = child
+                    node_tokens.append(token)
+                    parents.append(parent)
+                    added_node = True
+                parent = child
+            num_candidates += added_node
+            if num_candidates == self.max_candidates or len(node_tokens) == budget:
+                break
+        return node_tokens, parents
