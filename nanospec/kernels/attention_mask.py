@@ -1,0 +1,76 @@
+"""Bitmasks that say which new tokens of a sequence each new token may attend to.
+
+A mask over ``q`` new tokens is an int64 tensor ``[q, W]`` with ``W = ceil(q / 64)``: query ``i`` may see
+new token ``b`` iff bit ``b % 64`` of word ``b // 64`` of row ``i`` is set,
+
+    visible(i, b) = (words[i, b // 64] >> (b % 64)) & 1
+
+Bit 63 is the int64 sign bit; packing sums disjoint powers of two (``1 << 63`` is ``-2**63``), which never
+overflows, and unpacking shifts arithmetically then keeps the lowest bit, so bit 63 round-trips.
+The cached context of a sequence is always visible and is not part of the mask.
+
+Trees: node ``i`` has parent ``parents[i] < i`` (``-1`` for a root); a node sees itself and its ancestors
+and sits at position ``context_len + depth``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BITS_PER_WORD = 64
+_BIT_VALUES = torch.ones(BITS_PER_WORD, dtype=torch.int64) << torch.arange(BITS_PER_WORD, dtype=torch.int64)
+
+
+def num_words(num_tokens: int) -> int:
+    """Words per mask row for ``num_tokens`` new tokens."""
+    return (num_tokens + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+
+def pack_mask(dense: torch.Tensor) -> torch.Tensor:
+    """Bool ``[rows, n]`` -> int64 ``[rows, ceil(n / 64)]``: bit ``b`` of a row is ``dense[row, b]``."""
+    rows, n = dense.shape
+    words = num_words(n)
+    padded = torch.zeros(rows, words * BITS_PER_WORD, dtype=torch.int64, device=dense.device)
+    padded[:, :n] = dense.to(torch.int64)
+    return (padded.view(rows, words, BITS_PER_WORD) * _BIT_VALUES.to(dense.device)).sum(dim=-1)
+
+
+def unpack_mask(words: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 ``[rows, W]`` -> Bool ``[rows, n]`` (the inverse of :func:`pack_mask` for ``n <= 64 * W``)."""
+    bits = torch.arange(n, device=words.device)
+    selected = words[:, bits // BITS_PER_WORD]
+    return ((selected >> (bits % BITS_PER_WORD)) & 1).bool()
+
+
+def causal_mask(q_len: int) -> torch.Tensor:
+    """Each of ``q_len`` new tokens sees itself and the new tokens before it."""
+    return pack_mask(torch.ones(q_len, q_len, dtype=torch.bool).tril())
+
+
+def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:
+    """Each node sees itself and its ancestors; ``parents[i] < i`` or ``-1`` for a root."""
+    n = len(parents)
+    dense = torch.eye(n, dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        if not -1 <= parent < node:
+            raise ValueError(f"parent of node {node} is {parent}: it must be -1 or an earlier node")
+        if parent >= 0:
+            dense[node] |= dense[parent]
+    return pack_mask(dense)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (roots 0); node ``i`` sits at position ``context_len + depth[i]``."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def concat_masks(masks: list[torch.Tensor]) -> torch.Tensor:
+    """Per-sequence masks ``[q_i, W_i]`` -> one ``[sum q_i, max W_i]`` (rows in order, zero-padded words)."""
+    width = max((m.shape[1] for m in masks), default=0)
+    padded = [torch.nn.functional.pad(m.to(torch.int64), (0, width - m.shape[1])) for m in masks]
+    if not padded:
+        return torch.zeros(0, width, dtype=torch.int64)
+    return torch.cat(padded)

@@ -1,0 +1,233 @@
+"""Paged attention (reference and Triton kernel) against a dense per-query reference; mask helpers."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from nanospec.kernels.attention_mask import (
+    causal_mask,
+    concat_masks,
+    pack_mask,
+    tree_depths,
+    tree_mask_from_parents,
+    unpack_mask,
+)
+from nanospec.kernels.backend import backend
+from nanospec.kernels.paged_attention import paged_attention, paged_attention_ref
+
+
+# ----------------------------------------------------------------------------------------------
+# Mask helpers
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 5, 63, 64, 65, 130])
+def test_pack_unpack_roundtrip(n):
+    dense = torch.rand(n, n, generator=torch.Generator().manual_seed(n)) < 0.5
+    words = pack_mask(dense)
+    assert words.dtype == torch.int64 and words.shape == (n, math.ceil(n / 64))
+    assert torch.equal(unpack_mask(words, n), dense)
+
+
+def test_bit_63_is_the_sign_bit():
+    dense = torch.zeros(2, 130, dtype=torch.bool)
+    dense[0, 63] = True
+    dense[1, 127] = True
+    dense[1, 129] = True
+    words = pack_mask(dense)
+    assert words[0].tolist() == [-(2**63), 0, 0]
+    assert words[1].tolist() == [0, -(2**63), 2]
+    assert torch.equal(unpack_mask(words, 130), dense)
+
+
+@pytest.mark.parametrize("q_len", [1, 7, 64, 65, 130])
+def test_causal_mask(q_len):
+    dense = unpack_mask(causal_mask(q_len), q_len)
+    assert torch.equal(dense, torch.ones(q_len, q_len, dtype=torch.bool).tril())
+
+
+def test_tree_mask_and_depths():
+    #        0
+    #      /   \
+    #     1     2
+    #    / \     \
+    #   3   4     5
+    parents = [-1, 0, 0, 1, 1, 2]
+    dense = unpack_mask(tree_mask_from_parents(parents), 6)
+    expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 2, 5}}
+    for node, seen in expected.items():
+        assert set(torch.nonzero(dense[node]).flatten().tolist()) == seen
+    assert tree_depths(parents) == [0, 1, 1, 2, 2, 2]
+    with pytest.raises(ValueError):
+        tree_mask_from_parents([-1, 2, 0])
+
+
+def test_concat_masks_pads_words():
+    masks = [causal_mask(3), causal_mask(70), causal_mask(0)]
+    combined = concat_masks(masks)
+    assert combined.shape == (73, 2)
+    assert torch.equal(combined[:3, 0], masks[0][:, 0]) and torch.all(combined[:3, 1] == 0)
+    assert torch.equal(combined[3:], masks[1])
+    assert concat_masks([]).shape == (0, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Paged attention
+# ----------------------------------------------------------------------------------------------
+
+
+def make_batch(q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
+               index_dtype=torch.int32, seed=0):
+    """Random q and a paged K/V cache whose blocks are scattered (and padded with unused blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    physical = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(blocks_per_seq, default=0) + 1
+    block_tables = torch.full((len(q_lens), max_blocks), -1, dtype=index_dtype)
+    for s, n in enumerate(blocks_per_seq):
+        block_tables[s, :n] = torch.tensor(physical[:n], dtype=index_dtype)
+        physical = physical[n:]
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
+    query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return dict(
+        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
+        seq_lens=torch.tensor(seq_lens, dtype=index_dtype), query_start_loc=query_start_loc,
+        scale=1.0 / math.sqrt(head_dim), max_query_len=max(q_lens, default=0),
+    )
+
+
+def dense_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
+                    tree_mask=None):
+    """Obviously correct: for each query token and head, list the visible keys, explicit softmax in float64."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float64)
+    for s in range(len(seq_lens)):
+        q_start, q_end = int(query_start_loc[s]), int(query_start_loc[s + 1])
+        q_len = q_end - q_start
+        ctx_len = int(seq_lens[s]) - q_len
+        for i in range(q_len):
+            visible = []
+            for j in range(int(seq_lens[s])):
+                b = j - ctx_len
+                if j < ctx_len:
+                    visible.append(j)
+                elif tree_mask is None and b <= i:
+                    visible.append(j)
+                elif tree_mask is not None and (int(tree_mask[q_start + i, b // 64]) >> (b % 64)) & 1:
+                    visible.append(j)
+            slots = [int(block_tables[s, j // block_size]) * block_size + j % block_size for j in visible]
+            for h in range(num_q_heads):
+                kv = h // group
+                k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots, kv].double()
+                v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots, kv].double()
+                logits = scale * (k @ q[q_start + i, h].double())
+                weights = torch.exp(logits - logits.max())
+                weights = weights / weights.sum()
+                out[q_start + i, h] = weights @ v
+    return out
+
+
+def run(impl, batch, tree_mask=None):
+    if impl == "ref":
+        return paged_attention_ref(**batch, tree_mask=tree_mask)
+    with backend("triton"):
+        return paged_attention(**batch, tree_mask=tree_mask)
+
+
+def check(impl, batch, tree_mask=None, atol=1e-4):
+    out = run(impl, batch, tree_mask)
+    assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
+    expected = dense_attention(**batch, tree_mask=tree_mask)
+    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+
+
+IMPLS = ["ref", "triton"]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_prefill(impl):
+    check(impl, make_batch([7, 20], [0, 0], num_q_heads=4, num_kv_heads=4, head_dim=32, block_size=16))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_decode(impl):
+    check(impl, make_batch([1, 1, 1], [0, 15, 40], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_mixed_ragged_batch(impl, block_size, index_dtype):
+    batch = make_batch([1, 5, 17], [33, 16, 3], num_q_heads=6, num_kv_heads=2, head_dim=64,
+                       block_size=block_size, index_dtype=index_dtype)
+    check(impl, batch)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_long_prefill_spans_query_and_key_tiles(impl):
+    # 70 queries x 3 heads per kv head -> several query blocks; 80 keys -> two key tiles.
+    check(impl, make_batch([70], [10], num_q_heads=3, num_kv_heads=1, head_dim=32, block_size=16))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_zero_length_query_in_batch(impl):
+    check(impl, make_batch([3, 0, 2], [5, 9, 0], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_empty_batch(impl):
+    for q_lens in ([], [0, 0]):
+        batch = make_batch(q_lens, [4] * len(q_lens), num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
+        assert run(impl, batch).shape == (0, 4, 32)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_strided_query(impl):
+    """q as a view into a fused qkv projection output (token stride larger than Hq * D)."""
+    batch = make_batch([2, 4], [6, 0], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
+    qkv = torch.randn(6, 8, 32)
+    qkv[:, :4] = batch["q"]
+    batch["q"] = qkv[:, :4]
+    check(impl, batch)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision(impl, dtype):
+    batch = make_batch([1, 6], [20, 9], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    check(impl, batch, atol=2e-2 if dtype == torch.bfloat16 else 2e-3)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_random_trees(impl):
+    rng = random.Random(0)
+    q_lens = [1, 6, 13]
+    masks = [tree_mask_from_parents([-1] + [rng.randrange(i) for i in range(1, n)]) for n in q_lens]
+    batch = make_batch(q_lens, [9, 0, 21], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=4)
+    check(impl, batch, tree_mask=concat_masks(masks))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_dense_random_masks_beyond_one_word(impl):
+    """Lookahead-like masks: arbitrary rows (each sees itself), 70 new tokens -> two words per row."""
+    gen = torch.Generator().manual_seed(1)
+    q_lens = [70, 4]
+    dense = [(torch.rand(n, n, generator=gen) < 0.3) | torch.eye(n, dtype=torch.bool) for n in q_lens]
+    batch = make_batch(q_lens, [5, 30], num_q_heads=2, num_kv_heads=1, head_dim=32, block_size=16)
+    check(impl, batch, tree_mask=concat_masks([pack_mask(d) for d in dense]))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_causal_bitmask_equals_no_mask(impl):
+    q_lens = [3, 1, 9]
+    batch = make_batch(q_lens, [12, 7, 0], num_q_heads=4, num_kv_heads=1, head_dim=32, block_size=4)
+    with_mask = run(impl, batch, tree_mask=concat_masks([causal_mask(n) for n in q_lens]))
+    torch.testing.assert_close(with_mask, run(impl, batch), atol=1e-5, rtol=1e-5)
