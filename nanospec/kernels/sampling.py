@@ -1,0 +1,402 @@
+"""Token sampling: greedy, temperature, top-k, top-p, and seeded draws from a distribution.
+
+``probs_from_logits`` turns one row of logits ``x`` into the distribution a request samples from:
+
+* temperature ``T == 0`` (greedy): the one-hot of ``argmax x`` (the first index on ties).
+* otherwise ``w_v = exp((x_v - max x) / T)`` and the kept tokens are ``{v : x_v >= tau}``, where the
+  threshold ``tau`` is the larger of
+
+  - top-k (on when ``0 < k < V``): ``tau_k`` = the k-th largest logit. Ties with it are all kept,
+    so more than k tokens survive when the k-th value repeats.
+  - top-p (on when ``top_p < 1``): ``tau_p`` = the largest logit value ``t`` with
+    ``sum_{x_v >= max(tau_k, t)} w_v >= top_p * sum_{x_v >= tau_k} w_v``. That is vLLM's smallest
+    set of most probable (top-k surviving) tokens whose mass reaches ``top_p``, the token that
+    crosses the threshold included, plus every token tied with it.
+
+  and ``probs_v = w_v / sum_{kept} w`` for kept tokens, 0 for the others.
+
+Thresholds compare logits, not probabilities, through an order-preserving integer key of the float32
+bits (``key(a) < key(b)`` iff ``a < b``, and ``-0.0`` just below ``+0.0``), so both backends pick the
+same top-k set from the same logits. The Triton kernel is sort-free: one program per row finds each
+threshold by bisection over the 2**32 integer keys (32 rounds, each a pass over the row in BLOCK_V
+tiles counting tokens, or summing their mass, at or above the midpoint). The torch reference uses
+``torch.topk``. Top-p decisions compare float sums, so the two backends can differ only when the
+mass at a candidate threshold equals ``top_p * mass`` to within rounding.
+
+``sample_from_probs`` draws one token per row by inverse CDF on exact integers, from the single
+uniform ``u = uniform(seed, offset, 0)`` of :mod:`nanospec.kernels.random`:
+
+    s   = 2**(30 - floor(log2 max_v p_v))          (at most 2**127): max weight in [2**30, 2**31)
+    w_v = floor(max(p_v, 0) * s)                    int64, exact (multiplying by 2**n is exact)
+    C_v = w_0 + ... + w_v,  W = C_{V-1}              exact integer prefix sums
+    r   = floor(u * W)                               exact: u * 2**24 is an odd integer
+    token = #{v : C_v <= r}                          the v with C_{v-1} <= r < C_v, so w_v > 0
+
+Every step after reading ``p_v`` is exact, so Triton and torch return the same token for the same
+``(probs, seed, offset)``, bit for bit. (``sample`` from logits inherits the backends' ulp-level
+differences in ``exp``: its tokens differ only if ``r`` falls within rounding of a CDF step.)
+``probs`` need not be normalised, zeros are never drawn, and a one-hot row always gives its token. Each token's probability is ``p_v / sum p`` up to the 2**-23 grid
+of ``u`` and a relative ``V * 2**-30`` from flooring the weights. A row with no positive entry gives 0.
+
+``sample`` is ``probs_from_logits`` followed by ``sample_from_probs``; ``greedy`` is a row-wise argmax
+(the first index on ties). Shapes: logits ``[N, V]`` (fp32/bf16/fp16), temperature and top_p ``[N]``
+float32, top_k ``[N]`` int32, seeds and offsets ``[N]`` int64; ``N`` may be 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanospec.kernels.backend import use_triton
+from nanospec.kernels.random import uniform, uniform_ref
+
+_MAX_BLOCK_V = 1024
+_INT32_MIN = -(2**31)
+_TOP_P_FIRST_CANDIDATES = 64  # the reference's first guess at how many tokens a nucleus holds
+
+
+def _block_v(vocab_size: int) -> int:
+    return min(max(triton.next_power_of_2(vocab_size), 16), _MAX_BLOCK_V)
+
+
+@triton.jit
+def _order_key(x):
+    """int32 key that sorts like the float32 ``x``: flip the magnitude bits of negative numbers."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _row_argmax(row_logits, vocab_size, BLOCK_V: tl.constexpr):
+    """The largest logit of a row and the first index that holds it."""
+    best = tl.full((), float("-inf"), tl.float32)
+    best_index = tl.full((), 0, tl.int64)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        x = tl.load(row_logits + cols, mask=cols < vocab_size, other=float("-inf")).to(tl.float32)
+        block_best = tl.max(x, axis=0)
+        better = block_best > best
+        best_index = tl.where(better, start + tl.argmax(x, axis=0), best_index)
+        best = tl.where(better, block_best, best)
+    return best, best_index
+
+
+@triton.jit
+def _count_at_or_above(row_logits, vocab_size, key_threshold, BLOCK_V: tl.constexpr):
+    """How many tokens of a row have ``key(x) >= key_threshold``."""
+    count = tl.full((), 0, tl.int32)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < vocab_size
+        x = tl.load(row_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        count += tl.sum((mask & (_order_key(x) >= key_threshold)).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
+def _mass_at_or_above(row_logits, vocab_size, key_threshold, row_max, temperature, BLOCK_V: tl.constexpr):
+    """Sum of ``exp((x - row_max) / temperature)`` over the tokens with ``key(x) >= key_threshold``."""
+    mass = tl.full((), 0.0, tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < vocab_size
+        x = tl.load(row_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        weight = tl.exp((x - row_max) / temperature)
+        mass += tl.sum(tl.where(mask & (_order_key(x) >= key_threshold), weight, 0.0), axis=0)
+    return mass
+
+
+@triton.jit
+def _probs_from_logits_kernel(
+    logits_ptr,
+    temperature_ptr,
+    top_k_ptr,
+    top_p_ptr,
+    probs_ptr,
+    logits_row_stride,
+    vocab_size,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_logits = logits_ptr + row * logits_row_stride
+    row_probs = probs_ptr + row * vocab_size
+    temperature = tl.load(temperature_ptr + row)
+    top_k = tl.load(top_k_ptr + row)
+    top_p = tl.load(top_p_ptr + row)
+    row_max, argmax = _row_argmax(row_logits, vocab_size, BLOCK_V)
+
+    if temperature == 0.0:
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            tl.store(row_probs + cols, (cols == argmax).to(tl.float32), mask=cols < vocab_size)
+    else:
+        # Each bisection keeps `lo` a key whose condition holds and halves [lo, hi] every round:
+        # 32 rounds pin down the largest such key among the 2**32 int32 keys.
+        threshold = tl.full((), -(2**31), tl.int64)  # every token is at or above it
+        if (top_k > 0) & (top_k < vocab_size):
+            lo = threshold
+            hi = tl.full((), 2**31 - 1, tl.int64)
+            for _ in range(32):
+                mid = lo + (hi - lo + 1) // 2
+                enough = _count_at_or_above(row_logits, vocab_size, mid, BLOCK_V) >= top_k
+                lo = tl.where(enough, mid, lo)
+                hi = tl.where(enough, hi, mid - 1)
+            threshold = lo
+        mass = _mass_at_or_above(row_logits, vocab_size, threshold, row_max, temperature, BLOCK_V)
+        if top_p < 1.0:
+            target = top_p * mass
+            lo = threshold
+            hi = tl.full((), 2**31 - 1, tl.int64)
+            for _ in range(32):
+                mid = lo + (hi - lo + 1) // 2
+                mid_mass = _mass_at_or_above(row_logits, vocab_size, mid, row_max, temperature, BLOCK_V)
+                enough = (mid_mass >= target) & (mid_mass > 0.0)  # never an empty set, even if top_p <= 0
+                lo = tl.where(enough, mid, lo)
+                mass = tl.where(enough, mid_mass, mass)
+                hi = tl.where(enough, hi, mid - 1)
+            threshold = lo
+
+        for start in range(0, vocab_size, BLOCK_V):
+            cols = start + tl.arange(0, BLOCK_V)
+            mask = cols < vocab_size
+            x = tl.load(row_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
+            weight = tl.exp((x - row_max) / temperature)
+            probs = tl.where(_order_key(x) >= threshold, weight / mass, 0.0)
+            tl.store(row_probs + cols, probs, mask=mask)
+
+
+@triton.jit
+def _weights(p, scale):
+    """Fixed-point weights floor(max(p, 0) * scale) as int64; ``scale`` is a power of two."""
+    return (tl.maximum(p, 0.0) * scale).to(tl.int64)
+
+
+@triton.jit
+def _sample_from_probs_kernel(
+    probs_ptr,
+    seeds_ptr,
+    offsets_ptr,
+    samples_ptr,
+    probs_row_stride,
+    vocab_size,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    row_probs = probs_ptr + row * probs_row_stride
+
+    largest = tl.full((), 0.0, tl.float32)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        p = tl.load(row_probs + cols, mask=cols < vocab_size, other=0.0)
+        largest = tl.maximum(largest, tl.max(p, axis=0))
+    # 2**(157 - biased exponent of `largest`) puts it in [2**30, 2**31); built from its float32 bits.
+    exponent = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF
+    scale = ((tl.minimum(157 - exponent, 127) + 127) << 23).to(tl.float32, bitcast=True)
+
+    total = tl.full((), 0, tl.int64)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        p = tl.load(row_probs + cols, mask=cols < vocab_size, other=0.0)
+        total += tl.sum(_weights(p, scale), axis=0)
+
+    # r = floor(u * total) = floor(total * odd / 2**24), with total split at bit 24 to stay in int64.
+    odd = (uniform(tl.load(seeds_ptr + row), tl.load(offsets_ptr + row), 0) * 16777216.0).to(tl.int64)
+    r = (total >> 24) * odd + (((total & 0xFFFFFF) * odd) >> 24)
+
+    below = tl.full((), 0, tl.int64)  # tokens whose cumulative weight is still <= r
+    carry = tl.full((), 0, tl.int64)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < vocab_size
+        w = _weights(tl.load(row_probs + cols, mask=mask, other=0.0), scale)
+        cumulative = carry + tl.cumsum(w, axis=0)
+        below += tl.sum((mask & (cumulative <= r)).to(tl.int64), axis=0)
+        carry += tl.sum(w, axis=0)
+    tl.store(samples_ptr + row, tl.where(total > 0, below, 0))
+
+
+@triton.jit
+def _greedy_kernel(logits_ptr, tokens_ptr, logits_row_stride, vocab_size, BLOCK_V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    _, argmax = _row_argmax(logits_ptr + row * logits_row_stride, vocab_size, BLOCK_V)
+    tl.store(tokens_ptr + row, argmax)
+
+
+# ---------------------------------------------------------------------------------------------------
+# torch reference
+
+
+def _order_key_ref(x: torch.Tensor) -> torch.Tensor:
+    bits = x.contiguous().view(torch.int32)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+def _keep_threshold_ref(keys, weights, top_k, top_p) -> torch.Tensor:
+    """Per row, the key ``tau`` of the docstring: tokens with ``keys >= tau`` are kept."""
+    num_rows, vocab_size = keys.shape
+    threshold = torch.full((num_rows,), _INT32_MIN, dtype=torch.int64, device=keys.device)
+    top_k_on = (top_k > 0) & (top_k < vocab_size)
+    if top_k_on.any():
+        largest_k = int(top_k[top_k_on].max())
+        top_keys = keys.topk(largest_k, dim=1).values
+        kth_key = top_keys.gather(1, (top_k.clamp(1, largest_k) - 1).long()[:, None])[:, 0]
+        threshold = torch.where(top_k_on, kth_key.long(), threshold)
+
+    top_p_on = top_p < 1.0
+    if top_p_on.any():
+        target = top_p * (weights * (keys >= threshold[:, None])).sum(dim=1)
+        # The nucleus usually holds few tokens: look at the largest ones first, double until enough.
+        num_candidates = min(_TOP_P_FIRST_CANDIDATES, vocab_size)
+        while True:
+            candidate_keys, candidate_index = keys.topk(num_candidates, dim=1)
+            kept = candidate_keys >= threshold[:, None]
+            cumulative = (weights.gather(1, candidate_index) * kept).cumsum(dim=1)
+            if num_candidates == vocab_size or bool(((cumulative[:, -1] >= target) | ~top_p_on).all()):
+                break
+            num_candidates = min(2 * num_candidates, vocab_size)
+        crossing = (cumulative < target[:, None]).sum(dim=1).clamp(max=num_candidates - 1)
+        crossing_key = candidate_keys.gather(1, crossing[:, None])[:, 0].long()
+        threshold = torch.where(top_p_on, torch.maximum(threshold, crossing_key), threshold)
+    return threshold
+
+
+def greedy_ref(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def probs_from_logits_ref(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    x = logits.float()
+    one_hot = torch.zeros_like(x).scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)
+    greedy_rows = temperature == 0
+    if greedy_rows.all():
+        return one_hot
+    safe_temperature = torch.where(greedy_rows, 1.0, temperature.float())
+    weights = torch.exp((x - x.amax(dim=1, keepdim=True)) / safe_temperature[:, None])
+    keys = _order_key_ref(x)
+    threshold = _keep_threshold_ref(keys, weights, top_k, top_p)
+    kept_weights = weights * (keys >= threshold[:, None])
+    probs = kept_weights / kept_weights.sum(dim=1, keepdim=True)
+    return torch.where(greedy_rows[:, None], one_hot, probs)
+
+
+def _power_of_two_scale_ref(largest: torch.Tensor) -> torch.Tensor:
+    exponent = (largest.contiguous().view(torch.int32) >> 23) & 0xFF
+    return ((torch.clamp(157 - exponent, max=127) + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def sample_from_probs_ref(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if probs.shape[0] == 0:
+        return torch.empty(0, dtype=torch.int64, device=probs.device)
+    p = probs.float().clamp_min(0.0)
+    scale = _power_of_two_scale_ref(p.amax(dim=1))
+    cumulative = (p * scale[:, None]).to(torch.int64).cumsum(dim=1)
+    total = cumulative[:, -1]
+    odd = (uniform_ref(seeds, offsets, 0) * 16777216.0).to(torch.int64)
+    r = (total >> 24) * odd + (((total & 0xFFFFFF) * odd) >> 24)
+    below = (cumulative <= r[:, None]).sum(dim=1)
+    return torch.where(total > 0, below, 0)
+
+
+def sample_ref(logits, temperature, top_k, top_p, seeds, offsets) -> torch.Tensor:
+    return sample_from_probs_ref(probs_from_logits_ref(logits, temperature, top_k, top_p), seeds, offsets)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton launchers
+
+
+def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def greedy_triton(logits: torch.Tensor) -> torch.Tensor:
+    logits = _rows_with_unit_stride(logits)
+    num_rows, vocab_size = logits.shape
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    if num_rows > 0:
+        _greedy_kernel[(num_rows,)](logits, tokens, logits.stride(0), vocab_size, BLOCK_V=_block_v(vocab_size))
+    return tokens
+
+
+def probs_from_logits_triton(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    logits = _rows_with_unit_stride(logits)
+    num_rows, vocab_size = logits.shape
+    probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
+    if num_rows > 0:
+        _probs_from_logits_kernel[(num_rows,)](
+            logits,
+            temperature.float().contiguous(),
+            top_k.to(torch.int32).contiguous(),
+            top_p.float().contiguous(),
+            probs,
+            logits.stride(0),
+            vocab_size,
+            BLOCK_V=_block_v(vocab_size),
+        )
+    return probs
+
+
+def sample_from_probs_triton(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    probs = _rows_with_unit_stride(probs.float())
+    num_rows, vocab_size = probs.shape
+    samples = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
+    if num_rows > 0:
+        _sample_from_probs_kernel[(num_rows,)](
+            probs,
+            seeds.to(torch.int64).contiguous(),
+            offsets.to(torch.int64).contiguous(),
+            samples,
+            probs.stride(0),
+            vocab_size,
+            BLOCK_V=_block_v(vocab_size),
+        )
+    return samples
+
+
+def sample_triton(logits, temperature, top_k, top_p, seeds, offsets) -> torch.Tensor:
+    return sample_from_probs_triton(probs_from_logits_triton(logits, temperature, top_k, top_p), seeds, offsets)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dispatchers
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of ``[N, V]`` logits (the first index on ties), int64 ``[N]``."""
+    return greedy_triton(logits) if use_triton(logits) else greedy_ref(logits)
+
+
+def probs_from_logits(
+    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """The float32 ``[N, V]`` distribution each row samples from (see the module docstring)."""
+    if use_triton(logits):
+        return probs_from_logits_triton(logits, temperature, top_k, top_p)
+    return probs_from_logits_ref(logits, temperature, top_k, top_p)
+
+
+def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (unnormalised is fine), a pure function of (probs, seed, offset)."""
+    if use_triton(probs):
+        return sample_from_probs_triton(probs, seeds, offsets)
+    return sample_from_probs_ref(probs, seeds, offsets)
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> torch.Tensor:
+    """``sample_from_probs(probs_from_logits(logits, ...), seeds, offsets)``: int64 ``[N]``."""
+    if use_triton(logits):
+        return sample_triton(logits, temperature, top_k, top_p, seeds, offsets)
+    return sample_ref(logits, temperature, top_k, top_p, seeds, offsets)
