@@ -54,7 +54,7 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     return SpeculativeConfig(method, k, model=str(config["model"]), dtype=config.get("dtype"))
 
 
-def make_proposer(config: SpeculativeConfig, llm):
+def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device, dtype):
     """The proposer object the engine drives (see ``nanospec.spec.proposer.Proposer``)."""
     if config.method == "ngram":
         from nanospec.spec.ngram_proposer import NgramSpeculator
@@ -62,4 +62,4 @@ def make_proposer(config: SpeculativeConfig, llm):
         return NgramSpeculator(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
     from nanospec.spec.draft import DraftProposer
 
-    return DraftProposer(config, llm)
+    return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype)

@@ -21,6 +21,3 @@ class NgramSpeculator(Proposer):
 
     def extend(self, seq: Sequence, new_tokens: list[int]) -> None:
         seq.spec_state.extend(new_tokens)
-
-    def free(self, seq: Sequence) -> None:
-        seq.spec_state = None

@@ -1,0 +1,139 @@
+"""Engine behaviour on a tiny random model: batching, preemption, stops, errors, no leaked blocks."""
+
+import pytest
+
+from nanospec import LLM, SamplingParams
+from tiny import make_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_engine")
+    make_tiny_llama(path, tie=True, max_pos=128)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_path):
+    return LLM(str(tiny_path), num_blocks=96, block_size=4)
+
+
+def assert_no_leak(llm):
+    stats = llm.kv_cache_stats()
+    assert stats["free_blocks"] == stats["total_blocks"]
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+PROMPTS = [[5, 9, 33], list(range(40, 61)), [7] * 9, [100, 101, 102, 103, 104, 105, 3]]
+
+
+def test_batch_gives_each_prompt_what_it_gets_alone(llm):
+    alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    together = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    assert together == alone
+    assert_no_leak(llm)
+
+
+def test_preemption_under_a_small_pool_gives_the_same_tokens(tiny_path, llm):
+    expected = [o.token_ids for o in llm.generate(PROMPTS * 2, GREEDY)]
+    small = LLM(str(tiny_path), num_blocks=12, block_size=4)  # 48 slots: not enough for all at once
+    outs = small.generate(PROMPTS * 2, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert small.stats()["num_preemptions"] > 0
+    assert_no_leak(small)
+
+
+def test_per_prompt_params_and_finish_reasons(llm):
+    outs = llm.generate([[5, 6], [5, 6]], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                           SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [3, 7]
+    assert all(o.finish_reason == "length" for o in outs)
+    assert outs[1].token_ids[:3] == outs[0].token_ids
+    assert outs[0].num_steps == 3  # prefill + 2 decodes
+
+
+def test_stop_string_truncates_text(llm):
+    full = llm.generate([[5, 9, 33]], GREEDY)[0]
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    out = llm.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == full.text[: full.text.find(stop)]
+    assert_no_leak(llm)
+
+
+def test_context_limit_ends_with_length(tiny_path):
+    small = LLM(str(tiny_path), num_blocks=64, block_size=4, max_model_len=24)
+    out = small.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 4
+    assert_no_leak(small)
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
+    params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=7, ignore_eos=True)
+    a = llm.generate([[5, 9, 33]], params)[0].token_ids
+    b = llm.generate([[5, 9, 33], [1, 2, 3, 4]], [params, SamplingParams(temperature=1.0, max_tokens=16)])[0].token_ids
+    c = llm.generate([[5, 9, 33]], SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=8,
+                                                  ignore_eos=True))[0].token_ids
+    assert a == b
+    assert a != c
+
+
+def test_stream_yields_deltas_that_add_up(llm):
+    chunks = list(llm.stream([5, 9, 33], GREEDY))
+    assert chunks[-1].finished
+    assert "".join(c.delta_text for c in chunks) == chunks[-1].text
+    assert chunks[-1].token_ids == llm.generate([[5, 9, 33]], GREEDY)[0].token_ids
+    # abandoning a stream aborts its request and frees its blocks
+    stream = llm.stream([5, 9, 33], GREEDY)
+    next(stream)
+    stream.close()
+    assert_no_leak(llm)
+
+
+def test_chat_renders_template(llm):
+    out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert len(out) == 1 and len(out[0].token_ids) == 5
+    expected = llm.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert out[0].prompt_token_ids == expected
+
+
+@pytest.mark.parametrize("prompt, match", [
+    ("", "empty"),
+    ([], "empty"),
+    ([5, 320], "320"),
+    ([5, -1], "-1"),
+    (list(range(3, 131)), "128"),
+])
+def test_bad_prompts_raise_before_any_work(llm, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6], prompt], GREEDY)
+    assert_no_leak(llm)
+    assert llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=2))[0].token_ids  # still usable
+
+
+def test_pool_too_small_for_one_request(tiny_path):
+    small = LLM(str(tiny_path), num_blocks=3, block_size=4)
+    with pytest.raises(ValueError, match="KV pool is too small"):
+        small.generate([[5, 6, 7]], SamplingParams(max_tokens=20))
+    assert small.generate([[5, 6, 7]], SamplingParams(max_tokens=5))[0].token_ids
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=-0.1), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=0), "top_k"),
+    (dict(top_k=-2), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no_such_model"):
+        LLM(str(tmp_path / "no_such_model"))

@@ -1,0 +1,160 @@
+"""Speculative decoding end to end on tiny random models: lossless, fewer steps, no leaked blocks."""
+
+import pytest
+import torch
+
+from nanospec import LLM, SamplingParams
+from nanospec.forward_batch import build_forward_batch
+from tiny import make_tiny_llama
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+# repetitive prompts give the n-gram proposer something to find
+PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 104, 105, 3], [11, 12]]
+
+
+@pytest.fixture(scope="module")
+def target_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    make_tiny_llama(path, seed=1, tie=True, layers=3, max_pos=256)
+    return path
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("draft")
+    make_tiny_llama(path, seed=2, tie=False, layers=1, num_heads=2, num_kv_heads=1, hidden=32, max_pos=256)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(target_path):
+    return LLM(str(target_path), num_blocks=256, block_size=4)
+
+
+def assert_no_leak(llm):
+    stats = llm.kv_cache_stats()
+    assert stats["free_blocks"] == stats["total_blocks"]
+    proposer = llm.engine.proposer
+    if hasattr(proposer, "block_manager"):
+        assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
+
+
+def spec_llm(target_path, config, **kwargs):
+    return LLM(str(target_path), num_blocks=256, block_size=4, speculative_config=config, **kwargs)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_is_lossless(target_path, plain, k):
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    llm = spec_llm(target_path, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    stats = llm.stats()
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0
+    assert sum(o.num_steps for o in outs) < sum(len(o.token_ids) for o in outs)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_draft_greedy_is_lossless(target_path, draft_path, plain, k):
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    llm = spec_llm(target_path, {"method": "draft", "model": str(draft_path), "num_speculative_tokens": k})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == expected
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_target_as_its_own_draft_accepts_everything(target_path, plain, k):
+    params = SamplingParams(temperature=0, max_tokens=1 + 5 * (k + 1), ignore_eos=True)
+    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    llm = spec_llm(target_path, {"method": "draft", "model": str(target_path), "num_speculative_tokens": k})
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == expected
+    for o in outs:
+        assert o.num_accepted_tokens == o.num_draft_tokens == 5 * k
+        assert o.num_steps == 6  # prefill + 5 steps of exactly k+1 tokens
+    assert_no_leak(llm)
+
+
+def test_draft_kv_after_many_steps_equals_a_fresh_prefill(target_path, draft_path):
+    k = 3
+    llm = spec_llm(target_path, {"method": "draft", "model": str(draft_path), "num_speculative_tokens": k})
+    engine, proposer = llm.engine, llm.engine.proposer
+    rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    seq = engine.sequences[rid]
+    for _ in range(12):
+        engine.step()
+    state = seq.spec_state
+    n = state.num_cached
+    assert n >= seq.num_tokens - 2  # at most [d_k, bonus] missing
+    slots = proposer.block_manager.slots(state.block_table, 0, n)
+    # a fresh draft prefill over the same tokens, in a separate region of the draft pool
+    table: list[int] = []
+    proposer.block_manager.reserve(table, n)
+    batch = build_forward_batch([seq.token_ids[:n]], [0], [table], proposer.block_size, [[n - 1]], "cpu")
+    proposer.model.forward(batch, proposer.kv_cache)
+    fresh = proposer.block_manager.slots(table, 0, n)
+    for layer in range(proposer.model.config.num_hidden_layers):
+        for cache in proposer.kv_cache.layer(layer):
+            flat = cache.view(-1, *cache.shape[2:])
+            torch.testing.assert_close(flat[slots], flat[fresh], rtol=1e-5, atol=1e-5)
+    proposer.block_manager.free(table)
+    engine.abort(rid)
+    assert_no_leak(llm)
+
+
+def test_mixed_batch_spec_and_opt_out(target_path, plain):
+    params = [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculate=False)] * 2
+    prompts = PROMPTS[:4]
+    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = spec_llm(target_path, {"method": "ngram", "num_speculative_tokens": 4})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert outs[1].num_draft_tokens == 0 and outs[3].num_draft_tokens == 0
+    assert outs[0].num_draft_tokens > 0
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_sampling_with_speculation_is_reproducible(target_path, draft_path, method):
+    config = {"method": method, "num_speculative_tokens": 3}
+    if method == "draft":
+        config["model"] = str(draft_path)
+    llm = spec_llm(target_path, config)
+    params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True)
+    a = llm.generate(PROMPTS[:2], params)
+    b = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert all(len(o.token_ids) == 30 for o in a)
+    assert_no_leak(llm)
+
+
+def test_preemption_with_speculation_is_lossless(target_path, draft_path, plain):
+    expected = [o.token_ids for o in plain.generate(PROMPTS * 2, GREEDY)]
+    for config in ({"method": "ngram", "num_speculative_tokens": 3},
+                   {"method": "draft", "model": str(draft_path), "num_speculative_tokens": 3}):
+        llm = LLM(str(target_path), num_blocks=24, block_size=4, speculative_config=config)
+        outs = llm.generate(PROMPTS * 2, GREEDY)
+        assert [o.token_ids for o in outs] == expected
+        assert llm.stats()["num_preemptions"] > 0
+        assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("config, match", [
+    ({"method": "medusa"}, "method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "ngram", "bogus": 1}, "bogus"),
+    ({"method": "draft"}, "model"),
+])
+def test_bad_speculative_config(target_path, config, match):
+    with pytest.raises(ValueError, match=match):
+        spec_llm(target_path, config)
+
+
+def test_draft_with_another_vocabulary_is_refused(target_path, tmp_path):
+    make_tiny_llama(tmp_path, vocab=300)
+    with pytest.raises(ValueError, match="vocabulary"):
+        spec_llm(target_path, {"method": "draft", "model": str(tmp_path)})
