@@ -1,0 +1,155 @@
+"""Load a Llama checkpoint — a Hugging Face directory, a GGUF file, or the embedded SmolLM2 — into one form:
+a LlamaConfig, tensors under Hugging Face names, and a Tokenizer.
+
+Everything that can be checked cheaply (files present, headers valid, every tensor present with the right shape)
+is checked before any weight is read, and each error names the file or tensor at fault.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from nanospec.model.config import LlamaConfig
+from nanospec.model.embedded import embedded_model_path
+from nanospec.model.gguf_file import read_gguf
+from nanospec.tokenizer import Tokenizer
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass
+class Checkpoint:
+    config: LlamaConfig
+    tensors: dict[str, torch.Tensor]  # HF names (config.weight_shapes()), on the CPU
+    tokenizer: Tokenizer
+    path: Path  # where it was loaded from
+
+
+def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None) -> Checkpoint:
+    """Load `path` (an HF directory or a .gguf file; None: the embedded SmolLM2) with tensors cast to `dtype`
+    (None: keep the stored dtype; GGUF tensors are dequantized to float32)."""
+    path = embedded_model_path() if path is None else Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model path does not exist: {path}")
+    if path.is_dir():
+        return _load_hf_directory(path, dtype)
+    if path.suffix == ".gguf" or _starts_with(path, GGUF_MAGIC):
+        return _load_gguf(path, dtype)
+    raise ValueError(f"cannot load {path}: expected a .gguf file or a Hugging Face model directory "
+                     "(config.json, model.safetensors, tokenizer.json)")
+
+
+def _load_gguf(path: Path, dtype: torch.dtype | None) -> Checkpoint:
+    model = read_gguf(path)
+    tokenizer = Tokenizer.from_json_str(model.tokenizer_json, model.tokenizer_config, model.config.eos_token_id)
+    tensors = model.tensors
+    if dtype is not None:
+        for name in list(tensors):  # one tensor at a time, so the fp32 copy of the model is freed as we go
+            tensors[name] = tensors.pop(name).to(dtype)
+    return Checkpoint(model.config, tensors, tokenizer, path)
+
+
+def _load_hf_directory(directory: Path, dtype: torch.dtype | None) -> Checkpoint:
+    if not (directory / "config.json").is_file():
+        gguf_files = sorted(directory.glob("*.gguf"))
+        hint = f" (to load a GGUF, pass the file itself, e.g. {gguf_files[0]})" if gguf_files else ""
+        raise FileNotFoundError(f"{directory} has no config.json{hint}")
+    try:
+        config = LlamaConfig.from_hf_dict(_read_json(directory / "config.json"))
+    except ValueError as error:
+        raise ValueError(f"{directory / 'config.json'}: {error}") from None
+    tokenizer = _load_tokenizer(directory, config)
+    weight_files = _weight_files(directory)
+
+    with ExitStack() as stack:
+        handles = {file: stack.enter_context(_open_safetensors(file)) for file in weight_files}
+        file_of = {name: file for file, handle in handles.items() for name in handle.keys()}
+        expected = config.weight_shapes()
+        missing = [name for name in expected if name not in file_of]
+        if missing:
+            raise ValueError(f"checkpoint {directory} lacks tensors: {_short_list(missing)}")
+        for name, shape in expected.items():
+            stored = tuple(handles[file_of[name]].get_slice(name).get_shape())
+            if stored != shape:
+                raise ValueError(f"tensor {name} in {file_of[name]} has shape {stored}, "
+                                 f"but config.json implies {shape}")
+        tensors = {}
+        for name in tqdm(expected, desc=f"Loading {directory.name}", unit="tensor", leave=False, disable=None):
+            tensor = handles[file_of[name]].get_tensor(name)
+            tensors[name] = tensor.to(dtype) if dtype is not None else tensor
+    return Checkpoint(config, tensors, tokenizer, directory)
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The safetensors files of a checkpoint: one model.safetensors, or the shards its index names."""
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        if not shards:
+            raise ValueError(f"shard index {index} has an empty weight_map")
+        missing = [shard for shard in shards if not (directory / shard).is_file()]
+        if missing:
+            raise ValueError(f"shard index {index} names files that are missing: {_short_list(missing)}")
+        return [directory / shard for shard in shards]
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors or model.safetensors.index.json in {directory} "
+                            "(only safetensors weights are loaded, never pickled .bin files)")
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as error:  # SafetensorError: bad header, truncated data, ...
+        raise ValueError(f"not a valid safetensors file: {file} ({error})") from None
+
+
+def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
+    """tokenizer.json, with tokenizer_config.json (or transformers 5's chat_template.jinja) for the chat template
+    and special tokens; the stop ids are the tokenizer's eos plus those of config.json and generation_config.json."""
+    tokenizer_json = _require_file(directory / "tokenizer.json")
+    config_file = directory / "tokenizer_config.json"
+    tokenizer_config = _read_json(config_file) if config_file.is_file() else {}
+    template_file = directory / "chat_template.jinja"
+    if "chat_template" not in tokenizer_config and template_file.is_file():
+        tokenizer_config["chat_template"] = template_file.read_text()
+    eos_ids = list(config.eos_token_id)
+    generation_file = directory / "generation_config.json"
+    if generation_file.is_file():
+        generation_eos = _read_json(generation_file).get("eos_token_id")
+        eos_ids += [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+    try:
+        return Tokenizer.from_file(tokenizer_json, tokenizer_config, eos_ids)
+    except Exception as error:
+        raise ValueError(f"cannot read tokenizer {tokenizer_json} ({error})") from None
+
+
+def _require_file(path: Path) -> Path:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path.parent} has no {path.name}")
+    return path
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"not a valid JSON file: {path} ({error})") from None
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
+
+
+def _short_list(items: list[str], limit: int = 8) -> str:
+    return ", ".join(items[:limit]) + (f", ... ({len(items)} in all)" if len(items) > limit else "")

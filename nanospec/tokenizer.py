@@ -1,0 +1,186 @@
+"""Text <-> token ids: a thin layer over Hugging Face `tokenizers`, plus the chat template and streaming decode.
+
+`Tokenizer` behaves like transformers' fast tokenizer for the same tokenizer.json and tokenizer_config.json: the same
+ids, the same decoded text, the same rendered chat template. `IncrementalDetokenizer` turns a growing list of ids into
+text deltas for streaming, never cutting a multi-byte character in half.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+
+import jinja2
+import jinja2.ext
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+
+
+class Tokenizer:
+    """A `tokenizers.Tokenizer` and the settings of its tokenizer_config.json.
+
+    `config` keys used: bos_token, eos_token, add_bos_token, chat_template (others are kept and saved back).
+    `extra_eos_token_ids`: ids that also end generation, e.g. from the model's config.json or generation_config.json.
+    """
+
+    def __init__(self, backend: tokenizers.Tokenizer, config: Mapping | None = None,
+                 extra_eos_token_ids: Sequence[int] = ()):
+        self.backend = backend
+        self.config = dict(config or {})
+        self.bos_token = _token_content(self.config.get("bos_token"))
+        self.eos_token = _token_content(self.config.get("eos_token"))
+        self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token is not None else None
+        add_bos = self.config.get("add_bos_token")
+        self.add_bos_token = bool(add_bos) if add_bos is not None else self._post_processor_adds_bos()
+        eos_ids = [backend.token_to_id(self.eos_token)] if self.eos_token is not None else []
+        self.eos_token_ids = list(dict.fromkeys(i for i in [*eos_ids, *extra_eos_token_ids] if i is not None))
+        self.chat_template = _pick_chat_template(self.config.get("chat_template"))
+        self._compiled_template = None
+
+    @classmethod
+    def from_file(cls, tokenizer_json: str | os.PathLike, tokenizer_config: Mapping | None = None,
+                  extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        return cls(tokenizers.Tokenizer.from_file(str(tokenizer_json)), tokenizer_config, extra_eos_token_ids)
+
+    @classmethod
+    def from_json_str(cls, tokenizer_json: str, tokenizer_config: Mapping | None = None,
+                      extra_eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        return cls(tokenizers.Tokenizer.from_str(tokenizer_json), tokenizer_config, extra_eos_token_ids)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. "<|im_start|>") become their single ids.
+        With add_special_tokens, the BOS token is put in front if the tokenizer config asks for it (add_bos_token)."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
+        """Render a conversation ([{"role": ..., "content": ...}, ...]) to the prompt text, as transformers does."""
+        if self.chat_template is None:
+            raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')")
+        plain_messages = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                raise ValueError(
+                    f"message {index} must be a dict with string 'role' and 'content', got {message!r}"
+                )
+            plain_messages.append(dict(message))
+        if self._compiled_template is None:
+            self._compiled_template = _compile_chat_template(self.chat_template)
+        special_tokens = {
+            name: _token_content(self.config.get(name))
+            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+        }
+        return self._compiled_template.render(
+            messages=plain_messages, add_generation_prompt=add_generation_prompt, **special_tokens
+        )
+
+    def save(self, directory: str | os.PathLike) -> None:
+        """Write tokenizer.json and tokenizer_config.json (what transformers' AutoTokenizer reads)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.backend.save(str(directory / "tokenizer.json"))
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "clean_up_tokenization_spaces": False,
+            **self.config,
+            "bos_token": self.bos_token,
+            "eos_token": self.eos_token,
+            "add_bos_token": self.add_bos_token,
+        }
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+
+    def _post_processor_adds_bos(self) -> bool:
+        if self.bos_token_id is None:
+            return False
+        return self.backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id]
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing sequence of token ids, without re-decoding the whole sequence each time.
+
+    The technique of vLLM and TGI: keep two offsets into the ids. Text up to `read_offset` has been emitted. Each
+    call decodes the short window from `prefix_offset` twice, without and with the new ids, and emits the
+    difference. Decoding a few tokens of context in front keeps the spacing right (e.g. SentencePiece drops the
+    leading space of the first token it decodes). If the new text ends in U+FFFD, the last token ended in the middle
+    of a multi-byte character: nothing is emitted and the offsets stay, so the next call decodes it whole.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, context_tokens: int = 5):
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_ids or [])
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(self.read_offset - context_tokens, 0)
+        self.text = ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append `token_ids`; return the text they complete (possibly empty)."""
+        self.token_ids.extend(token_ids)
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a sequence: return held-back text (an unfinished character decodes as U+FFFD)."""
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+def _token_content(token) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ..., ...}."""
+    if isinstance(token, Mapping):
+        return token.get("content")
+    return token
+
+
+def _pick_chat_template(template) -> str | None:
+    """Older configs hold a list of named templates; the one named "default" is the chat template."""
+    if isinstance(template, list):
+        named = {entry["name"]: entry["template"] for entry in template}
+        return named.get("default")
+    return template
+
+
+def _compile_chat_template(template: str) -> jinja2.Template:
+    """Compile like transformers: sandboxed, trim_blocks + lstrip_blocks, its helpers and a `tojson` that keeps
+    non-ASCII text and does not escape HTML."""
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format):
+        return datetime.now().strftime(format)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
