@@ -1,0 +1,61 @@
+"""The tokens, positions and attention mask of one lookahead decoding step (W=5, N=4, G=2).
+
+    python examples/06_lookahead_mask.py [mask.png]
+
+The last committed token (the root, token 42 at position P) is fed with two branches. The verification
+branch is a trie of the pool's candidate 3-grams that followed 42 before: here "7 8 9" and "7 8 5" share
+"7 8". The lookahead branch is the 2-D window: level l, column c sits at position P + l + c, column 0 of
+level 0 being the root itself. A window token sees the root, level 0 up to its column and its own column
+in the levels below it, so it reads a left-to-right text; the target's argmax there guesses the next
+position, and each column plus that guess becomes a new 4-gram for the pool. The branches never see each
+other. With a PNG path and matplotlib installed, the mask is also drawn to that file.
+"""
+
+import sys
+
+from nanospec.kernels.attention_mask import unpack_mask
+from nanospec.spec.lookahead import LookaheadDecoder
+
+W, N, G = 5, 4, 2
+ROOT = 42
+
+decoder = LookaheadDecoder(window_size=W, ngram_size=N, guess_set_size=G)
+# A made-up prompt whose 4-grams seed the pool: 42 was followed by "7 8 9", later by "7 8 5".
+state = decoder.new_state([42, 7, 8, 9, 1, 42, 7, 8, 5, 3])
+# A window in its steady state (after warm-up): level 0 holds columns 1..W-1, levels 1..N-2 columns 0..W-1.
+state.levels = [[10, 11, 12, 13], [20, 21, 22, 23, 24], [30, 31, 32, 33, 34]]
+step = decoder.build_step(state, ROOT)
+
+labels = ["root"] + [f"v{i}" for i in range(1, step.num_tree_nodes)]
+labels += [f"l{level}c{column}" for level, tokens in enumerate(state.levels)
+           for column in range(1 if level == 0 else 0, len(tokens) + (1 if level == 0 else 0))]
+n = len(step.tokens)
+visible = unpack_mask(step.mask, n)
+
+print(f"W={W} N={N} G={G}: {n} new tokens ({step.num_tree_nodes} root + verification, "
+      f"{len(step.lookahead_rows)} lookahead); pool[{ROOT}] = {state.candidates(ROOT)}")
+print(f"verification parents: {step.tree_parents}\n")
+header = " " * 20 + "".join(f"{i // 10 if i >= 10 else ' ':>2}" for i in range(n))
+print(header)
+print(f"{'row':>3} {'label':<6} {'pos':>4} {'tok':>4} " + "".join(f"{i % 10:>2}" for i in range(n)))
+for row in range(n):
+    cells = "".join(" x" if visible[row, col] else " ." for col in range(n))
+    print(f"{row:>3} {labels[row]:<6} {'P+' + str(step.positions[row]):>4} {step.tokens[row]:>4} {cells}")
+
+if len(sys.argv) > 1:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("\nmatplotlib is not installed: no PNG written")
+    else:
+        fig, ax = plt.subplots(figsize=(8, 8))
+        ax.imshow(visible.numpy(), cmap="Blues")
+        ax.set_xticks(range(n), labels, rotation=90, fontsize=7)
+        ax.set_yticks(range(n), [f"{lab} (P+{p})" for lab, p in zip(labels, step.positions)], fontsize=7)
+        ax.set_title(f"lookahead step mask, W={W} N={N} G={G} (row sees column)")
+        fig.tight_layout()
+        fig.savefig(sys.argv[1], dpi=150)
+        print(f"\nwrote {sys.argv[1]}")

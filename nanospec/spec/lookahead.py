@@ -1,0 +1,244 @@
+"""Lookahead decoding (Fu et al. 2024): Jacobi iteration on a 2-D window feeds an n-gram pool, no draft model.
+
+Parameters: window size W, n-gram size N, guess set size G; the window has L = N - 1 levels. A sequence
+whose last committed token ``root`` sits at position P runs ONE forward per step over these new tokens
+(the root itself is fed this step), in this order:
+
+    [root] + verification branch (a token trie) + lookahead branch (the 2-D window, level by level)
+
+Lookahead branch. The window is a grid of guessed tokens, level l (0..L-1) by column c (0..W-1), where
+token (l, c) sits at position P + l + c. Cell (0, 0) is the root itself, so level 0 feeds W - 1 tokens
+(columns 1..W-1) and levels 1..L-1 feed W each: L*W - 1 tokens. Token (l, c) sees the root, level 0
+up to column c, and column c of levels 1..l (itself included):
+
+    root -> (0,1) -> ... -> (0,c) -> (1,c) -> ... -> (l,c)
+
+one token per position P..P+l+c, so every lookahead token reads a consistent left-to-right text and its
+argmax is a guess for position P + l + c + 1. Column c read top to bottom, followed by the argmax of its
+last token, is an n-gram (N tokens on consecutive positions); each step adds the W of them to the pool.
+Then the window moves one position on (Jacobi): level 0 takes level 1 without its column 0 (position
+P + 1, which the next root replaces), level l takes level l + 1, and the last level takes the argmaxes
+of the last level. It moves by one position even when the step committed several tokens, like the
+official implementation (LADE): the n-grams it yields are keyed by token, not position, and the
+verifier checks every guess, so the output does not depend on it.
+
+Warm-up (as in LADE): a fresh window holds only level 0, W + L - 2 tokens drawn from the prompt by a
+seeded RNG. Each step keeps its levels, drops their first column (the window moves one position on)
+and adds a level made of the argmaxes of its last level, until it has L levels and W columns. The pool
+gets no window n-grams before that (columns are shorter than N).
+
+Verification branch. The pool maps a token ``a`` to at most G continuations (x1..x_{N-1}) that followed
+it, most recently seen first. The continuations of the root are merged into a token trie under the
+root (shared prefixes once); node positions are P + depth. It is verified like any token tree (greedy
+walk along the target's argmax, or multi-candidate rejection sampling with one-hot drafts).
+
+The whole step is one tree: each token sees itself and its ancestors and sits at P + depth. The two
+branches share only the root, so neither sees the other. ``LookaheadStep.mask`` is the packed bitmask
+of ``nanospec.kernels.attention_mask`` (``pack_mask`` of the dense ``[n, n]`` ancestor matrix).
+
+Pool updates per step: the window's W n-grams, then the n-grams of the committed text ending at each
+token committed this step (and, when ``seed_pool_from_prompt``, every n-gram of the prompt at the
+start). Inserting an n-gram already present moves it to the front; a key keeps at most G. Each step costs
+O(W*N + G*N) Python operations plus building the ``[n, ceil(n / 64)]`` mask (n = 1 + nodes + L*W - 1).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import torch
+
+from nanospec.kernels.attention_mask import BITS_PER_WORD, num_words
+
+WINDOW_SEED = 0  # the RNG that fills a fresh window from the prompt: the same prompt gives the same window
+_WORD = (1 << BITS_PER_WORD) - 1
+_SIGN = 1 << (BITS_PER_WORD - 1)
+
+
+@dataclass
+class LookaheadStep:
+    tokens: list[int]  # new tokens, root first
+    positions: list[int]  # offsets to add to P (root 0)
+    mask: torch.Tensor  # packed int64 bitmask [n, ceil(n / 64)] for paged attention
+    tree_parents: list[int]  # parents of the verification part, indices 0..num_tree_nodes-1 (root -1)
+    num_tree_nodes: int  # root + verification nodes (they come first)
+    lookahead_rows: range  # indices of the lookahead branch tokens in `tokens`
+
+
+@dataclass
+class LookaheadState:
+    """Per-sequence state: the 2-D window, the n-gram pool and the last committed tokens.
+
+    ``levels[0]`` holds columns 1..width-1 of level 0 (column 0 is the root); ``levels[l]``, l >= 1,
+    holds columns 0..width-1. ``pool[a]`` keeps continuations of ``a``, oldest first (read them with
+    ``candidates``). ``recent`` is the tail (at most N - 1 tokens) of the committed text whose n-grams
+    are in the pool; ``root_in_recent`` says whether it already ends with the current root.
+    """
+
+    levels: list[list[int]]
+    pool: dict[int, OrderedDict[tuple[int, ...], None]] = field(default_factory=dict)
+    recent: list[int] = field(default_factory=list)
+    root_in_recent: bool = False
+
+    @property
+    def width(self) -> int:
+        return len(self.levels[0]) + 1
+
+    def candidates(self, token: int) -> list[tuple[int, ...]]:
+        """Continuations of ``token`` in the pool, most recently seen first."""
+        return list(reversed(self.pool.get(token, ())))
+
+
+class LookaheadDecoder:
+    def __init__(self, window_size: int, ngram_size: int, guess_set_size: int, *, seed_pool_from_prompt: bool = True):
+        if window_size < 1:
+            raise ValueError(f"window_size must be >= 1, got {window_size}")
+        if ngram_size < 3:
+            raise ValueError(f"ngram_size must be >= 3 (the window needs two levels), got {ngram_size}")
+        if guess_set_size < 1:
+            raise ValueError(f"guess_set_size must be >= 1, got {guess_set_size}")
+        self.window_size = window_size
+        self.ngram_size = ngram_size
+        self.guess_set_size = guess_set_size
+        self.num_levels = ngram_size - 1
+        self.seed_pool_from_prompt = seed_pool_from_prompt
+
+    @property
+    def max_step_tokens(self) -> int:
+        """The most tokens one step feeds (root included): a full trie plus the widest window of warm-up."""
+        W, L = self.window_size, self.num_levels
+        widest_window = max((W + L - 1 - f) * (f + 1) - 1 for f in range(L))  # f + 1 levels, width W + L - 1 - f
+        return 1 + self.guess_set_size * (self.ngram_size - 1) + widest_window
+
+    def new_state(self, prompt_ids: list[int]) -> LookaheadState:
+        """State for a sequence whose committed text is ``prompt_ids``; its first root is the token after them."""
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty: the window is filled from the prompt")
+        rng = random.Random(WINDOW_SEED)
+        prompt = [int(t) for t in prompt_ids]
+        state = LookaheadState(levels=[[rng.choice(prompt) for _ in range(self.window_size + self.num_levels - 2)]])
+        if self.seed_pool_from_prompt:
+            self._add_committed(state, prompt)
+        else:
+            state.recent = prompt[-(self.ngram_size - 1) :]
+        return state
+
+    def build_step(self, state: LookaheadState, root: int) -> LookaheadStep:
+        """The tokens, positions and mask of one forward for a sequence whose last committed token is ``root``."""
+        if state.root_in_recent and root != state.recent[-1]:
+            raise ValueError(f"root {root} is not the last committed token {state.recent[-1]}")
+        tokens = [root]
+        parents = [-1]
+        depths = [0]
+
+        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> child node
+        for continuation in reversed(state.pool.get(root, ())):
+            parent = 0
+            for token in continuation:
+                child = children.get((parent, token))
+                if child is None:
+                    child = len(tokens)
+                    children[(parent, token)] = child
+                    tokens.append(token)
+                    parents.append(parent)
+                    depths.append(depths[parent] + 1)
+                parent = child
+        num_tree_nodes = len(tokens)
+
+        width = state.width
+        for level, level_tokens in enumerate(state.levels):
+            first_column = 1 if level == 0 else 0
+            for column, token in enumerate(level_tokens, start=first_column):
+                below = (level, column - 1) if level == 0 else (level - 1, column)  # the token just before it
+                tokens.append(token)
+                parents.append(_window_row(num_tree_nodes, width, *below))
+                depths.append(level + column)
+
+        return LookaheadStep(
+            tokens=tokens,
+            positions=depths,
+            mask=_ancestor_mask(parents),
+            tree_parents=parents[:num_tree_nodes],
+            num_tree_nodes=num_tree_nodes,
+            lookahead_rows=range(num_tree_nodes, len(tokens)),
+        )
+
+    def update(
+        self, state: LookaheadState, step: LookaheadStep, lookahead_argmax: list[int], accepted: list[int]
+    ) -> None:
+        """Advance the window and grow the pool after the forward of ``step``.
+
+        ``lookahead_argmax``: the target's argmax at each lookahead row (``len(step.lookahead_rows)``);
+        ``accepted``: the tokens committed this step (accepted path + the final emitted token).
+        """
+        levels = state.levels
+        if len(lookahead_argmax) != len(step.lookahead_rows):
+            raise ValueError(f"lookahead_argmax has {len(lookahead_argmax)} tokens, the step has "
+                             f"{len(step.lookahead_rows)} lookahead rows")
+        if step.tokens[step.lookahead_rows.start :] != [t for level in levels for t in level]:
+            raise ValueError("step was not built from this state's current window")
+        if not accepted:
+            raise ValueError("accepted must hold at least the token emitted this step")
+        root = step.tokens[0]
+        width = state.width
+        last_level_argmax = [int(t) for t in lookahead_argmax[len(lookahead_argmax) - len(levels[-1]) :]]
+
+        if len(levels) == self.num_levels:
+            for column in range(width):
+                key = root if column == 0 else levels[0][column - 1]
+                continuation = tuple(levels[level][column] for level in range(1, self.num_levels))
+                self._insert(state, key, continuation + (last_level_argmax[column],))
+            state.levels = [levels[1][1:], *levels[2:], last_level_argmax]
+        else:
+            # warm-up: every level drops its first column; the argmax of columns 1.. becomes a new level
+            state.levels = [level[1:] for level in levels] + [last_level_argmax[-(width - 1) :]]
+
+        committed = [int(t) for t in accepted]
+        self._add_committed(state, committed if state.root_in_recent else [root, *committed])
+        state.root_in_recent = True
+
+    def _add_committed(self, state: LookaheadState, tokens: list[int]) -> None:
+        """Add the n-grams of the committed text that end at each of ``tokens`` (which extend it)."""
+        context = self.ngram_size - 1
+        recent = state.recent
+        for token in tokens:
+            if len(recent) == context:
+                self._insert(state, recent[0], (*recent[1:], token))
+                recent.pop(0)
+            recent.append(token)
+
+    def _insert(self, state: LookaheadState, key: int, continuation: tuple[int, ...]) -> None:
+        """Make ``continuation`` the most recent one of ``key``, dropping the oldest beyond G."""
+        continuations = state.pool.setdefault(key, OrderedDict())
+        continuations[continuation] = None
+        continuations.move_to_end(continuation)
+        if len(continuations) > self.guess_set_size:
+            continuations.popitem(last=False)
+
+
+def _window_row(num_tree_nodes: int, width: int, level: int, column: int) -> int:
+    """Index in the step's tokens of window cell (level, column); cell (0, 0) is the root (index 0)."""
+    if level == 0:
+        return 0 if column == 0 else num_tree_nodes + column - 1
+    return num_tree_nodes + (width - 1) + (level - 1) * width + column
+
+
+def _ancestor_mask(parents: list[int]) -> torch.Tensor:
+    """Packed mask where node i sees itself and its ancestors (``parents[i] < i``; -1 for the root).
+
+    Rows are Python-int bitsets, split into 64-bit words and reinterpreted as signed int64.
+    """
+    words = num_words(len(parents))
+    rows: list[list[int]] = []
+    bitsets: list[int] = []
+    for node, parent in enumerate(parents):
+        bits = (bitsets[parent] if parent >= 0 else 0) | (1 << node)
+        bitsets.append(bits)
+        row = []
+        for w in range(words):
+            word = (bits >> (BITS_PER_WORD * w)) & _WORD
+            row.append(word - (1 << BITS_PER_WORD) if word & _SIGN else word)
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64).view(len(parents), words)
