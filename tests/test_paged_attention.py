@@ -172,6 +172,12 @@ def test_mixed_ragged_batch(impl, block_size, index_dtype):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_decodes_batched_beside_a_prefill(impl):
+    # the reference batches the single-query sequences into one call and loops over the rest
+    check(impl, make_batch([1, 9, 1, 1], [37, 0, 2, 16], num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_long_prefill_spans_query_and_key_tiles(impl):
     # 70 queries x 3 heads per kv head -> several query blocks; 80 keys -> two key tiles.
     check(impl, make_batch([70], [10], num_q_heads=3, num_kv_heads=1, head_dim=32, block_size=16))

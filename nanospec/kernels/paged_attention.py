@@ -197,10 +197,15 @@ def paged_attention_ref(
     group = num_q_heads // num_kv_heads
     out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     starts = query_start_loc.tolist()
-    for seq, seq_len in enumerate(seq_lens.tolist()):
+    lens = seq_lens.tolist()
+    decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1] if tree_mask is None else []
+    if len(decode) > 1:  # one batched call for all single-token queries (plain decode)
+        _decode_batch_ref(q, k_cache, v_cache, block_tables, lens, starts, scale, decode, out)
+    done = set(decode) if len(decode) > 1 else set()
+    for seq, seq_len in enumerate(lens):
         q_start, q_end = starts[seq], starts[seq + 1]
         q_len = q_end - q_start
-        if q_len == 0:
+        if q_len == 0 or seq in done:
             continue
         ctx_len = seq_len - q_len
         blocks = block_tables[seq, : (seq_len + block_size - 1) // block_size]
@@ -222,6 +227,24 @@ def paged_attention_ref(
         attended = torch.nn.functional.scaled_dot_product_attention(q_rows, k, v, attn_mask=mask, scale=scale)
         out[q_start:q_end] = attended.view(num_q_heads, q_len, head_dim).transpose(0, 1)
     return out
+
+
+def _decode_batch_ref(q, k_cache, v_cache, block_tables, lens, starts, scale, decode, out) -> None:
+    """Sequences with one query each, padded to the longest context: one SDPA call, [S, Hk, group, D]."""
+    _, block_size, num_kv_heads, head_dim = k_cache.shape
+    group = q.shape[1] // num_kv_heads
+    index = torch.tensor(decode, device=q.device)
+    seq_lens = torch.tensor([lens[s] for s in decode], device=q.device)
+    rows = torch.tensor([starts[s] for s in decode], device=q.device)
+    num_blocks = (max(lens[s] for s in decode) + block_size - 1) // block_size
+    blocks = block_tables.index_select(0, index)[:, :num_blocks].long()  # padding entries are masked below
+    k = k_cache[blocks].view(len(decode), num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache[blocks].view(len(decode), num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    valid = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
+    q_rows = q.index_select(0, rows).view(len(decode), num_kv_heads, group, head_dim)
+    attended = torch.nn.functional.scaled_dot_product_attention(q_rows, k, v, attn_mask=valid[:, None, None, :],
+                                                                scale=scale)
+    out[rows] = attended.reshape(len(decode), num_kv_heads * group, head_dim).to(out.dtype)
 
 
 def paged_attention(

@@ -1,0 +1,115 @@
+"""The real embedded SmolLM2-135M-Instruct against transformers (the independent oracle), fp32 on CPU.
+
+Also speculative decoding on real chat prompts: greedy output with n-gram and with a layer-truncated
+SmolLM2 draft equals plain greedy token for token.
+"""
+
+import pytest
+import torch
+
+from nanospec import LLM, SamplingParams
+from nanospec.forward_batch import build_forward_batch
+from nanospec.model.embedded import embedded_model_path
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that checks whether a number is prime.",
+    "Summarize in one sentence: The city library will close for renovation from March until June. "
+    "Books can be returned at the drop box beside the main entrance.",
+    "List three fruits that are red.",
+    "Explain what a hash table is in two sentences.",
+    "Translate 'good morning, my friend' into French.",
+    "Rewrite this list in alphabetical order: pears, apples, bananas, cherries.",
+    "What is 17 times 3? Answer with the number only.",
+    "Give me a haiku about the sea.",
+    "Replace the variable name tmp with buffer: def f(tmp): return tmp + 1",
+    "Why is the sky blue?",
+]
+NEW_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def gguf():
+    return embedded_model_path()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def hf(gguf):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+
+
+def chat_ids(llm, question):
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": question}]))
+
+
+@pytest.fixture(scope="module")
+def prompts(llm):
+    return [chat_ids(llm, q) for q in QUESTIONS]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(llm, prompts):
+    return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+
+
+def test_logits_match_transformers(llm, hf, prompts):
+    ids = prompts[2]
+    table: list[int] = []
+    bm = llm.engine.block_manager
+    bm.reserve(table, len(ids))
+    batch = build_forward_batch([ids], [0], [table], bm.block_size, [list(range(len(ids)))], "cpu")
+    ours = llm.model.compute_logits(llm.model.forward(batch, llm.engine.kv_cache))
+    bm.free(table)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=2e-4)
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_chat_matches_transformers(llm, hf, prompts, plain_outputs):
+    assert len(prompts) >= 10
+    for ids, out in zip(prompts, plain_outputs):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              eos_token_id=llm.tokenizer.eos_token_ids, pad_token_id=2)[0, len(ids):].tolist()
+        assert out.token_ids == ref, f"prompt {llm.tokenizer.decode(ids)!r}"
+    assert "Paris" in plain_outputs[0].text
+
+
+def test_batch_matches_alone(llm, prompts, plain_outputs):
+    for ids, out in zip(prompts[:3], plain_outputs[:3]):
+        alone = llm.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS))[0]
+        assert alone.token_ids == out.token_ids
+
+
+def test_ngram_greedy_equals_plain_on_real_prompts(prompts, plain_outputs):
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    for out, plain in zip(outs, plain_outputs):
+        assert out.token_ids == plain.token_ids
+    stats = llm.stats()
+    assert stats["num_accepted_tokens"] > 0
+    assert sum(o.num_steps for o in outs) < sum(o.num_steps for o in plain_outputs)
+    assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
+
+
+def test_truncated_draft_greedy_equals_plain_on_real_prompts(gguf, prompts, plain_outputs, tmp_path_factory):
+    from nanospec.convert import convert
+
+    draft = convert(gguf, tmp_path_factory.mktemp("draft"), num_layers=6)
+    llm = LLM(speculative_config={"method": "draft", "model": str(draft), "num_speculative_tokens": 3})
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    for out, plain in zip(outs, plain_outputs):
+        assert out.token_ids == plain.token_ids
+    assert llm.stats()["num_accepted_tokens"] > 0
+    assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
+    assert llm.engine.proposer.block_manager.num_free_blocks == llm.engine.proposer.block_manager.num_blocks
