@@ -1,0 +1,548 @@
+"""Lossless verification of a token tree: rejection sampling over several candidates per position.
+
+Row ``b`` holds a tree of ``n = num_nodes[b]`` nodes. Node 0 is the root (the last committed token);
+node ``i > 0`` has parent ``parents[b, i] < i`` and token ``node_tokens[b, i]``. ``target_probs[b, i]`` is
+the target distribution after node ``i`` (row sums ``S`` need not be 1: rows are normalised). The
+children of a node are tried in increasing node index:
+
+    cur = 0, p = norm(target_probs[b, 0])
+    loop:
+        for the children c of cur, in order:
+            accept t_c with probability min(1, p(t_c) / q(t_c))
+            on acceptance: emit t_c, cur = c, p = norm(target_probs[b, c]), continue the loop
+            on rejection:  p = norm(max(p - q, 0))                                (the residual)
+        every child rejected (or none): emit a token drawn from p and stop
+
+so a row emits the tokens of its accepted path and one more: the recovered token (drawn from the
+residual) or, at a leaf, the bonus token (drawn from the leaf's target row). Each emitted token is
+distributed exactly as a token sampled from the target (SpecInfer's multi-step speculative sampling,
+Miao et al. 2023): conditioned on the rejections so far, the next candidate is still an independent
+draw from q, so trying it against the residual is one more step of ordinary rejection sampling.
+
+* One-hot candidates (``draft_probs`` is None: n-gram, lookahead, any candidates chosen without
+  sampling): q is one-hot at t_c, so acceptance has probability p(t_c) and the residual is p with t_c
+  zeroed. A duplicate token, already zeroed, is always rejected. Kept as the raw row with the rejected
+  tokens masked out, of mass ``W = S - sum of p over the distinct rejected tokens`` (float64, rounded).
+* A draft model: the children of a node are independent samples of one distribution q (the draft's
+  distribution after that node; drawn with replacement: sampling without replacement would bias the
+  output), stored in each child's row ``draft_probs[b, c]``; the kernel reads it from the node's first
+  child. With one q, the residual after j rejections has a closed form:
+  ``norm(max(p - c_j q, 0))`` with ``c_0 = 0`` and ``c_{j+1} = c_j + Z_j``, ``Z_j`` the mass of
+  ``max(p - c_j q, 0)`` (p and q normalised), because ``max(max(p - c q, 0) / Z - q, 0)`` is
+  ``max(p - (c + Z) q, 0) / Z``. So no residual is stored: one pass over the vocabulary per rejection
+  computes ``Z``. Here too a duplicate of a rejected token is rejected: a token can be rejected only
+  where p(t) < q(t), and there the residual is zero.
+
+If a residual has no mass (a rejection of probability 0, e.g. p == q), every later child of that node is
+rejected and the token is drawn from the node's target row instead: well defined, no NaN.
+
+Randomness, from :mod:`nanospec.kernels.random`, with the row's ``seed`` and ``offset`` and the depth
+``d`` of the node being verified (the root is depth 0):
+
+    acceptance of the j-th child tried at depth d:   u = uniform(seed, offset + d, V + j)
+        accept iff  u * q(t) * W < w(t) * S_q        (one-hot: q(t) = S_q = 1)
+        j = 0: w = p, W = S_p (the chain's test); then w, W are the current residual and its mass
+    the token drawn at depth d:                      argmax_v w_v / E_v,  E_v = -log(uniform(seed, offset + d, v))
+
+A chain (``parents = [-1, 0, 1, ...]``, ``draft_probs[b, i]`` the q that drafted node i) is therefore
+exactly :func:`nanospec.kernels.rejection.rejection_sample` (j = 0 at every depth): same numbers, same
+arithmetic, the same tokens. The arithmetic follows that module so that the Triton kernel and the
+reference emit identical tokens: sums in float64 rounded to float32, ``E_v`` the float64 log rounded to
+float32, divisions rounded to nearest (``tl.math.div_rn``), no fused multiply-add (the kernel is
+compiled with ``enable_fp_fusion=False``), ties to the lowest token id.
+
+Greedy verification (temperature 0) follows the target's argmax: at ``cur`` move to the first child whose
+token is ``target_argmax[cur]``; if there is none, emit ``target_argmax[cur]`` and stop.
+``tree_rejection_sample`` with one-hot target rows returns exactly ``greedy_tree_verify``.
+
+Outputs, both ``[B, N]`` int64 padded with -1: ``path_nodes`` (the accepted nodes, root excluded) and
+``emitted`` (their tokens, then the recovered or bonus token: one more than the path).
+
+Triton: one program per row, the tree (parents, tokens) in registers, a loop over depth and, inside it,
+over the children of the current node, the vocabulary streamed in ``BLOCK_V`` tiles: one pass per visited
+node for its row sums, one per rejection with a draft model, one for the final draw. No host sync.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanospec.kernels.backend import use_triton
+from nanospec.kernels.random import uniform, uniform_ref
+
+_TINY = torch.finfo(torch.float32).tiny  # floor for a row sum, so an all-zero row gives no NaN
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _row_sums(p_ptr, q_ptr, has_q, V, HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """(S_p in float64, S_q rounded to float32) of one node; S_q = 1 without draft probabilities."""
+    p_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    q_acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    for start in range(0, V, BLOCK_V):
+        vocab = start + tl.arange(0, BLOCK_V)
+        p_acc += tl.load(p_ptr + vocab, mask=vocab < V, other=0.0).to(tl.float32).to(tl.float64)
+        if HAS_DRAFT_PROBS:  # a leaf has no q row: read none
+            q = tl.load(q_ptr + vocab, mask=vocab < tl.where(has_q, V, 0), other=0.0)
+            q_acc += q.to(tl.float32).to(tl.float64)
+    if HAS_DRAFT_PROBS:
+        q_sum = tl.maximum(tl.sum(q_acc, axis=0).to(tl.float32), 1.1754943508222875e-38)
+    else:
+        q_sum = tl.full((), 1.0, tl.float32)
+    return tl.sum(p_acc, axis=0), q_sum
+
+
+@triton.jit
+def _residual_mass(p_ptr, q_ptr, p_sum, q_sum, coef, V, BLOCK_V: tl.constexpr):
+    """Z = sum_v max(p_v / S_p - coef * q_v / S_q, 0): float64 sum rounded to float32."""
+    acc = tl.zeros([BLOCK_V], dtype=tl.float64)
+    for start in range(0, V, BLOCK_V):
+        vocab = start + tl.arange(0, BLOCK_V)
+        mask = vocab < V
+        p = tl.load(p_ptr + vocab, mask=mask, other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + vocab, mask=mask, other=0.0).to(tl.float32)
+        residual = tl.maximum(tl.math.div_rn(p, p_sum) - coef * tl.math.div_rn(q, q_sum), 0.0)
+        acc += residual.to(tl.float64)
+    return tl.sum(acc, axis=0).to(tl.float32)
+
+
+@triton.jit
+def _draw_token(
+    p_ptr, q_ptr, p_sum, q_sum, coef, rejected_tokens, num_rejected, seed, offset, V,
+    HAS_DRAFT_PROBS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Exponential race over the residual if num_rejected > 0 and it has mass, else over p."""
+    use_residual = num_rejected > 0
+    slots = tl.arange(0, BLOCK_N)
+    best_p_score = tl.full((), 0.0, tl.float32)
+    best_p_token = tl.full((), 0, tl.int32)
+    best_residual_score = tl.full((), 0.0, tl.float32)
+    best_residual_token = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        vocab = start + tl.arange(0, BLOCK_V)
+        mask = vocab < V
+        p = tl.load(p_ptr + vocab, mask=mask, other=0.0).to(tl.float32)
+        exponential = (-tl.log(uniform(seed, offset, vocab).to(tl.float64))).to(tl.float32)
+
+        p_score = tl.math.div_rn(p, exponential)
+        tile_best = tl.max(p_score, axis=0)  # a later tile wins only if strictly better: ties go to the lowest id
+        best_p_token = tl.where(tile_best > best_p_score, start + tl.argmax(p_score, axis=0), best_p_token)
+        best_p_score = tl.maximum(tile_best, best_p_score)
+
+        if HAS_DRAFT_PROBS:
+            q = tl.load(q_ptr + vocab, mask=vocab < tl.where(use_residual, V, 0), other=0.0).to(tl.float32)
+            residual = tl.maximum(tl.math.div_rn(p, p_sum) - coef * tl.math.div_rn(q, q_sum), 0.0)
+        else:
+            residual = tl.math.div_rn(p, p_sum)
+            for slot in range(num_rejected):
+                token = tl.sum(tl.where(slots == slot, rejected_tokens, 0), axis=0)
+                residual = tl.where(vocab == token, 0.0, residual)
+        residual_score = tl.math.div_rn(residual, exponential)
+        tile_best = tl.max(residual_score, axis=0)
+        best_residual_token = tl.where(
+            tile_best > best_residual_score, start + tl.argmax(residual_score, axis=0), best_residual_token
+        )
+        best_residual_score = tl.maximum(tile_best, best_residual_score)
+
+    return tl.where(use_residual & (best_residual_score > 0.0), best_residual_token, best_p_token)
+
+
+@triton.jit
+def _tree_rejection_sample_kernel(
+    target_probs_ptr,  # [B, N, V]
+    draft_probs_ptr,  # [B, N, V] (unused without HAS_DRAFT_PROBS)
+    node_tokens_ptr,  # [B, N] int64
+    parents_ptr,  # [B, N] int64
+    num_nodes_ptr,  # [B] int64
+    seeds_ptr,  # [B] int64
+    offsets_ptr,  # [B] int64
+    path_nodes_ptr,  # [B, N] int64 out
+    emitted_ptr,  # [B, N] int64 out
+    N,
+    V,
+    HAS_DRAFT_PROBS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    num_nodes = tl.load(num_nodes_ptr + row).to(tl.int32)
+    seed = tl.load(seeds_ptr + row)
+    offset = tl.load(offsets_ptr + row)
+    nodes = tl.arange(0, BLOCK_N)
+    in_tree = (nodes > 0) & (nodes < tl.minimum(num_nodes, N))
+    parents = tl.load(parents_ptr + row * N + nodes, mask=in_tree, other=-1).to(tl.int32)
+    tokens = tl.load(node_tokens_ptr + row * N + nodes, mask=in_tree, other=0).to(tl.int32)
+    p_rows = target_probs_ptr + row * N * V
+    q_rows = draft_probs_ptr + row * N * V
+
+    path = tl.full([BLOCK_N], -1, tl.int64)
+    emitted = tl.full([BLOCK_N], -1, tl.int64)
+    cur = tl.full((), 0, tl.int32)
+    depth = tl.full((), 0, tl.int32)
+    moved = tl.full((), 1, tl.int1)
+    # The state of the node being verified; after the walk, of the node where it stopped (for the draw).
+    first_child = tl.full((), 0, tl.int32)
+    p_sum = tl.full((), 1.0, tl.float32)
+    q_sum = tl.full((), 1.0, tl.float32)
+    coef = tl.full((), 0.0, tl.float32)  # draft model: the residual is max(p - coef * q, 0)
+    rejected_tokens = tl.full([BLOCK_N], -1, tl.int32)  # one-hot: the tokens zeroed in the residual
+    num_tried = tl.full((), 0, tl.int32)
+    while moved:
+        is_child = parents == cur
+        first_child = tl.min(tl.where(is_child, nodes, BLOCK_N), axis=0)
+        p_ptr = p_rows + cur * V
+        q_ptr = q_rows + tl.minimum(first_child, N - 1) * V
+        p_sum64, q_sum = _row_sums(p_ptr, q_ptr, first_child < BLOCK_N, V, HAS_DRAFT_PROBS, BLOCK_V)
+        p_sum = tl.maximum(p_sum64.to(tl.float32), 1.1754943508222875e-38)
+
+        # Try the children in order until one is accepted. mass = W, the current residual's mass.
+        mass = p_sum
+        remaining64 = p_sum64
+        coef = tl.full((), 0.0, tl.float32)
+        rejected_tokens = tl.full([BLOCK_N], -1, tl.int32)
+        num_tried = tl.full((), 0, tl.int32)
+        child = first_child
+        token = tl.full((), 0, tl.int32)
+        accepted = tl.full((), 0, tl.int1)
+        while (child < BLOCK_N) & (accepted == 0):
+            token = tl.sum(tl.where(nodes == child, tokens, 0), axis=0)
+            p_token = tl.load(p_ptr + token).to(tl.float32)
+            u = uniform(seed, offset + depth, V + num_tried)
+            if HAS_DRAFT_PROBS:
+                q_token = tl.load(q_ptr + token).to(tl.float32)
+                residual_token = tl.maximum(
+                    tl.math.div_rn(p_token, p_sum) - coef * tl.math.div_rn(q_token, q_sum), 0.0
+                )
+                weight = tl.where(num_tried == 0, p_token, residual_token)
+                accepted = u * q_token * mass < weight * q_sum
+            else:
+                already_rejected = tl.sum((rejected_tokens == token).to(tl.int32), axis=0) > 0
+                weight = tl.where(already_rejected, 0.0, p_token)
+                accepted = u * mass < weight
+            if accepted == 0:
+                if HAS_DRAFT_PROBS:
+                    coef = tl.where(num_tried == 0, 1.0, coef + mass)
+                    mass = _residual_mass(p_ptr, q_ptr, p_sum, q_sum, coef, V, BLOCK_V)
+                else:
+                    remaining64 = tl.where(already_rejected, remaining64, remaining64 - p_token.to(tl.float64))
+                    mass = tl.maximum(remaining64.to(tl.float32), 1.1754943508222875e-38)
+                    rejected_tokens = tl.where(nodes == num_tried, token, rejected_tokens)
+                num_tried += 1
+                child = tl.min(tl.where(is_child & (nodes > child), nodes, BLOCK_N), axis=0)
+
+        accepted_at = nodes == tl.where(accepted, depth, -1)
+        path = tl.where(accepted_at, child.to(tl.int64), path)
+        emitted = tl.where(accepted_at, token.to(tl.int64), emitted)
+        cur = tl.where(accepted, child, cur)
+        depth += accepted.to(tl.int32)
+        moved = accepted
+
+    # The recovered token (every child of cur rejected) or the bonus token (cur is a leaf), at depth.
+    token = _draw_token(
+        p_rows + cur * V, q_rows + tl.minimum(first_child, N - 1) * V, p_sum, q_sum, coef, rejected_tokens,
+        num_tried, seed, offset + depth, V, HAS_DRAFT_PROBS, BLOCK_N, BLOCK_V,
+    )
+    emitted = tl.where(nodes == depth, token.to(tl.int64), emitted)
+    tl.store(path_nodes_ptr + row * N + nodes, path, mask=nodes < N)
+    tl.store(emitted_ptr + row * N + nodes, emitted, mask=nodes < N)
+
+
+@triton.jit
+def _greedy_tree_verify_kernel(
+    target_argmax_ptr,  # [B, N] int64
+    node_tokens_ptr,  # [B, N] int64
+    parents_ptr,  # [B, N] int64
+    num_nodes_ptr,  # [B] int64
+    path_nodes_ptr,  # [B, N] int64 out
+    emitted_ptr,  # [B, N] int64 out
+    N,
+    BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    num_nodes = tl.load(num_nodes_ptr + row).to(tl.int32)
+    nodes = tl.arange(0, BLOCK_N)
+    in_tree = (nodes > 0) & (nodes < tl.minimum(num_nodes, N))
+    parents = tl.load(parents_ptr + row * N + nodes, mask=in_tree, other=-1).to(tl.int32)
+    tokens = tl.load(node_tokens_ptr + row * N + nodes, mask=in_tree, other=-1)
+    target = tl.load(target_argmax_ptr + row * N + nodes, mask=nodes < N, other=-1)
+
+    path = tl.full([BLOCK_N], -1, tl.int64)
+    emitted = tl.full([BLOCK_N], -1, tl.int64)
+    cur = tl.full((), 0, tl.int32)
+    depth = tl.full((), 0, tl.int32)
+    moved = tl.full((), 1, tl.int1)
+    while moved:
+        best = tl.sum(tl.where(nodes == cur, target, 0), axis=0)
+        child = tl.min(tl.where((parents == cur) & (tokens == best), nodes, BLOCK_N), axis=0)
+        moved = child < BLOCK_N
+        emitted = tl.where(nodes == depth, best, emitted)
+        path = tl.where(nodes == tl.where(moved, depth, -1), child.to(tl.int64), path)
+        cur = tl.where(moved, child, cur)
+        depth += moved.to(tl.int32)
+    tl.store(path_nodes_ptr + row * N + nodes, path, mask=nodes < N)
+    tl.store(emitted_ptr + row * N + nodes, emitted, mask=nodes < N)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Rejection sampling over a tree
+# ----------------------------------------------------------------------------------------------------
+
+
+def _exponentials_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """E[b, v] = -log(uniform(seeds[b], offsets[b], v)), the float64 log rounded to float32."""
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    u = uniform_ref(seeds[:, None], offsets[:, None], vocab[None, :])
+    return (-torch.log(u.double())).float()
+
+
+def tree_rejection_sample_ref(
+    target_probs: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """All rows walk their trees together: a loop over depth and over the j-th child, vectorised over rows.
+    The scalar arithmetic is that of the kernel, one row per tensor element."""
+    batch, max_nodes, vocab_size = target_probs.shape
+    device = target_probs.device
+    rows = torch.arange(batch, device=device)
+    nodes = torch.arange(max_nodes, device=device)
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    offsets = offsets.to(device=device, dtype=torch.int64)
+    p = target_probs.float()
+    q = draft_probs.float() if draft_probs is not None else None
+
+    in_tree = (nodes > 0) & (nodes < num_nodes.to(device)[:, None])
+    parents = torch.where(in_tree, parents.to(device).long(), -1)
+    tokens = torch.where(in_tree, node_tokens.to(device).long(), 0)
+
+    def next_child(after: torch.Tensor) -> torch.Tensor:
+        """The first child of cur with an index above ``after``, or max_nodes."""
+        is_next = (parents == cur[:, None]) & (nodes > after[:, None])
+        return torch.where(is_next, nodes, max_nodes).min(-1).values
+
+    path = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
+    emitted = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
+    cur = torch.zeros(batch, dtype=torch.int64, device=device)
+    depth = torch.zeros(batch, dtype=torch.int64, device=device)
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    # Per row, the state of the node being verified; after the walk, of the node where it stopped.
+    first_child = torch.zeros(batch, dtype=torch.int64, device=device)
+    p_sum = torch.ones(batch, device=device)
+    q_sum = torch.ones(batch, device=device)
+    coef = torch.zeros(batch, device=device)  # draft model: the residual is max(p - coef * q, 0)
+    rejected_tokens = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)  # one-hot
+    num_tried = torch.zeros(batch, dtype=torch.int64, device=device)
+    for level in range(max_nodes):
+        w = walking.nonzero()[:, 0]
+        if w.numel() == 0:
+            break
+        first_child = torch.where(walking, next_child(torch.zeros_like(cur)), first_child)
+        q_row = first_child.clamp(max=max_nodes - 1)
+        p_sum64 = torch.zeros(batch, dtype=torch.float64, device=device)
+        p_sum64[w] = p[w, cur[w]].sum(-1, dtype=torch.float64)
+        p_sum[w] = p_sum64[w].float().clamp_min(_TINY)
+        if q is not None:
+            q_sum[w] = q[w, q_row[w]].sum(-1, dtype=torch.float64).float().clamp_min(_TINY)
+        mass = p_sum.clone()
+        remaining64 = p_sum64
+        coef = torch.where(walking, 0.0, coef)
+        rejected_tokens = torch.where(walking[:, None], -1, rejected_tokens)
+        num_tried = torch.where(walking, 0, num_tried)
+        accepted_child = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        child = first_child
+        for j in range(max_nodes):
+            trying = walking & (accepted_child < 0) & (child < max_nodes)
+            if not trying.any():
+                break
+            child = child.clamp(max=max_nodes - 1)
+            token = tokens[rows, child]
+            p_token = p[rows, cur, token]
+            u = uniform_ref(seeds, offsets + level, vocab_size + j)
+            if q is not None:
+                q_token = q[rows, q_row, token]
+                residual_token = (p_token / p_sum - coef * (q_token / q_sum)).clamp_min(0.0)
+                weight = p_token if j == 0 else residual_token
+                accept = trying & (u * q_token * mass < weight * q_sum)
+            else:
+                already_rejected = (rejected_tokens == token[:, None]).any(-1)
+                weight = torch.where(already_rejected, 0.0, p_token)
+                accept = trying & (u * mass < weight)
+            rejected = trying & ~accept
+            accepted_child = torch.where(accept, child, accepted_child)
+            if q is not None:
+                coef = torch.where(rejected, coef + mass if j > 0 else 1.0, coef)
+                r = rejected.nonzero()[:, 0]  # a pass over the vocabulary, for the rows that rejected
+                residual = p[r, cur[r]] / p_sum[r, None] - coef[r, None] * (q[r, q_row[r]] / q_sum[r, None])
+                mass[r] = residual.clamp_min(0.0).sum(-1, dtype=torch.float64).float()
+            else:
+                remaining64 = torch.where(rejected & ~already_rejected, remaining64 - p_token.double(), remaining64)
+                mass = torch.where(rejected, remaining64.float().clamp_min(_TINY), mass)
+                rejected_tokens[:, j] = torch.where(rejected, token, rejected_tokens[:, j])
+            num_tried += rejected.long()
+            child = torch.where(rejected, next_child(child), max_nodes)
+
+        moved = accepted_child >= 0
+        path[:, level] = torch.where(moved, accepted_child, -1)
+        emitted[:, level] = torch.where(moved, tokens[rows, accepted_child.clamp(min=0)], -1)
+        cur = torch.where(moved, accepted_child, cur)
+        depth += moved.long()
+        walking = moved
+
+    # One draw per row at the node where it stopped: the residual after rejections, the target at a leaf.
+    exponential = _exponentials_ref(seeds, offsets + depth, vocab_size)
+    p_stop = p[rows, cur]
+    token = (p_stop / exponential).argmax(-1)
+    if q is not None:
+        q_stop = q[rows, first_child.clamp(max=max_nodes - 1)]
+        residual = (p_stop / p_sum[:, None] - coef[:, None] * (q_stop / q_sum[:, None])).clamp_min(0.0)
+    else:
+        zeroed = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=device)
+        zeroed.scatter_(-1, torch.where(rejected_tokens >= 0, rejected_tokens, vocab_size), True)
+        residual = (p_stop / p_sum[:, None]).masked_fill(zeroed[:, :vocab_size], 0.0)
+    residual_score = residual / exponential
+    residual_token = residual_score.argmax(-1)
+    has_mass = residual_score.gather(-1, residual_token[:, None])[:, 0] > 0
+    token = torch.where((num_tried > 0) & has_mass, residual_token, token)
+    emitted[rows, depth] = token
+    return path, emitted
+
+
+def tree_rejection_sample_triton(
+    target_probs: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, max_nodes, vocab_size = target_probs.shape
+    device = target_probs.device
+    path = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
+    emitted = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
+    if batch == 0:
+        return path, emitted
+    target_probs = target_probs.contiguous()
+    has_draft_probs = draft_probs is not None
+    block_v = min(triton.next_power_of_2(vocab_size), 2048)
+    _tree_rejection_sample_kernel[(batch,)](
+        target_probs,
+        draft_probs.contiguous() if has_draft_probs else target_probs,
+        node_tokens.to(device=device, dtype=torch.int64).contiguous(),
+        parents.to(device=device, dtype=torch.int64).contiguous(),
+        num_nodes.to(device=device, dtype=torch.int64).contiguous(),
+        seeds.to(device=device, dtype=torch.int64).contiguous(),
+        offsets.to(device=device, dtype=torch.int64).contiguous(),
+        path,
+        emitted,
+        max_nodes,
+        vocab_size,
+        HAS_DRAFT_PROBS=has_draft_probs,
+        BLOCK_N=triton.next_power_of_2(max_nodes),
+        BLOCK_V=block_v,
+        num_warps=8 if block_v >= 2048 else 4,
+        enable_fp_fusion=False,  # a * b - c must round twice, as in the reference
+    )
+    return path, emitted
+
+
+def tree_rejection_sample(
+    target_probs: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+    draft_probs: torch.Tensor | None = None,
+    *,
+    seeds: torch.Tensor,
+    offsets: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a token tree per row against ``target_probs [B, N, V]`` (one row per node): the accepted
+    ``path_nodes [B, N]`` and the ``emitted [B, N]`` tokens (one more than the path), both -1 padded."""
+    verify = tree_rejection_sample_triton if use_triton(target_probs) else tree_rejection_sample_ref
+    return verify(target_probs, node_tokens, parents, num_nodes, draft_probs, seeds=seeds, offsets=offsets)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Greedy verification over a tree
+# ----------------------------------------------------------------------------------------------------
+
+
+def greedy_tree_verify_ref(
+    target_argmax: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, max_nodes = target_argmax.shape
+    device = target_argmax.device
+    rows = torch.arange(batch, device=device)
+    nodes = torch.arange(max_nodes, device=device)
+    in_tree = (nodes > 0) & (nodes < num_nodes.to(device)[:, None])
+    parents = torch.where(in_tree, parents.to(device).long(), -1)
+    tokens = node_tokens.to(device).long()
+    target_argmax = target_argmax.long()
+
+    path = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
+    emitted = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
+    cur = torch.zeros(batch, dtype=torch.int64, device=device)
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    for depth in range(max_nodes):
+        if not walking.any():
+            break
+        best = target_argmax[rows, cur]
+        matches = (parents == cur[:, None]) & (tokens == best[:, None])
+        child = torch.where(matches, nodes, max_nodes).min(-1).values
+        moved = walking & (child < max_nodes)
+        emitted[:, depth] = torch.where(walking, best, -1)
+        path[:, depth] = torch.where(moved, child, -1)
+        cur = torch.where(moved, child, cur)
+        walking = moved
+    return path, emitted
+
+
+def greedy_tree_verify_triton(
+    target_argmax: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, max_nodes = target_argmax.shape
+    device = target_argmax.device
+    path = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
+    emitted = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
+    if batch > 0:
+        _greedy_tree_verify_kernel[(batch,)](
+            target_argmax.to(torch.int64).contiguous(),
+            node_tokens.to(device=device, dtype=torch.int64).contiguous(),
+            parents.to(device=device, dtype=torch.int64).contiguous(),
+            num_nodes.to(device=device, dtype=torch.int64).contiguous(),
+            path,
+            emitted,
+            max_nodes,
+            BLOCK_N=triton.next_power_of_2(max_nodes),
+            num_warps=1,
+        )
+    return path, emitted
+
+
+def greedy_tree_verify(
+    target_argmax: torch.Tensor,
+    node_tokens: torch.Tensor,
+    parents: torch.Tensor,
+    num_nodes: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Follow ``target_argmax [B, N]`` down each row's tree: ``(path_nodes, emitted)``, both -1 padded."""
+    verify = greedy_tree_verify_triton if use_triton(target_argmax) else greedy_tree_verify_ref
+    return verify(target_argmax, node_tokens, parents, num_nodes)
