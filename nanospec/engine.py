@@ -1,7 +1,8 @@
 """The engine loop: one step = schedule, propose, one target forward, verify, commit.
 
     seqs     = scheduler.schedule()              which sequences run, KV blocks reserved
-    drafts   = proposer.propose(seqs)            candidate tokens (+ draft probs) per sequence
+    k        = policy.choose_k(seq)              how many guesses pay off on this machine (goodput)
+    drafts   = proposer.propose(seqs, k)         candidate tokens (+ draft probs) per sequence
     batch    = [uncached tokens + drafts]        one ragged batch: prefill, decode and verify alike
     logits   = model(batch)                      ONE target pass
     tokens   = verify(logits, drafts)            greedy / rejection sampling (plain sampling if no drafts)
@@ -31,6 +32,7 @@ from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Scheduler
 from nanospec.sequence import Sequence
+from nanospec.spec.policy import AcceptanceEstimate, GoodputPolicy
 from nanospec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -49,6 +51,7 @@ class Proposal:
 
     token_ids: list[int]
     draft_probs: torch.Tensor | None = None
+    unverified_guess: int | None = None  # a free guess not worth verifying; checked against the outcome
 
 
 @dataclass
@@ -64,7 +67,8 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Llama, tokenizer: Tokenizer, config: EngineConfig, proposer=None, seed: int = 0):
+    def __init__(self, model: Llama, tokenizer: Tokenizer, config: EngineConfig, proposer=None, seed: int = 0,
+                 adaptive_speculation: bool = True):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
@@ -79,6 +83,10 @@ class Engine:
         self.stats = EngineStats()
         self._next_id = 0
         self._seed_rng = random.Random(seed)
+        self.policy = None
+        if proposer is not None and adaptive_speculation:
+            k = proposer.max_tokens_per_step
+            self.policy = GoodputPolicy(k, self.measure_forward_cost(k + 1), proposer.measure_cost())
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -89,6 +97,7 @@ class Engine:
         seq.detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids)
         if self._speculates(seq):
             self.proposer.start(seq)
+            seq.acceptance = AcceptanceEstimate()
         self._next_id += 1
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
@@ -133,6 +142,36 @@ class Engine:
         in_decode = seq.num_tokens - seq.num_cached_tokens == 1
         return self.proposer.max_tokens_per_step if in_decode and self._speculates(seq) else 0
 
+    def _choose_k(self, seq: Sequence) -> int:
+        return self.policy.choose_k(seq.acceptance) if self.policy is not None else self.proposer.max_tokens_per_step
+
+    def measure_forward_cost(self, max_tokens: int, context: int = 64) -> list[float]:
+        """Seconds of one target forward over m = 1..max_tokens new tokens after ``context`` cached ones."""
+        bm = self.block_manager
+        if bm.blocks_for(context + max_tokens) > bm.num_free_blocks:
+            context = 0
+        table: list[int] = []
+        bm.reserve(table, context + max_tokens)
+        run = lambda tokens, start: self.model.forward(  # noqa: E731
+            build_forward_batch([[0] * tokens], [start], [table], bm.block_size, [[tokens - 1]], self.model.device),
+            self.kv_cache)
+        if context:
+            run(context, 0)
+        costs = []
+        for m in range(1, max_tokens + 1):
+            best = float("inf")
+            for _ in range(3):
+                if self.model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                self.model.compute_logits(run(m, context))
+                if self.model.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - t)
+            costs.append(best)
+        bm.free(table)
+        return costs
+
     def _on_preempt(self, seq: Sequence) -> None:
         if self._speculates(seq):
             self.proposer.preempt(seq)
@@ -144,15 +183,18 @@ class Engine:
         if not seqs:
             return []
 
-        # 1. propose: drafts only for sequences in decode (one uncached token)
+        # 1. propose: drafts only for sequences in decode (one uncached token), as many as pay off
         proposals = [Proposal([]) for _ in seqs]
         spec_seqs = [i for i, s in enumerate(seqs) if self._num_lookahead_slots(s) > 0]
         if spec_seqs:
-            for i, proposal in zip(spec_seqs, self.proposer.propose([seqs[i] for i in spec_seqs])):
-                budget = self.config.max_model_len - seqs[i].num_tokens - 1
-                proposal.token_ids = proposal.token_ids[: max(budget, 0)]
+            ks = [self._choose_k(seqs[i]) for i in spec_seqs]
+            for i, k, proposal in zip(spec_seqs, ks, self.proposer.propose([seqs[i] for i in spec_seqs], ks)):
+                k = min(k, max(self.config.max_model_len - seqs[i].num_tokens - 1, 0))
+                if k == 0 and proposal.token_ids:
+                    proposal.unverified_guess = proposal.token_ids[0]
+                proposal.token_ids = proposal.token_ids[:k]
                 if proposal.draft_probs is not None:
-                    proposal.draft_probs = proposal.draft_probs[: len(proposal.token_ids)]
+                    proposal.draft_probs = proposal.draft_probs[:k]
                 proposals[i] = proposal
 
         # 2. one ragged batch: uncached tokens + drafts; logits rows for the last k+1 of each
@@ -215,6 +257,11 @@ class Engine:
         seq.num_cached_tokens = seq.num_tokens + num_accepted
         if self._speculates(seq):
             self.proposer.commit(seq, proposal, num_accepted)
+            decay = self.policy.decay if self.policy is not None else 1.0
+            if k:
+                seq.acceptance.observe(k, num_accepted, decay)
+            elif proposal.unverified_guess is not None:
+                seq.acceptance.observe(1, int(proposal.unverified_guess == tokens[0]), decay)
 
         eos = set() if seq.params.ignore_eos else set(self.tokenizer.eos_token_ids)
         finish_reason = None

@@ -84,12 +84,16 @@ class LLM:
             max_model_len = context
         elif not 1 < max_model_len <= context:
             raise ValueError(f"max_model_len must be in (1, {context}], got {max_model_len}")
-        proposer = make_proposer(spec_config, self) if spec_config is not None else None
         if num_blocks is None:
             num_blocks = self._blocks_from_memory(kv_cache_memory, block_size, max_model_len, max_num_seqs)
+        proposer = None
+        if spec_config is not None:
+            proposer = make_proposer(spec_config, self.config, self.tokenizer, num_blocks, block_size, self.device,
+                                     self.dtype)
         config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-        self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer, seed=seed)
+        self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer, seed=seed,
+                             adaptive_speculation=spec_config is None or spec_config.adaptive)
 
     def _blocks_from_memory(self, kv_cache_memory, block_size, max_model_len, max_num_seqs) -> int:
         c = self.config

@@ -34,6 +34,7 @@ class Sequence:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.spec_state: Any = None  # owned by the proposer (n-gram index, draft KV, ...)
+        self.acceptance: Any = None  # per-request acceptance estimate for choosing k (spec.policy)
         self.detokenizer: Any = None
 
     @property

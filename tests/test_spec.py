@@ -40,7 +40,9 @@ def assert_no_leak(llm):
 
 
 def spec_llm(target_path, config, **kwargs):
-    return LLM(str(target_path), num_blocks=256, block_size=4, speculative_config=config, **kwargs)
+    """Speculation without the adaptive policy, so every guess the proposer has is verified."""
+    return LLM(str(target_path), num_blocks=256, block_size=4, speculative_config={"adaptive": False, **config},
+               **kwargs)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -131,11 +133,22 @@ def test_seeded_sampling_with_speculation_is_reproducible(target_path, draft_pat
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_adaptive_speculation_is_lossless(target_path, draft_path, plain, method):
+    config = {"method": method, "num_speculative_tokens": 4}
+    if method == "draft":
+        config["model"] = str(draft_path)
+    llm = LLM(str(target_path), num_blocks=256, block_size=4, speculative_config=config)
+    assert llm.engine.policy is not None and len(llm.engine.policy.target_cost) == 5
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert_no_leak(llm)
+
+
 def test_preemption_with_speculation_is_lossless(target_path, draft_path, plain):
     expected = [o.token_ids for o in plain.generate(PROMPTS * 2, GREEDY)]
     for config in ({"method": "ngram", "num_speculative_tokens": 3},
                    {"method": "draft", "model": str(draft_path), "num_speculative_tokens": 3}):
-        llm = LLM(str(target_path), num_blocks=24, block_size=4, speculative_config=config)
+        llm = LLM(str(target_path), num_blocks=24, block_size=4, speculative_config={"adaptive": False, **config})
         outs = llm.generate(PROMPTS * 2, GREEDY)
         assert [o.token_ids for o in outs] == expected
         assert llm.stats()["num_preemptions"] > 0
@@ -148,6 +161,7 @@ def test_preemption_with_speculation_is_lossless(target_path, draft_path, plain)
     ({"method": "ngram", "prompt_lookup_min": 3, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "bogus": 1}, "bogus"),
     ({"method": "draft"}, "model"),
+    ({"method": "ngram", "adaptive": "yes"}, "adaptive"),
 ])
 def test_bad_speculative_config(target_path, config, match):
     with pytest.raises(ValueError, match=match):

@@ -2,6 +2,10 @@
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     {"method": "draft", "model": "path/to/small-llama", "num_speculative_tokens": 4}
+
+``num_speculative_tokens`` is the most guesses verified per step. With ``"adaptive": True`` (the
+default) each step verifies only as many as pay off on this machine (``nanospec.spec.policy``);
+``False`` always verifies every guess the proposer has.
 """
 
 from __future__ import annotations
@@ -9,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _KEYS = {
-    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"},
-    "draft": {"method", "num_speculative_tokens", "model", "dtype"},
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"},
+    "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive"},
 }
 
 
@@ -22,6 +26,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     model: str | None = None
     dtype: str | None = None
+    adaptive: bool = True
 
 
 def _positive_int(config: dict, key: str, default: int) -> int:
@@ -43,15 +48,18 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     if unknown:
         raise ValueError(f"unknown speculative_config keys for method {method!r}: {sorted(unknown)}")
     k = _positive_int(config, "num_speculative_tokens", 5 if method == "ngram" else 4)
+    adaptive = config.get("adaptive", True)
+    if not isinstance(adaptive, bool):
+        raise ValueError(f"speculative_config['adaptive'] must be True or False, got {adaptive!r}")
     if method == "ngram":
         lo = _positive_int(config, "prompt_lookup_min", 1)
         hi = _positive_int(config, "prompt_lookup_max", 4)
         if lo > hi:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi)
+        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive)
     if not config.get("model"):
         raise ValueError("speculative_config for method 'draft' needs 'model': the path of a small Llama")
-    return SpeculativeConfig(method, k, model=str(config["model"]), dtype=config.get("dtype"))
+    return SpeculativeConfig(method, k, model=str(config["model"]), dtype=config.get("dtype"), adaptive=adaptive)
 
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device, dtype):

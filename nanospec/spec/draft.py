@@ -12,6 +12,7 @@ sampler. After verification the draft KV of rejected guesses is rolled back with
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -63,28 +64,56 @@ class DraftProposer(Proposer):
     def start(self, seq: Sequence) -> None:
         seq.spec_state = DraftState()
 
-    def propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        states: list[DraftState] = [s.spec_state for s in seqs]
-        for seq, st in zip(seqs, states):  # room for the sequence and k-1 fed guesses
-            self.block_manager.reserve(st.block_table, seq.num_tokens + self.k)
-        feed = [seq.token_ids[st.num_cached:] for seq, st in zip(seqs, states)]
-        starts = [st.num_cached for st in states]
-        guesses: list[list[int]] = [[] for _ in seqs]
-        probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        for j in range(self.k):
-            batch = build_forward_batch(feed, starts, [st.block_table for st in states], self.block_size,
-                                        [[len(f) - 1] for f in feed], self.model.device)
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        proposals = [Proposal([]) for _ in seqs]
+        active = [i for i, k in enumerate(ks) if k > 0]
+        states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
+        for i in active:  # room for the sequence and the k-1 guesses fed back
+            self.block_manager.reserve(states[i].block_table, seqs[i].num_tokens + ks[i])
+        feed = {i: seqs[i].token_ids[states[i].num_cached:] for i in active}
+        starts = {i: states[i].num_cached for i in active}
+        probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        for j in range(max(ks, default=0)):
+            rows = [i for i in active if ks[i] > j]
+            batch = build_forward_batch([feed[i] for i in rows], [starts[i] for i in rows],
+                                        [states[i].block_table for i in rows], self.block_size,
+                                        [[len(feed[i]) - 1] for i in rows], self.model.device)
             logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
-            tokens, q = self._draw(seqs, logits, j)
-            for i, t in enumerate(tokens):
-                guesses[i].append(t)
+            tokens, q = self._draw([seqs[i] for i in rows], logits, j)
+            for r, (i, t) in enumerate(zip(rows, tokens)):
+                proposals[i].token_ids.append(t)
                 if q is not None:
-                    probs[i].append(q[i])
+                    probs[i].append(q[r])
                 starts[i] += len(feed[i])
-            feed = [[t] for t in tokens]
-        for seq, st in zip(seqs, states):
-            st.num_cached = seq.num_tokens + self.k - 1
-        return [Proposal(g, torch.stack(p) if p else None) for g, p in zip(guesses, probs)]
+                feed[i] = [t]
+        for i in active:
+            states[i].num_cached = seqs[i].num_tokens + ks[i] - 1
+            if probs[i]:
+                proposals[i].draft_probs = torch.stack(probs[i])
+        return proposals
+
+    def measure_cost(self, context: int = 64) -> float:
+        """Seconds of one single-token draft forward (best of 3) after ``context`` cached tokens."""
+        table: list[int] = []
+        self.block_manager.reserve(table, context + 1)
+        device = self.model.device
+
+        def run(tokens: int, start: int):
+            batch = build_forward_batch([[0] * tokens], [start], [table], self.block_size, [[tokens - 1]], device)
+            return self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+
+        run(context, 0)
+        best = float("inf")
+        for _ in range(3):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            run(1, context)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            best = min(best, time.perf_counter() - t)
+        self.block_manager.free(table)
+        return best
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int):
         """Guess j for every sequence and, if any samples, the draft distributions ``q`` ``[S, V]``."""

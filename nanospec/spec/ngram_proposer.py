@@ -16,7 +16,8 @@ class NgramSpeculator(Proposer):
     def start(self, seq: Sequence) -> None:
         seq.spec_state = self.ngram.new_index(seq.token_ids)
 
-    def propose(self, seqs: list[Sequence]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        # guesses are free: always return the full proposal, the engine verifies ks[i] of them
         return [Proposal(self.ngram.propose(seq.spec_state)) for seq in seqs]
 
     def extend(self, seq: Sequence, new_tokens: list[int]) -> None:

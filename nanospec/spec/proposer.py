@@ -1,7 +1,9 @@
 """What the engine asks of a proposer (n-gram, draft model, ...).
 
 The engine calls, per speculating sequence: ``start`` when it is added; ``propose`` each decode step
-(batched; one ``Proposal`` per sequence, at most ``max_tokens_per_step`` tokens); ``commit`` after
+(batched, with the number of guesses ``ks`` the engine will verify per sequence; one ``Proposal`` per
+sequence; a proposer whose guesses are free may return more, up to ``max_tokens_per_step``, and the
+engine checks the first of them against the outcome even when it verifies none); ``commit`` after
 verification, with the number of drafts accepted, before the emitted tokens are appended;
 ``extend`` with the tokens the sequence grew by; ``preempt`` when its KV is dropped for recompute;
 ``free`` when it finishes. Hooks a proposer has no use for keep these do-nothing defaults.
@@ -18,8 +20,12 @@ class Proposer(abc.ABC):
     max_tokens_per_step: int  # KV slots to reserve per step beyond the sequence's own next token
 
     @abc.abstractmethod
-    def propose(self, seqs: list[Sequence]) -> list:
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list:
         """One ``nanospec.engine.Proposal`` per sequence."""
+
+    def measure_cost(self) -> float:
+        """Seconds one guess costs (a draft forward); 0 for proposers that need no model."""
+        return 0.0
 
     def start(self, seq: Sequence) -> None:
         return None
