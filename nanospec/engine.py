@@ -26,7 +26,9 @@ import torch
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
 from nanospec.forward_batch import build_forward_batch
-from nanospec.kernels.sampling import greedy, probs_from_logits, sample
+from nanospec.kernels.attention_mask import tree_depths, tree_mask_from_parents
+from nanospec.kernels.kv_store import copy_kv_slots
+from nanospec.kernels.sampling import greedy, sample
 from nanospec.model.llama import Llama
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
@@ -47,11 +49,52 @@ class EngineConfig:
 
 @dataclass
 class Proposal:
-    """Candidate tokens for one sequence; ``draft_probs`` ``[k, V]`` for a draft model, None = one-hot."""
+    """What one sequence feeds after its root (the last committed token) for verification.
+
+    ``token_ids``: the candidates, a chain ``d_1..d_k`` or, with ``parents``, a token tree
+    (``parents[i]`` is the index of node i's parent in ``token_ids``, -1 for the root).
+    ``draft_probs`` ``[k, V]``: the distributions a chain was sampled from (None: one-hot).
+    ``lookahead_tokens``: fed after the candidates but not verified (lookahead decoding's Jacobi
+    window); then ``mask`` (bitmask over root + candidates + lookahead tokens) and ``positions``
+    (offsets from the root's position, root first) give the layout, and the target's argmax at
+    those rows goes back to the proposer.
+    """
 
     token_ids: list[int]
     draft_probs: torch.Tensor | None = None
+    parents: list[int] | None = None
+    lookahead_tokens: list[int] = field(default_factory=list)
+    mask: torch.Tensor | None = None
+    positions: list[int] | None = None
     unverified_guess: int | None = None  # a free guess not worth verifying; checked against the outcome
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents is None and not self.lookahead_tokens
+
+    @property
+    def num_fed(self) -> int:
+        return len(self.token_ids) + len(self.lookahead_tokens)
+
+    def layout(self) -> tuple[torch.Tensor, list[int]]:
+        """(bitmask, position offsets) over root + candidates + lookahead tokens."""
+        if self.mask is not None:
+            return self.mask, self.positions
+        parents = [-1] + [p + 1 for p in (self.parents if self.parents is not None else range(-1, len(self.token_ids) - 1))]
+        return tree_mask_from_parents(parents), tree_depths(parents)
+
+
+@dataclass
+class StepResult:
+    """What verification decided for one sequence."""
+
+    emitted: list[int]                   # accepted candidates, then the corrected or bonus token
+    path: list[int] | None = None        # tree: indices (into token_ids) of the accepted nodes, root to leaf
+    lookahead_argmax: list[int] | None = None
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.emitted) - 1
 
 
 @dataclass
@@ -84,7 +127,7 @@ class Engine:
         self._next_id = 0
         self._seed_rng = random.Random(seed)
         self.policy = None
-        if proposer is not None and adaptive_speculation:
+        if proposer is not None and adaptive_speculation and proposer.adaptive_k:
             k = proposer.max_tokens_per_step
             self.policy = GoodputPolicy(k, self.measure_forward_cost(k + 1), proposer.measure_cost())
 
@@ -183,30 +226,41 @@ class Engine:
         if not seqs:
             return []
 
-        # 1. propose: drafts only for sequences in decode (one uncached token), as many as pay off
+        # 1. propose: guesses only for sequences in decode (one uncached token), as many as pay off
         proposals = [Proposal([]) for _ in seqs]
         spec_seqs = [i for i, s in enumerate(seqs) if self._num_lookahead_slots(s) > 0]
         if spec_seqs:
             ks = [self._choose_k(seqs[i]) for i in spec_seqs]
             for i, k, proposal in zip(spec_seqs, ks, self.proposer.propose([seqs[i] for i in spec_seqs], ks)):
-                k = min(k, max(self.config.max_model_len - seqs[i].num_tokens - 1, 0))
-                if k == 0 and proposal.token_ids:
-                    proposal.unverified_guess = proposal.token_ids[0]
-                proposal.token_ids = proposal.token_ids[:k]
-                if proposal.draft_probs is not None:
-                    proposal.draft_probs = proposal.draft_probs[:k]
+                room = self.config.max_model_len - seqs[i].num_tokens - 1
+                if proposal.is_chain:
+                    k = min(k, max(room, 0))
+                    if k == 0 and proposal.token_ids:
+                        proposal.unverified_guess = proposal.token_ids[0]
+                    proposal.token_ids = proposal.token_ids[:k]
+                    if proposal.draft_probs is not None:
+                        proposal.draft_probs = proposal.draft_probs[:k]
+                elif proposal.num_fed > room:  # a tree or window reaching past the context: skip this step
+                    proposal = Proposal([])
                 proposals[i] = proposal
 
-        # 2. one ragged batch: uncached tokens + drafts; logits rows for the last k+1 of each
-        token_lists, starts, logits_rows = [], [], []
+        # 2. one ragged batch: uncached tokens, then candidates (and lookahead tokens); logits from the root on
+        token_lists, starts, logits_rows, positions, masks = [], [], [], [], []
         for seq, proposal in zip(seqs, proposals):
-            tokens = seq.token_ids[seq.num_cached_tokens:] + proposal.token_ids
+            uncached = seq.token_ids[seq.num_cached_tokens:]
+            tokens = uncached + proposal.token_ids + proposal.lookahead_tokens
             token_lists.append(tokens)
             starts.append(seq.num_cached_tokens)
-            k = len(proposal.token_ids)
-            logits_rows.append(list(range(len(tokens) - k - 1, len(tokens))))
+            logits_rows.append(list(range(len(uncached) - 1, len(tokens))))
+            if proposal.is_chain:
+                positions.append(None)
+                masks.append(None)
+            else:  # in decode, so the root is the only uncached token
+                mask, offsets = proposal.layout()
+                positions.append([seq.num_cached_tokens + o for o in offsets])
+                masks.append(mask)
         batch = build_forward_batch(token_lists, starts, [s.block_table for s in seqs], self.config.block_size,
-                                    logits_rows, self.model.device)
+                                    logits_rows, self.model.device, positions=positions, tree_masks=masks)
 
         # 3. ONE target forward
         t1 = time.perf_counter()
@@ -214,23 +268,21 @@ class Engine:
         self.stats.forward_seconds += time.perf_counter() - t1
 
         # 4. verify (or sample), 5. commit
-        emitted = self._verify(seqs, proposals, logits)
+        results = self._verify(seqs, proposals, logits)
         outputs = []
-        for seq, proposal, tokens in zip(seqs, proposals, emitted):
-            outputs.append(self._commit(seq, proposal, tokens))
+        for seq, proposal, result in zip(seqs, proposals, results):
+            outputs.append(self._commit(seq, proposal, result))
         self.stats.num_steps += 1
         self.stats.step_seconds += time.perf_counter() - t0
         return outputs
 
-    def _verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[list[int]]:
-        """The tokens each sequence emits this step: accepted drafts, then one corrected or bonus token."""
-        ks = [len(p.token_ids) for p in proposals]
-        speculating = [self._speculates(s) for s in seqs]
-        if not any(speculating):
-            return [[t] for t in self._sample(seqs, logits)]
-        from nanospec.spec.verify import verify  # the rejection-sampling step
+    def _verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[StepResult]:
+        """What each sequence emits this step: accepted candidates, then one corrected or bonus token."""
+        if not any(self._speculates(s) for s in seqs):
+            return [StepResult([t]) for t in self._sample(seqs, logits)]
+        from nanospec.spec.verify import verify  # greedy / rejection sampling, chains and trees
 
-        return verify(seqs, proposals, logits, ks, speculating, self._sample)
+        return verify(seqs, proposals, logits, [self._speculates(s) for s in seqs], self._sample)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         """One token per row of ``logits`` (row r belongs to ``seqs[r]``, drawn at its current length)."""
@@ -244,9 +296,11 @@ class Engine:
         offsets = torch.tensor([s.num_tokens for s in seqs], dtype=torch.int64, device=dev)
         return sample(logits, temperature, top_k, top_p, seeds, offsets).tolist()
 
-    def _commit(self, seq: Sequence, proposal: Proposal, tokens: list[int]) -> RequestOutput:
-        num_accepted = len(tokens) - 1
+    def _commit(self, seq: Sequence, proposal: Proposal, result: StepResult) -> RequestOutput:
+        tokens, num_accepted = result.emitted, result.num_accepted
         k = len(proposal.token_ids)
+        if result.path is not None:
+            self._compact_accepted_path(seq, result.path)
         seq.num_steps += 1
         seq.num_draft_tokens += k
         seq.num_accepted_tokens += num_accepted
@@ -256,9 +310,9 @@ class Engine:
         # K/V now exists for every old token and the accepted drafts; the emitted last token has none yet
         seq.num_cached_tokens = seq.num_tokens + num_accepted
         if self._speculates(seq):
-            self.proposer.commit(seq, proposal, num_accepted)
+            self.proposer.commit(seq, proposal, result)
             decay = self.policy.decay if self.policy is not None else 1.0
-            if k:
+            if k and proposal.is_chain:
                 seq.acceptance.observe(k, num_accepted, decay)
             elif proposal.unverified_guess is not None:
                 seq.acceptance.observe(1, int(proposal.unverified_guess == tokens[0]), decay)
@@ -299,6 +353,22 @@ class Engine:
         else:
             self.block_manager.truncate(seq.block_table, seq.num_tokens)
         return self._output(seq, delta)
+
+    def _compact_accepted_path(self, seq: Sequence, path: list[int]) -> None:
+        """Move the K/V of an accepted tree path (node i sits at root + 1 + i) to the slots right after the root."""
+        root = seq.num_tokens - 1
+        src = [root + 1 + node for node in path]
+        dst = [root + 1 + depth for depth in range(len(path))]
+        moves = [(a, b) for a, b in zip(src, dst) if a != b]
+        if not moves:
+            return
+        bs, table = self.config.block_size, seq.block_table
+        slot = lambda i: table[i // bs] * bs + i % bs  # noqa: E731
+        device = self.model.device
+        src_slots = torch.tensor([slot(a) for a, _ in moves], dtype=torch.int64, device=device)
+        dst_slots = torch.tensor([slot(b) for _, b in moves], dtype=torch.int64, device=device)
+        for layer in range(self.model.config.num_hidden_layers):
+            copy_kv_slots(*self.kv_cache.layer(layer), src_slots, dst_slots)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         self.scheduler.finish(seq, reason)

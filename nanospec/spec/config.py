@@ -2,6 +2,9 @@
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
     {"method": "draft", "model": "path/to/small-llama", "num_speculative_tokens": 4}
+    {"method": "ngram", "num_speculative_tokens": 5, "max_candidates": 4}          # a token tree
+    {"method": "draft", "model": PATH, "num_speculative_tokens": 4, "tree_top_k": 2, "tree_budget": 12}
+    {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
 
 ``num_speculative_tokens`` is the most guesses verified per step. With ``"adaptive": True`` (the
 default) each step verifies only as many as pay off on this machine (``nanospec.spec.policy``);
@@ -13,8 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 _KEYS = {
-    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"},
-    "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive"},
+    "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive",
+              "max_candidates", "tree_budget"},
+    "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive", "tree_top_k", "tree_budget"},
+    "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
 }
 
 
@@ -27,6 +32,12 @@ class SpeculativeConfig:
     model: str | None = None
     dtype: str | None = None
     adaptive: bool = True
+    max_candidates: int = 1
+    tree_top_k: int = 1
+    tree_budget: int | None = None
+    window_size: int = 5
+    ngram_size: int = 4
+    guess_set_size: int = 5
 
 
 def _positive_int(config: dict, key: str, default: int) -> int:
@@ -47,7 +58,12 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     unknown = set(config) - _KEYS[method]
     if unknown:
         raise ValueError(f"unknown speculative_config keys for method {method!r}: {sorted(unknown)}")
+    if method == "lookahead":
+        return SpeculativeConfig(method, 0, window_size=_positive_int(config, "window_size", 5),
+                                 ngram_size=_positive_int(config, "ngram_size", 4),
+                                 guess_set_size=_positive_int(config, "guess_set_size", 5), adaptive=False)
     k = _positive_int(config, "num_speculative_tokens", 5 if method == "ngram" else 4)
+    tree_budget = _positive_int(config, "tree_budget", 1) if "tree_budget" in config else None
     adaptive = config.get("adaptive", True)
     if not isinstance(adaptive, bool):
         raise ValueError(f"speculative_config['adaptive'] must be True or False, got {adaptive!r}")
@@ -56,10 +72,13 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         hi = _positive_int(config, "prompt_lookup_max", 4)
         if lo > hi:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive)
+        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
+                                 max_candidates=_positive_int(config, "max_candidates", 1), tree_budget=tree_budget)
     if not config.get("model"):
         raise ValueError("speculative_config for method 'draft' needs 'model': the path of a small Llama")
-    return SpeculativeConfig(method, k, model=str(config["model"]), dtype=config.get("dtype"), adaptive=adaptive)
+    tree_top_k = _positive_int(config, "tree_top_k", 1)
+    return SpeculativeConfig(method, k, model=str(config["model"]), dtype=config.get("dtype"), adaptive=adaptive,
+                             tree_top_k=tree_top_k, tree_budget=tree_budget or k * tree_top_k)
 
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device, dtype):
@@ -67,7 +86,12 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
     if config.method == "ngram":
         from nanospec.spec.ngram_proposer import NgramSpeculator
 
-        return NgramSpeculator(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
+        return NgramSpeculator(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                               config.max_candidates, config.tree_budget)
+    if config.method == "lookahead":
+        from nanospec.spec.lookahead_proposer import LookaheadSpeculator
+
+        return LookaheadSpeculator(config.window_size, config.ngram_size, config.guess_set_size)
     from nanospec.spec.draft import DraftProposer
 
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype)

@@ -8,6 +8,12 @@ follow, each feeding the previous guess. Guess ``d_j`` is the argmax of the draf
 ``q_j`` for greedy requests, otherwise a sample from ``q_j`` (same temperature / top-k / top-p as
 the target, uniforms from the request seed on a stream of its own); ``q_j`` goes to the rejection
 sampler. After verification the draft KV of rejected guesses is rolled back with the target's.
+
+**Trees** (``tree_top_k > 1``): from the root, every frontier node branches on its ``tree_top_k``
+most probable next tokens; of all those children the ``tree_budget`` most probable (by cumulative
+draft log-probability) are kept, level by level, up to depth k. Each level is one draft forward over
+the whole tree so far, with the "ancestors and self" mask. The candidates are picked
+deterministically, so the target verifies them as one-hot candidates (still lossless).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
 from nanospec.engine import Proposal
 from nanospec.forward_batch import build_forward_batch
+from nanospec.kernels.attention_mask import tree_mask_from_parents
 from nanospec.kernels.sampling import probs_from_logits, sample_from_probs
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
@@ -39,6 +46,8 @@ class DraftState:
 class DraftProposer(Proposer):
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype):
+        self.tree_top_k = config.tree_top_k
+        self.tree_budget = config.tree_budget
         from nanospec.llm import resolve_dtype
 
         if config.dtype is not None:
@@ -55,7 +64,8 @@ class DraftProposer(Proposer):
         del checkpoint
         c = self.model.config
         self.k = config.num_speculative_tokens
-        self.max_tokens_per_step = self.k
+        self.max_tokens_per_step = self.k if self.tree_top_k == 1 else self.tree_budget
+        self.adaptive_k = self.tree_top_k == 1
         self.block_size = block_size
         self.block_manager = BlockManager(num_blocks, block_size)
         self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
@@ -65,6 +75,8 @@ class DraftProposer(Proposer):
         seq.spec_state = DraftState()
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        if self.tree_top_k > 1:
+            return self._propose_trees(seqs)
         proposals = [Proposal([]) for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
@@ -91,6 +103,50 @@ class DraftProposer(Proposer):
             if probs[i]:
                 proposals[i].draft_probs = torch.stack(probs[i])
         return proposals
+
+    def _propose_trees(self, seqs: list[Sequence]) -> list[Proposal]:
+        states: list[DraftState] = [s.spec_state for s in seqs]
+        for seq, st in zip(seqs, states):
+            self.block_manager.reserve(st.block_table, seq.num_tokens + self.tree_budget)
+        feed = [seq.token_ids[st.num_cached:] for seq, st in zip(seqs, states)]  # backfill, ends with the root
+        batch = build_forward_batch(feed, [st.num_cached for st in states], [st.block_table for st in states],
+                                    self.block_size, [[len(f) - 1] for f in feed], self.model.device)
+        logprobs = torch.log_softmax(self.model.compute_logits(self.model.forward(batch, self.kv_cache)), dim=-1)
+        for seq, st in zip(seqs, states):
+            st.num_cached = seq.num_tokens  # the root's draft K/V now exists; tree nodes are scratch
+        tokens: list[list[int]] = [[] for _ in seqs]
+        parents: list[list[int]] = [[] for _ in seqs]
+        depths: list[list[int]] = [[] for _ in seqs]
+        # frontier per sequence: (node index or -1 for the root, cumulative log-prob, log-prob row)
+        frontier = [[(-1, 0.0, logprobs[i])] for i in range(len(seqs))]
+        for depth in range(1, self.k + 1):
+            grown = []
+            for i in range(len(seqs)):
+                children = []
+                for node, score, row in frontier[i]:
+                    top = torch.topk(row, self.tree_top_k)
+                    children += [(score + lp, node, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
+                children.sort(key=lambda c: -c[0])
+                frontier[i] = []
+                for score, node, token in children[: self.tree_budget - len(tokens[i])]:
+                    tokens[i].append(token)
+                    parents[i].append(node)
+                    depths[i].append(depth)
+                    frontier[i].append((len(tokens[i]) - 1, score, None))
+                if frontier[i]:
+                    grown.append(i)
+            if depth == self.k or not grown:
+                break
+            # one draft forward over each grown tree so far; log-probs for its newest level
+            batch = build_forward_batch(
+                [tokens[i] for i in grown], [seqs[i].num_tokens for i in grown], [states[i].block_table for i in grown],
+                self.block_size, [[n for n, _, _ in frontier[i]] for i in grown], self.model.device,
+                positions=[[seqs[i].num_tokens - 1 + d for d in depths[i]] for i in grown],
+                tree_masks=[tree_mask_from_parents(parents[i]) for i in grown])
+            rows = iter(torch.log_softmax(self.model.compute_logits(self.model.forward(batch, self.kv_cache)), dim=-1))
+            for i in grown:
+                frontier[i] = [(n, score, next(rows)) for n, score, _ in frontier[i]]
+        return [Proposal(t, parents=p) if t else Proposal([]) for t, p in zip(tokens, parents)]
 
     def measure_cost(self, context: int = 64) -> float:
         """Seconds of one single-token draft forward (best of 3) after ``context`` cached tokens."""
@@ -128,10 +184,14 @@ class DraftProposer(Proposer):
         offsets = torch.tensor([s.num_tokens + j for s in seqs], dtype=torch.int64, device=dev)
         return sample_from_probs(q, seeds, offsets).tolist(), q
 
-    def commit(self, seq: Sequence, proposal: Proposal, num_accepted: int) -> None:
-        """Drop the draft K/V of rejected guesses (called before the emitted tokens are appended)."""
+    def commit(self, seq: Sequence, proposal: Proposal, result) -> None:
+        """Drop the draft K/V of rejected guesses (called before the emitted tokens are appended).
+
+        A tree's draft K/V is dropped whole (it sits in tree order); the next step backfills the
+        accepted path and the bonus token in one ragged forward."""
         st: DraftState = seq.spec_state
-        st.num_cached = min(st.num_cached, seq.num_tokens + num_accepted)
+        keep = seq.num_tokens + (result.num_accepted if proposal.is_chain else 0)
+        st.num_cached = min(st.num_cached, keep)
         self.block_manager.truncate(st.block_table, st.num_cached)
 
     def preempt(self, seq: Sequence) -> None:

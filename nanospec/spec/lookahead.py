@@ -199,6 +199,12 @@ class LookaheadDecoder:
         self._add_committed(state, committed if state.root_in_recent else [root, *committed])
         state.root_in_recent = True
 
+    def commit_without_step(self, state: LookaheadState, committed: list[int]) -> None:
+        """Tokens committed by a forward that ran no lookahead step (the prefill, or a step skipped near the
+        end of the context): they join the committed text, so the next root is their last token."""
+        self._add_committed(state, [int(t) for t in committed])
+        state.root_in_recent = True
+
     def _add_committed(self, state: LookaheadState, tokens: list[int]) -> None:
         """Add the n-grams of the committed text that end at each of ``tokens`` (which extend it)."""
         context = self.ngram_size - 1

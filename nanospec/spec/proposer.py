@@ -4,7 +4,7 @@ The engine calls, per speculating sequence: ``start`` when it is added; ``propos
 (batched, with the number of guesses ``ks`` the engine will verify per sequence; one ``Proposal`` per
 sequence; a proposer whose guesses are free may return more, up to ``max_tokens_per_step``, and the
 engine checks the first of them against the outcome even when it verifies none); ``commit`` after
-verification, with the number of drafts accepted, before the emitted tokens are appended;
+verification, with what was accepted, before the emitted tokens are appended;
 ``extend`` with the tokens the sequence grew by; ``preempt`` when its KV is dropped for recompute;
 ``free`` when it finishes. Hooks a proposer has no use for keep these do-nothing defaults.
 """
@@ -18,6 +18,7 @@ from nanospec.sequence import Sequence
 
 class Proposer(abc.ABC):
     max_tokens_per_step: int  # KV slots to reserve per step beyond the sequence's own next token
+    adaptive_k = True  # chains: the engine may verify fewer guesses than proposed (nanospec.spec.policy)
 
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list:
@@ -30,7 +31,8 @@ class Proposer(abc.ABC):
     def start(self, seq: Sequence) -> None:
         return None
 
-    def commit(self, seq: Sequence, proposal, num_accepted: int) -> None:
+    def commit(self, seq: Sequence, proposal, result) -> None:
+        """``result`` is the ``nanospec.engine.StepResult``: emitted tokens, accepted tree path, lookahead argmax."""
         return None
 
     def extend(self, seq: Sequence, new_tokens: list[int]) -> None:
