@@ -92,7 +92,8 @@ def test_batch_matches_alone(llm, prompts, plain_outputs):
 
 
 def test_ngram_greedy_equals_plain_on_real_prompts(prompts, plain_outputs):
-    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4})
+    llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
+                                  "adaptive": False})
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     for out, plain in zip(outs, plain_outputs):
         assert out.token_ids == plain.token_ids
@@ -102,14 +103,36 @@ def test_ngram_greedy_equals_plain_on_real_prompts(prompts, plain_outputs):
     assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
 
 
-def test_truncated_draft_greedy_equals_plain_on_real_prompts(gguf, prompts, plain_outputs, tmp_path_factory):
+@pytest.fixture(scope="module")
+def draft_dir(gguf, tmp_path_factory):
     from nanospec.convert import convert
 
-    draft = convert(gguf, tmp_path_factory.mktemp("draft"), num_layers=6)
-    llm = LLM(speculative_config={"method": "draft", "model": str(draft), "num_speculative_tokens": 3})
+    return convert(gguf, tmp_path_factory.mktemp("draft"), num_layers=6)
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_truncated_draft_greedy_equals_plain_on_real_prompts(draft_dir, prompts, plain_outputs, tree):
+    # adaptive off: every step verifies, whatever this machine's cost curve says
+    config = {"method": "draft", "model": str(draft_dir), "num_speculative_tokens": 3, "adaptive": False}
+    if tree:
+        config.update(tree_top_k=2, tree_budget=8)
+    llm = LLM(speculative_config=config)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     for out, plain in zip(outs, plain_outputs):
         assert out.token_ids == plain.token_ids
     assert llm.stats()["num_accepted_tokens"] > 0
     assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
     assert llm.engine.proposer.block_manager.num_free_blocks == llm.engine.proposer.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "num_speculative_tokens": 5, "max_candidates": 3},
+    {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5},
+], ids=["ngram_tree", "lookahead"])
+def test_tree_methods_greedy_equal_plain_on_real_prompts(prompts, plain_outputs, config):
+    llm = LLM(speculative_config=config)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+    for out, plain in zip(outs, plain_outputs):
+        assert out.token_ids == plain.token_ids
+    assert llm.stats()["num_accepted_tokens"] > 0
+    assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
