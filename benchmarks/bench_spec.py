@@ -1,0 +1,367 @@
+"""Speculative decoding on a prompt set: nanospec plain / n-gram / draft model vs transformers, batch 1, greedy.
+
+    python benchmarks/bench_spec.py                        # embedded SmolLM2, fp32 on CPU, every prompt
+    python benchmarks/bench_spec.py --limit 1 --max-tokens 16 --categories summarization   # a quick look
+    python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --draft path/to/small-llama --json spec.json
+
+Each prompt of prompts.jsonl goes through the chat template and runs once per method, after one warm-up
+request, batch 1, greedy, until eos or --max-tokens. Every method has a transformers counterpart run in the
+same process on the same token ids: plain ``generate``, prompt lookup (``prompt_lookup_num_tokens``, the
+n-gram method) and assisted generation (``assistant_model=`` the same draft, the same k, no early exit).
+nanospec's k is adaptive by default (each step verifies only the guesses that pay off on this machine);
+--no-adaptive verifies all k every step, as transformers does. Per category and overall:
+
+    tok/s    generated tokens / wall time of the whole request, prefill included
+    tau      tokens per target forward that could verify drafts. nanospec: (tokens - 1) / (steps - 1), its
+             prefill step emits one token and verifies nothing; transformers: tokens / forwards, its first
+             forward is prefill and verification at once
+    accept   accepted / drafted tokens (nanospec only)
+    speedup  tok/s over the same engine's plain tok/s;  vs hf: nanospec tok/s over its transformers counterpart
+    match    prompts whose greedy tokens equal the same engine's plain tokens (a MISMATCH line names the others)
+
+The default draft is the target cut to its first --draft-layers layers (``python -m nanospec.convert
+--num-layers``), cached under benchmarks/.cache/. It shares the tokenizer but was never trained to stop
+early, so it agrees with the target rarely: it exercises the draft path, a trained small model is a real draft.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nanospec import LLM, SamplingParams  # noqa: E402
+from nanospec.convert import convert  # noqa: E402
+from nanospec.llm import resolve_device, resolve_dtype  # noqa: E402
+from nanospec.model.embedded import embedded_model_path  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+METHODS = ("plain", "ngram", "draft")
+HF_LABELS = {"plain": "plain", "ngram": "prompt-lookup", "draft": "assisted"}
+DEFAULT_K = {"ngram": 5, "draft": 4}
+# the issue's targets for ngram: speedup over plain per category (others: 0.9x), and faster than prompt lookup
+NGRAM_TARGETS = {"summarization": 1.5, "code_edit": 1.5, "rag_qa": 1.5}
+NGRAM_FLOOR = 0.9
+
+
+@dataclass
+class Result:
+    """One prompt through one method of one engine."""
+
+    engine: str                 # "nanospec" | "transformers"
+    method: str                 # "plain" | "ngram" | "draft"
+    category: str
+    prompt_index: int           # line of prompts.jsonl
+    token_ids: list[int]        # generated, eos included
+    seconds: float
+    target_steps: int           # target forward passes, prefill included
+    num_draft_tokens: int | None = None
+    num_accepted_tokens: int | None = None
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def load_prompts(path: Path, categories: list[str] | None, limit: int | None) -> list[tuple[int, str, str]]:
+    """(line index, category, prompt), the first ``limit`` of each category, in file order."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    known = list(dict.fromkeys(r["category"] for r in rows))
+    for c in categories or []:
+        if c not in known:
+            raise SystemExit(f"unknown category {c!r}; {path.name} has {known}")
+    taken: dict[str, int] = defaultdict(int)
+    prompts = []
+    for i, r in enumerate(rows):
+        c = r["category"]
+        if (categories and c not in categories) or (limit is not None and taken[c] >= limit):
+            continue
+        taken[c] += 1
+        prompts.append((i, c, r["prompt"]))
+    return prompts
+
+
+def truncated_draft(model: Path, num_layers: int) -> Path:
+    """The target's first ``num_layers`` layers as a Hugging Face directory, built once into benchmarks/.cache/."""
+    out = HERE / ".cache" / f"{model.stem}-{num_layers}layers"
+    if not out.is_dir():
+        partial = out.with_name(out.name + ".partial")
+        print(f"building the draft: {model.name}, first {num_layers} layers -> {out}", flush=True)
+        convert(model, partial, num_layers=num_layers)
+        partial.rename(out)  # whole or absent, even if interrupted
+    return out
+
+
+# ---------------------------------------------------------------- nanospec
+def speculative_config(method: str, args, draft: Path | None) -> dict | None:
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": args.k["ngram"], "adaptive": not args.no_adaptive,
+                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": 1}
+    if method == "draft":
+        return {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"],
+                "adaptive": not args.no_adaptive}
+    return None
+
+
+def run_nanospec(llm: LLM, method: str, prompts, prompt_ids, max_tokens: int, device) -> list[Result]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    results = []
+    for (index, category, _), ids in zip(prompts, prompt_ids):
+        sync(device)
+        start = time.perf_counter()
+        out = llm.generate([ids], params)[0]
+        sync(device)
+        results.append(Result("nanospec", method, category, index, out.token_ids, time.perf_counter() - start,
+                              out.num_steps, out.num_draft_tokens, out.num_accepted_tokens))
+    return results
+
+
+# ---------------------------------------------------------------- transformers
+def load_transformers(path: Path, dtype, device):
+    from transformers import AutoModelForCausalLM
+
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    return model.to(device).eval()
+
+
+def run_transformers(model, method: str, prompts, prompt_ids, max_tokens: int, eos_ids: list[int], args,
+                     assistant, device) -> list[Result]:
+    kwargs = dict(do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
+    if method == "ngram":
+        kwargs.update(prompt_lookup_num_tokens=args.k["ngram"], max_matching_ngram_size=args.prompt_lookup_max)
+    elif method == "draft":
+        assistant.generation_config.num_assistant_tokens = args.k["draft"]
+        assistant.generation_config.num_assistant_tokens_schedule = "constant"
+        assistant.generation_config.assistant_confidence_threshold = 0.0  # always k guesses, like nanospec
+        kwargs.update(assistant_model=assistant)
+    forwards = [0]
+    hook = model.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
+
+    def generate(ids: list[int], n: int) -> list[int]:
+        input_ids = torch.tensor([ids], device=device)
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n, **kwargs)
+        new = out[0, len(ids):].tolist()
+        stop = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
+        return new[:stop]  # until eos, like nanospec
+
+    try:
+        generate(prompt_ids[0], 8)  # warm-up
+        results = []
+        for (index, category, _), ids in zip(prompts, prompt_ids):
+            forwards[0] = 0
+            sync(device)
+            start = time.perf_counter()
+            tokens = generate(ids, max_tokens)
+            sync(device)
+            results.append(Result("transformers", method, category, index, tokens, time.perf_counter() - start,
+                                  forwards[0]))
+    finally:
+        hook.remove()
+    return results
+
+
+# ---------------------------------------------------------------- report
+def summarize(results: list[Result], plain_tokens: dict) -> dict:
+    """Totals over ``results`` (one engine, one method, some prompts)."""
+    engine = results[0].engine
+    tokens = sum(len(r.token_ids) for r in results)
+    seconds = sum(r.seconds for r in results)
+    if engine == "nanospec":
+        tau_tokens = sum(len(r.token_ids) - 1 for r in results)
+        tau_steps = sum(r.target_steps - 1 for r in results)
+    else:
+        tau_tokens, tau_steps = tokens, sum(r.target_steps for r in results)
+    drafted = sum(r.num_draft_tokens or 0 for r in results)
+    accepted = sum(r.num_accepted_tokens or 0 for r in results)
+    references = [plain_tokens.get((engine, "plain", r.prompt_index)) for r in results]
+    return {
+        "prompts": len(results), "tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+        "tau": tau_tokens / tau_steps if tau_steps > 0 else 1.0,
+        "num_draft_tokens": drafted if engine == "nanospec" else None,
+        "num_accepted_tokens": accepted if engine == "nanospec" else None,
+        "acceptance_rate": accepted / drafted if engine == "nanospec" and drafted else None,
+        "matching_plain": (sum(ref == r.token_ids for ref, r in zip(references, results))
+                           if None not in references else None),
+    }
+
+
+def find_mismatches(results: list[Result], plain_tokens: dict) -> list[dict]:
+    """Every result whose tokens differ from its engine's plain tokens for the same prompt, printed loudly."""
+    mismatches = []
+    for r in results:
+        ref = plain_tokens.get((r.engine, "plain", r.prompt_index))
+        if r.method == "plain" or ref is None or ref == r.token_ids:
+            continue
+        at = next((i for i, (a, b) in enumerate(zip(ref, r.token_ids)) if a != b), min(len(ref), len(r.token_ids)))
+        mismatches.append({"engine": r.engine, "method": r.method, "prompt_index": r.prompt_index, "first_diff": at})
+        print(f"!!! MISMATCH: {r.engine} {r.method} differs from {r.engine} plain on prompt {r.prompt_index} "
+              f"({r.category}) from generated token {at} on")
+    return mismatches
+
+
+def print_table(title: str, rows: dict) -> None:
+    """``rows``: (engine, method) -> summary, for one category (or all)."""
+    some = next(iter(rows.values()))
+    print(f"\n== {title}: {some['prompts']} prompt(s) ==")
+    header = (f"{'engine':<14}{'method':<15}{'tokens':>7}{'tok/s':>9}{'tau':>7}{'accept':>8}{'speedup':>9}"
+              f"{'vs hf':>8}{'match':>8}")
+    print(header)
+    print("-" * len(header))
+    for (engine, method), s in rows.items():
+        plain = rows.get((engine, "plain"))
+        hf = rows.get(("transformers", method)) if engine == "nanospec" else None
+        accept = f"{s['acceptance_rate']:.2f}" if s["acceptance_rate"] is not None else "-"
+        speedup = f"{s['tok_per_s'] / plain['tok_per_s']:.2f}x" if plain else "-"
+        vs_hf = f"{s['tok_per_s'] / hf['tok_per_s']:.2f}x" if hf else "-"
+        match = "ref" if method == "plain" else (
+            f"{s['matching_plain']}/{s['prompts']}" if s["matching_plain"] is not None else "-")
+        label = HF_LABELS[method] if engine == "transformers" else method
+        print(f"{engine:<14}{label:<15}{s['tokens']:>7}{s['tok_per_s']:>9.1f}{s['tau']:>7.2f}{accept:>8}{speedup:>9}"
+              f"{vs_hf:>8}{match:>8}")
+
+
+def print_targets(summary: dict) -> None:
+    lines = []
+    for category, rows in summary.items():
+        ngram, plain = rows.get(("nanospec", "ngram")), rows.get(("nanospec", "plain"))
+        if ngram is None or plain is None or category == "overall":
+            continue
+        need = NGRAM_TARGETS.get(category, NGRAM_FLOOR)
+        got = ngram["tok_per_s"] / plain["tok_per_s"]
+        lines.append(f"  {category:<15} ngram {got:.2f}x own plain (target >= {need}x)  "
+                     f"{'ok' if got >= need else 'MISSED'}")
+    hf = summary["overall"].get(("transformers", "ngram"))
+    ngram = summary["overall"].get(("nanospec", "ngram"))
+    if hf and ngram:
+        lines.append(f"  {'overall':<15} ngram {ngram['tok_per_s']:.1f} tok/s vs transformers prompt lookup "
+                     f"{hf['tok_per_s']:.1f} tok/s  {'ok' if ngram['tok_per_s'] > hf['tok_per_s'] else 'MISSED'}")
+    if lines:
+        print("\ntargets (ngram):")
+        print("\n".join(lines))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="target: a .gguf file or HF directory (default: the embedded SmolLM2)")
+    p.add_argument("--prompts", default=str(HERE / "prompts.jsonl"))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--categories", nargs="+", default=None)
+    p.add_argument("--limit", type=int, default=None, help="prompts per category")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--draft", default=None, help="draft model path (default: the target's first --draft-layers layers)")
+    p.add_argument("--draft-layers", type=int, default=4)
+    p.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help=f"k for every method (default: {DEFAULT_K})")
+    p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram methods match")
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="nanospec verifies every guess (default: only as many as pay off on this machine)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--device", default=None)
+    p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--json", default=None, help="write every number here")
+    args = p.parse_args()
+    args.k = {m: args.num_speculative_tokens or k for m, k in DEFAULT_K.items()}
+
+    torch.set_grad_enabled(False)
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    model_path = Path(args.model) if args.model else embedded_model_path()
+    prompts = load_prompts(Path(args.prompts), args.categories, args.limit)
+    if not prompts:
+        raise SystemExit("no prompts selected")
+    draft = None
+    if "draft" in args.methods:
+        draft = Path(args.draft) if args.draft else truncated_draft(model_path, args.draft_layers)
+    print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
+          f"threads {torch.get_num_threads()}, dtype {dtype}, batch 1, greedy, max {args.max_tokens} new tokens, "
+          f"{len(prompts)} prompts")
+    print(f"target {model_path.name}; ngram k={args.k['ngram']} n-gram<={args.prompt_lookup_max}"
+          + (f"; draft {draft} k={args.k['draft']}" if draft else "")
+          + ("; nanospec verifies every guess" if args.no_adaptive else "; nanospec k adaptive (goodput)"))
+    print("tok/s = generated tokens / wall time of the request, prefill included")
+
+    results: list[Result] = []
+    prompt_ids, eos_ids = None, None
+    for method in args.methods:
+        print(f"nanospec {method} ...", flush=True)
+        llm = LLM(args.model, dtype=dtype, device=device, max_num_seqs=1,
+                  speculative_config=speculative_config(method, args, draft))
+        if prompt_ids is None:
+            tok = llm.tokenizer
+            prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
+                          for _, _, text in prompts]
+            eos_ids = list(tok.eos_token_ids)
+        results += run_nanospec(llm, method, prompts, prompt_ids, args.max_tokens, device)
+        del llm
+        gc.collect()
+
+    if not args.no_transformers:
+        print("transformers: loading the target ...", flush=True)
+        model = load_transformers(model_path, dtype, device)
+        assistant = load_transformers(draft, dtype, device) if "draft" in args.methods else None
+        for method in args.methods:
+            print(f"transformers {HF_LABELS[method]} ...", flush=True)
+            results += run_transformers(model, method, prompts, prompt_ids, args.max_tokens, eos_ids, args,
+                                        assistant, device)
+        del model, assistant
+        gc.collect()
+
+    plain_tokens = {(r.engine, "plain", r.prompt_index): r.token_ids for r in results if r.method == "plain"}
+    mismatches = find_mismatches(results, plain_tokens)
+    groups: dict[str, dict] = defaultdict(lambda: defaultdict(list))
+    for r in results:
+        groups[r.category][(r.engine, r.method)].append(r)
+    for r in results:
+        groups["overall"][(r.engine, r.method)].append(r)
+    summary = {c: {key: summarize(rs, plain_tokens) for key, rs in rows.items()} for c, rows in groups.items()}
+    for category, rows in summary.items():
+        if category != "overall" or len(summary) > 2:  # one category: its table is the overall one
+            print_table(category, rows)
+    print_targets(summary)
+
+    nanospec_plain = {i: t for (engine, _, i), t in plain_tokens.items() if engine == "nanospec"}
+    hf_plain = {i: t for (engine, _, i), t in plain_tokens.items() if engine == "transformers"}
+    if nanospec_plain and hf_plain:
+        same = sum(nanospec_plain[i] == hf_plain[i] for i in nanospec_plain)
+        print(f"\nnanospec plain == transformers plain, token for token, on {same}/{len(nanospec_plain)} prompts "
+              f"(different kernels may round differently)")
+    if "plain" not in args.methods:
+        print("\nplain was not run: outputs not checked against it")
+    elif mismatches:
+        print(f"\n!!! {len(mismatches)} MISMATCH(ES) against plain, listed above")
+    else:
+        print("\nevery greedy output matches its engine's plain output token for token")
+
+    if args.json:
+        report = {
+            "settings": {"model": str(model_path), "draft": str(draft) if draft else None, "device": str(device),
+                         "dtype": str(dtype), "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
+                         "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive,
+                         "prompt_lookup_max": args.prompt_lookup_max,
+                         "methods": args.methods,
+                         "tok_per_s": "generated tokens / request wall time, prefill included"},
+            "summary": {c: [{"engine": e, "method": m, **s} for (e, m), s in rows.items()]
+                        for c, rows in summary.items()},
+            "mismatches": mismatches,
+            "results": [asdict(r) for r in results],
+        }
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
