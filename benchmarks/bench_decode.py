@@ -38,27 +38,26 @@ def sync(device):
 
 
 def measure_bandwidth(device, nbytes=1 << 30) -> float:
-    """Bytes/s of a large copy (read + write), best of 5."""
+    """Read bandwidth in bytes/s: the sum of a large tensor (decode reads weights, writes little), best of 5."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
     best = float("inf")
     for _ in range(5):
         sync(device)
         t = time.perf_counter()
-        dst.copy_(src)
+        src.sum()
         sync(device)
         best = min(best, time.perf_counter() - t)
-    return 2 * nbytes / best
+    return nbytes / best
 
 
 def weight_bytes(llm: LLM) -> int:
     m = llm.model
-    tensors = [m.embed_tokens, m.norm] + ([] if m.lm_head is m.embed_tokens else [m.lm_head])
-    for layer in m.layers:
-        tensors += [layer.input_norm, layer.post_attention_norm, layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                    layer.down_proj]
-    # the embedding row gather reads one row; the head reads the whole matrix, so count it once
-    return sum(t.numel() * t.element_size() for t in tensors)
+    size = m.embed_tokens.element_size()
+    # the embedding row gather reads one row; the head reads the whole matrix (tied: counted once)
+    matrices = [m.lm_head] + [getattr(layer, name) for layer in m.layers
+                              for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+    norms = [m.norm] + [n for layer in m.layers for n in (layer.input_norm, layer.post_attention_norm)]
+    return size * (sum(w.out_features * w.in_features for w in matrices) + sum(n.numel() for n in norms))
 
 
 def time_nanospec(llm: LLM, prompt_ids: list[int], batch: int, new_tokens: int, device) -> tuple[float, float]:

@@ -147,7 +147,19 @@ def apply_rope_ref(
     half_dim = q.shape[-1] // 2
     cos_sin = cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
     cos, sin = cos_sin[..., :half_dim], cos_sin[..., half_dim:]
+    qk = _adjacent_heads(q, k)
+    if qk is not None:  # q and k are neighbouring slices of one fused qkv output: rotate them in one pass
+        rotated = _rotate_ref(qk, cos, sin)
+        return rotated[:, : q.shape[1]], rotated[:, q.shape[1]:]
     return _rotate_ref(q, cos, sin), _rotate_ref(k, cos, sin)
+
+
+def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``[T, Hq + Hk, D]`` view over q and k when k's heads directly follow q's in memory, else None."""
+    if (q.dtype != k.dtype or q.stride() != k.stride() or q.stride(-1) != 1 or q.stride(1) != q.shape[-1]
+            or q.shape[0] != k.shape[0] or k.data_ptr() != q.data_ptr() + q.shape[1] * q.stride(1) * q.element_size()):
+        return None
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
 
 
 def apply_rope_triton(

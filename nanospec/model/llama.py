@@ -11,7 +11,8 @@ attends over each sequence's cached context plus the new tokens its mask allows.
     MLP:   down(silu(gate(x)) * up(x))
 
 q/k/v and gate/up are fused into single matrices (one matmul each); the residual add is fused
-into RMSNorm. Matmuls stay in torch (cuBLAS / MKL); everything else is a kernel from
+into RMSNorm. Matmuls stay in torch (cuBLAS, or oneDNN on CPU: ``nanospec.model.linear``);
+everything else is a kernel from
 ``nanospec.kernels`` (Triton on CUDA, the torch reference on CPU).
 """
 
@@ -28,6 +29,7 @@ from nanospec.kernels.paged_attention import paged_attention
 from nanospec.kernels.rmsnorm import rms_norm
 from nanospec.kernels.rope import apply_rope, build_rope_cache
 from nanospec.model.config import LlamaConfig
+from nanospec.model.linear import Linear
 
 
 class LlamaLayer:
@@ -35,11 +37,11 @@ class LlamaLayer:
         t = lambda name: tensors[prefix + name]  # noqa: E731
         self.input_norm = t("input_layernorm.weight")
         self.post_attention_norm = t("post_attention_layernorm.weight")
-        self.qkv_proj = torch.cat([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"),
-                                   t("self_attn.v_proj.weight")]).contiguous()
-        self.o_proj = t("self_attn.o_proj.weight")
-        self.gate_up_proj = torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]).contiguous()
-        self.down_proj = t("mlp.down_proj.weight")
+        self.qkv_proj = Linear(torch.cat([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"),
+                                          t("self_attn.v_proj.weight")]).contiguous())
+        self.o_proj = Linear(t("self_attn.o_proj.weight"))
+        self.gate_up_proj = Linear(torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]).contiguous())
+        self.down_proj = Linear(t("mlp.down_proj.weight"))
 
 
 class Llama:
@@ -50,7 +52,7 @@ class Llama:
         self.dtype = dtype
         tensors = {name: w.to(device=device, dtype=dtype) for name, w in tensors.items()}
         self.embed_tokens = tensors["model.embed_tokens.weight"]
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else tensors["lm_head.weight"]
+        self.lm_head = Linear(self.embed_tokens if config.tie_word_embeddings else tensors["lm_head.weight"])
         self.norm = tensors["model.norm.weight"]
         self.layers = [LlamaLayer(config, tensors, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
         self.num_heads = config.num_attention_heads
@@ -74,7 +76,7 @@ class Llama:
                 x = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
             else:
                 x, residual = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual=residual)
-            qkv = F.linear(x, layer.qkv_proj)
+            qkv = layer.qkv_proj(x)
             q = qkv[:, :q_size].view(T, self.num_heads, self.head_dim)
             k = qkv[:, q_size:q_size + kv_size].view(T, self.num_kv_heads, self.head_dim)
             v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
@@ -83,9 +85,9 @@ class Llama:
             store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                    self.scale, batch.max_query_len, batch.tree_mask)
-            hidden = F.linear(attn.view(T, q_size), layer.o_proj)
+            hidden = layer.o_proj(attn.view(T, q_size))
             x, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual=residual)
-            hidden = F.linear(silu_and_mul(F.linear(x, layer.gate_up_proj)), layer.down_proj)
+            hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(x)))
         if residual is None:  # a model with no layers
             residual, hidden = hidden, torch.zeros_like(hidden)
         rows = batch.logits_indices
@@ -93,4 +95,4 @@ class Llama:
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, vocab]`` float32 logits."""
-        return F.linear(hidden, self.lm_head).float()
+        return self.lm_head(hidden).float()
