@@ -45,7 +45,7 @@ from nanospec.llm import resolve_device, resolve_dtype  # noqa: E402
 from nanospec.model.embedded import embedded_model_path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("plain", "ngram", "draft")
+METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead")  # the last three: nanospec only
 HF_LABELS = {"plain": "plain", "ngram": "prompt-lookup", "draft": "assisted"}
 DEFAULT_K = {"ngram": 5, "draft": 4}
 # the targets for ngram: speedup over plain per category (others: 0.9x), and faster than prompt lookup
@@ -110,6 +110,15 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
     if method == "draft":
         return {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"],
                 "adaptive": not args.no_adaptive}
+    if method == "ngram_tree":  # same verified-token budget as the ngram chain: k nodes
+        return {"method": "ngram", "num_speculative_tokens": args.k["ngram"], "max_candidates": args.max_candidates,
+                "tree_budget": args.k["ngram"], "prompt_lookup_max": args.prompt_lookup_max}
+    if method == "draft_tree":  # same verified-token budget as the draft chain: k nodes
+        return {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"], "tree_top_k": 2,
+                "tree_budget": args.k["draft"]}
+    if method.startswith("lookahead"):
+        w, n, g = args.lookahead_configs[method]
+        return {"method": "lookahead", "window_size": w, "ngram_size": n, "guess_set_size": g}
     return None
 
 
@@ -258,7 +267,10 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="target: a .gguf file or HF directory (default: the embedded SmolLM2)")
     p.add_argument("--prompts", default=str(HERE / "prompts.jsonl"))
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS))
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS[:3]))
+    p.add_argument("--lookahead", nargs="+", default=["5,4,5"], metavar="W,N,G",
+                   help="lookahead (window, n-gram, guess set) settings to run when 'lookahead' is a method")
+    p.add_argument("--max-candidates", type=int, default=3, help="continuations per match for ngram_tree")
     p.add_argument("--categories", nargs="+", default=None)
     p.add_argument("--limit", type=int, default=None, help="prompts per category")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -275,6 +287,11 @@ def main():
     p.add_argument("--json", default=None, help="write every number here")
     args = p.parse_args()
     args.k = {m: args.num_speculative_tokens or k for m, k in DEFAULT_K.items()}
+    args.lookahead_configs = {f"lookahead{w},{n},{g}": (int(w), int(n), int(g))
+                              for w, n, g in (c.split(",") for c in args.lookahead)}
+    if "lookahead" in args.methods:
+        i = args.methods.index("lookahead")
+        args.methods[i:i + 1] = list(args.lookahead_configs)
 
     torch.set_grad_enabled(False)
     device = resolve_device(args.device)
@@ -284,7 +301,7 @@ def main():
     if not prompts:
         raise SystemExit("no prompts selected")
     draft = None
-    if "draft" in args.methods:
+    if "draft" in args.methods or "draft_tree" in args.methods:
         draft = Path(args.draft) if args.draft else truncated_draft(model_path, args.draft_layers)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads {torch.get_num_threads()}, dtype {dtype}, batch 1, greedy, max {args.max_tokens} new tokens, "
@@ -313,7 +330,7 @@ def main():
         print("transformers: loading the target ...", flush=True)
         model = load_transformers(model_path, dtype, device)
         assistant = load_transformers(draft, dtype, device) if "draft" in args.methods else None
-        for method in args.methods:
+        for method in [m for m in args.methods if m in HF_LABELS]:
             print(f"transformers {HF_LABELS[method]} ...", flush=True)
             results += run_transformers(model, method, prompts, prompt_ids, args.max_tokens, eos_ids, args,
                                         assistant, device)

@@ -71,6 +71,7 @@ import triton.language as tl
 
 from nanospec.kernels.backend import use_triton
 from nanospec.kernels.random import uniform, uniform_ref
+from nanospec.kernels.rejection import _exponentials_ref
 
 _TINY = torch.finfo(torch.float32).tiny  # floor for a row sum, so an all-zero row gives no NaN
 
@@ -292,13 +293,6 @@ def _greedy_tree_verify_kernel(
 # ----------------------------------------------------------------------------------------------------
 # Rejection sampling over a tree
 # ----------------------------------------------------------------------------------------------------
-
-
-def _exponentials_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """E[b, v] = -log(uniform(seeds[b], offsets[b], v)), the float64 log rounded to float32."""
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    u = uniform_ref(seeds[:, None], offsets[:, None], vocab[None, :])
-    return (-torch.log(u.double())).float()
 
 
 def tree_rejection_sample_ref(
