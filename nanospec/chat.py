@@ -23,7 +23,8 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--spec", default=None,
-                   help="speculative decoding: 'ngram', 'draft:PATH' (a small Llama with the same vocabulary)")
+                   help="speculative decoding: 'ngram', 'draft:PATH' (a small Llama with the same vocabulary), "
+                        "'lookahead'")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
     p.add_argument("--device", default=None)
@@ -38,19 +39,25 @@ def spec_config_from_arg(spec: str | None, k: int | None) -> dict | None:
         config = {"method": "ngram", "num_speculative_tokens": k or 5}
     elif spec.startswith("draft:"):
         config = {"method": "draft", "model": spec[len("draft:"):], "num_speculative_tokens": k or 4}
+    elif spec == "lookahead":
+        config = {"method": "lookahead"}
     else:
-        raise SystemExit(f"--spec {spec!r}: use 'ngram' or 'draft:PATH'")
+        raise SystemExit(f"--spec {spec!r}: use 'ngram', 'draft:PATH' or 'lookahead'")
     return config
 
 
 class TurnStats:
+    """Tokens/s, target steps, acceptance and tau (tokens per target step after the prefill)."""
+
     def __init__(self):
-        self.tokens = self.steps = self.draft = self.accepted = 0
+        self.tokens = self.steps = self.draft = self.accepted = self.decode_tokens = self.decode_steps = 0
         self.seconds = 0.0
 
     def add(self, out, seconds: float):
         self.tokens += len(out.token_ids)
         self.steps += out.num_steps
+        self.decode_tokens += max(len(out.token_ids) - 1, 0)  # the prefill step emits the first token
+        self.decode_steps += max(out.num_steps - 1, 0)
         self.draft += out.num_draft_tokens
         self.accepted += out.num_accepted_tokens
         self.seconds += seconds
@@ -59,8 +66,9 @@ class TurnStats:
         tps = self.tokens / self.seconds if self.seconds else 0.0
         text = f"[{label}] {self.tokens} tokens in {self.seconds:.2f} s ({tps:.1f} tok/s), {self.steps} target steps"
         if self.draft:
+            tau = self.decode_tokens / self.decode_steps if self.decode_steps else 1.0
             text += (f", acceptance {self.accepted / self.draft:.1%} ({self.accepted}/{self.draft} drafts), "
-                     f"tau {self.tokens / self.steps:.2f} tokens/step")
+                     f"tau {tau:.2f} tokens/step")
         return text
 
 

@@ -338,6 +338,8 @@ class Engine:
             self.proposer.extend(seq, new_tokens)
 
         delta = seq.detokenizer.add(new_tokens)
+        if finish_reason is not None:  # release text held back for an unfinished character
+            delta += seq.detokenizer.flush()
         previous_len = len(seq.text)
         seq.text += delta
         for stop in seq.params.stop_list:
