@@ -17,7 +17,7 @@ import torch
 from nanospec.cache.kv_cache import kv_bytes_per_block
 from nanospec.engine import Engine, EngineConfig
 from nanospec.model.llama import Llama
-from nanospec.model.loader import load_checkpoint
+from nanospec.model.loader import Checkpoint, load_checkpoint
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
 
@@ -50,7 +50,8 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 class LLM:
-    """Load a Llama (HF directory, .gguf file, or the embedded SmolLM2 when ``model`` is None) and serve it.
+    """Load a Llama (HF directory, .gguf file, the embedded SmolLM2 when ``model`` is None, or an
+    in-memory ``nanospec.model.loader.Checkpoint``) and serve it.
 
     KV pool: ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes
     hold (default: 1 GiB on CPU, 40% of free memory on CUDA, never more than ``max_num_seqs``
@@ -61,7 +62,7 @@ class LLM:
                  speculative_config: dict | None = None, num_blocks: int | None = None, block_size: int = 16,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
                  max_model_len: int | None = None, seed: int = 0):
-        if model is not None and not isinstance(model, (str, os.PathLike)):
+        if model is not None and not isinstance(model, (str, os.PathLike, Checkpoint)):
             raise ValueError(f"model must be a path or None, got {model!r}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
@@ -74,7 +75,7 @@ class LLM:
         from nanospec.spec.config import make_proposer, parse_speculative_config
 
         spec_config = parse_speculative_config(speculative_config)
-        checkpoint = load_checkpoint(model, self.dtype)
+        checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model, self.dtype)
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.model = Llama(checkpoint.config, checkpoint.tensors, self.device, self.dtype)

@@ -1,0 +1,37 @@
+"""A Llama of a real shape with random weights (for speed measurements: no files to move to a GPU).
+
+The vocabulary and tokenizer are the embedded SmolLM2's, so text can be encoded and decoded; every
+other dimension is given. Weights are drawn on the target device directly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanospec.model.config import LlamaConfig
+from nanospec.model.loader import Checkpoint, load_checkpoint
+
+
+def random_checkpoint(shape: dict, *, device=None, dtype: torch.dtype = torch.float32, seed: int = 0) -> Checkpoint:
+    """``shape``: LlamaConfig fields (hidden_size, intermediate_size, num_hidden_layers, ...)."""
+    embedded = load_checkpoint(None, None)
+    config = LlamaConfig(vocab_size=embedded.config.vocab_size, max_position_embeddings=8192, rope_theta=500000.0,
+                         tie_word_embeddings=True, bos_token_id=embedded.config.bos_token_id,
+                         eos_token_id=embedded.config.eos_token_id, **shape)
+    generator = torch.Generator(device=device or "cpu").manual_seed(seed)
+    tensors = {}
+    for name, size in config.weight_shapes().items():
+        if name.endswith("norm.weight"):
+            tensors[name] = torch.ones(size, dtype=dtype, device=device)
+        else:
+            tensors[name] = (torch.randn(size, generator=generator, device=device) * size[-1] ** -0.5).to(dtype)
+    return Checkpoint(config, tensors, embedded.tokenizer, embedded.path)
+
+
+def random_llm(shape: dict, dtype=None, device=None, **llm_kwargs):
+    """An ``LLM`` over a random-weight Llama of the given shape."""
+    from nanospec.llm import LLM, resolve_device, resolve_dtype
+
+    device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
+    return LLM(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **llm_kwargs)
