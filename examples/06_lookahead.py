@@ -1,6 +1,7 @@
-"""The tokens, positions and attention mask of one lookahead decoding step (W=5, N=4, G=2).
+"""The tokens, positions and attention mask of one lookahead decoding step (W=5, N=4, G=2), then a
+real prompt decoded with it, showing n-grams entering the pool and being accepted.
 
-    python examples/06_lookahead_mask.py [mask.png]
+    python examples/06_lookahead.py [mask.png]
 
 The last committed token (the root, token 42 at position P) is fed with two branches. The verification
 branch is a trie of the pool's candidate 3-grams that followed 42 before: here "7 8 9" and "7 8 5" share
@@ -59,3 +60,29 @@ if len(sys.argv) > 1:
         fig.tight_layout()
         fig.savefig(sys.argv[1], dpi=150)
         print(f"\nwrote {sys.argv[1]}")
+
+# ---------------------------------------------------------------- the same layout, running on a real prompt
+print(f"\nRunning the embedded SmolLM2 with lookahead decoding (W={W}, N={N}, G={G}), greedy:")
+from nanospec import LLM, SamplingParams  # noqa: E402
+
+llm = LLM(speculative_config={"method": "lookahead", "window_size": W, "ngram_size": N, "guess_set_size": G})
+question = "Repeat this sentence three times: the quick brown fox jumps over the lazy dog."
+prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": question}]))
+engine = llm.engine
+request = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=48))
+seq = engine.sequences[request]
+step_no = 0
+while not seq.is_finished:
+    before = seq.num_tokens
+    pool_before = sum(len(v) for v in seq.spec_state.state.pool.values())
+    engine.step()
+    step_no += 1
+    pool_after = sum(len(v) for v in seq.spec_state.state.pool.values()) if seq.spec_state else pool_before
+    new = seq.token_ids[before:]
+    print(f"step {step_no:>2}: +{len(new)} token(s) {llm.tokenizer.decode(new)!r:<28} pool {pool_before:>3} -> "
+          f"{pool_after:>3} n-grams" + ("   <- n-gram accepted" if len(new) > 1 else ""))
+engine.pop_finished(request)
+plain = LLM().generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0]
+print(f"\n{seq.num_output_tokens} tokens in {seq.num_steps} target steps "
+      f"(tau {(seq.num_output_tokens - 1) / max(seq.num_steps - 1, 1):.2f}); identical to plain greedy decoding: "
+      f"{plain.token_ids == seq.output_token_ids}")
