@@ -34,7 +34,7 @@ from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Scheduler
 from nanospec.sequence import Sequence
-from nanospec.spec.policy import AcceptanceEstimate, GoodputPolicy
+from nanospec.spec.policy import AcceptanceEstimate, GoodputPolicy, best_seconds
 from nanospec.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -200,18 +200,9 @@ class Engine:
             self.kv_cache)
         if context:
             run(context, 0)
-        costs = []
-        for m in range(1, max_tokens + 1):
-            best = float("inf")
-            for _ in range(3):
-                if self.model.device.type == "cuda":
-                    torch.cuda.synchronize()
-                t = time.perf_counter()
-                self.model.compute_logits(run(m, context))
-                if self.model.device.type == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - t)
-            costs.append(best)
+        device = self.model.device
+        costs = [best_seconds(lambda: self.model.compute_logits(run(m, context)), device)
+                 for m in range(1, max_tokens + 1)]
         bm.free(table)
         return costs
 

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from nanospec.kernels.attention_mask import causal_mask, concat_masks
+
 
 @dataclass
 class ForwardBatch:
@@ -58,8 +60,6 @@ def build_forward_batch(token_lists: list[list[int]], start_positions: list[int]
         tables[s, : len(table)] = torch.tensor(table, dtype=torch.int32)
     tree_mask = None
     if tree_masks is not None and any(m is not None for m in tree_masks):
-        from nanospec.kernels.attention_mask import causal_mask, concat_masks
-
         tree_mask = concat_masks([m if m is not None else causal_mask(len(token_lists[s]))
                                   for s, m in enumerate(tree_masks)]).to(device)
     lens = [start_positions[s] + len(t) for s, t in enumerate(token_lists)]

@@ -18,7 +18,6 @@ deterministically, so the target verifies them as one-hot candidates (still loss
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +31,7 @@ from nanospec.kernels.sampling import probs_from_logits, sample_from_probs
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
 from nanospec.sequence import Sequence
+from nanospec.spec.policy import best_seconds
 from nanospec.spec.proposer import Proposer
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's random stream differs from the target's for the same request
@@ -159,15 +159,7 @@ class DraftProposer(Proposer):
             return self.model.compute_logits(self.model.forward(batch, self.kv_cache))
 
         run(context, 0)
-        best = float("inf")
-        for _ in range(3):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            run(1, context)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            best = min(best, time.perf_counter() - t)
+        best = best_seconds(lambda: run(1, context), device)
         self.block_manager.free(table)
         return best
 
