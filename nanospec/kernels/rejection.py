@@ -51,6 +51,7 @@ import triton
 import triton.language as tl
 
 from nanospec.kernels.backend import use_triton
+from nanospec.kernels.exponential_race import draw_token, exponentials_ref
 from nanospec.kernels.random import uniform, uniform_ref
 
 _TINY = torch.finfo(torch.float32).tiny  # floor for a row sum, so an all-zero row gives no NaN
@@ -78,42 +79,6 @@ def _row_sums(p_ptr, q_ptr, V, HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.conste
     else:
         q_sum = tl.full((), 1.0, tl.float32)
     return p_sum, q_sum
-
-
-@triton.jit
-def _draw_token(
-    p_ptr, q_ptr, draft_token, p_sum, q_sum, seed, offset, V, use_residual,
-    HAS_DRAFT_PROBS: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Exponential race over the residual norm(max(p - q, 0)) if use_residual and it has mass, else over p."""
-    best_p_score = tl.full((), 0.0, tl.float32)
-    best_p_token = tl.full((), 0, tl.int32)
-    best_residual_score = tl.full((), 0.0, tl.float32)
-    best_residual_token = tl.full((), 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        vocab = start + tl.arange(0, BLOCK_V)
-        mask = vocab < V
-        p = tl.load(p_ptr + vocab, mask=mask, other=0.0).to(tl.float32)
-        exponential = (-tl.log(uniform(seed, offset, vocab).to(tl.float64))).to(tl.float32)
-
-        p_score = tl.math.div_rn(p, exponential)
-        tile_best = tl.max(p_score, axis=0)  # a later tile wins only if strictly better: ties go to the lowest id
-        best_p_token = tl.where(tile_best > best_p_score, start + tl.argmax(p_score, axis=0), best_p_token)
-        best_p_score = tl.maximum(tile_best, best_p_score)
-
-        if HAS_DRAFT_PROBS:  # at the bonus position there is no q row: read none
-            q = tl.load(q_ptr + vocab, mask=vocab < tl.where(use_residual, V, 0), other=0.0).to(tl.float32)
-        else:
-            q = (vocab == draft_token).to(tl.float32)
-        residual = tl.maximum(tl.math.div_rn(p, p_sum) - tl.math.div_rn(q, q_sum), 0.0)
-        residual_score = tl.math.div_rn(residual, exponential)
-        tile_best = tl.max(residual_score, axis=0)
-        best_residual_token = tl.where(
-            tile_best > best_residual_score, start + tl.argmax(residual_score, axis=0), best_residual_token
-        )
-        best_residual_score = tl.maximum(tile_best, best_residual_score)
-
-    return tl.where(use_residual & (best_residual_score > 0.0), best_residual_token, best_p_token)
 
 
 @triton.jit
@@ -162,9 +127,9 @@ def _rejection_sample_kernel(
 
     # The recovered token (after a rejection) or the bonus token (all accepted), at position num_accepted.
     stop = num_accepted
-    token = _draw_token(
-        p_row + stop * V, q_row + stop * V, draft_token, p_sum, q_sum, seed, offset + stop, V, rejected,
-        HAS_DRAFT_PROBS, BLOCK_V,
+    token = draw_token(
+        p_row + stop * V, q_row + stop * V, p_sum, q_sum, 1.0, tl.full((1,), 0, tl.int64) + draft_token,
+        rejected.to(tl.int32), seed, offset + stop, V, HAS_DRAFT_PROBS, 1, BLOCK_V,
     )
 
     cols = tl.arange(0, BLOCK_K)
@@ -219,13 +184,6 @@ def _row_seeds_and_offsets(
     return seeds, offsets.to(device=device, dtype=torch.int64)
 
 
-def _exponentials_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """E[b, v] = -log(uniform(seeds[b], offsets[b], v)), the float64 log rounded to float32."""
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
-    u = uniform_ref(seeds[:, None], offsets[:, None], vocab[None, :])
-    return (-torch.log(u.double())).float()
-
-
 # ----------------------------------------------------------------------------------------------------
 # Rejection sampling
 # ----------------------------------------------------------------------------------------------------
@@ -268,7 +226,7 @@ def rejection_sample_ref(
 
     # One draw per row at its stop position: the residual after a rejection, p_n for the bonus.
     stop = num_accepted
-    exponential = _exponentials_ref(seeds, offsets + stop, vocab_size)
+    exponential = exponentials_ref(seeds, offsets + stop, vocab_size)
     p_stop = p[rows, stop]
     p_score = p_stop / exponential
     token = p_score.argmax(-1)

@@ -70,8 +70,8 @@ import triton
 import triton.language as tl
 
 from nanospec.kernels.backend import use_triton
+from nanospec.kernels.exponential_race import draw_token, exponentials_ref
 from nanospec.kernels.random import uniform, uniform_ref
-from nanospec.kernels.rejection import _exponentials_ref
 
 _TINY = torch.finfo(torch.float32).tiny  # floor for a row sum, so an all-zero row gives no NaN
 
@@ -111,47 +111,6 @@ def _residual_mass(p_ptr, q_ptr, p_sum, q_sum, coef, V, BLOCK_V: tl.constexpr):
         residual = tl.maximum(tl.math.div_rn(p, p_sum) - coef * tl.math.div_rn(q, q_sum), 0.0)
         acc += residual.to(tl.float64)
     return tl.sum(acc, axis=0).to(tl.float32)
-
-
-@triton.jit
-def _draw_token(
-    p_ptr, q_ptr, p_sum, q_sum, coef, rejected_tokens, num_rejected, seed, offset, V,
-    HAS_DRAFT_PROBS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """Exponential race over the residual if num_rejected > 0 and it has mass, else over p."""
-    use_residual = num_rejected > 0
-    slots = tl.arange(0, BLOCK_N)
-    best_p_score = tl.full((), 0.0, tl.float32)
-    best_p_token = tl.full((), 0, tl.int32)
-    best_residual_score = tl.full((), 0.0, tl.float32)
-    best_residual_token = tl.full((), 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        vocab = start + tl.arange(0, BLOCK_V)
-        mask = vocab < V
-        p = tl.load(p_ptr + vocab, mask=mask, other=0.0).to(tl.float32)
-        exponential = (-tl.log(uniform(seed, offset, vocab).to(tl.float64))).to(tl.float32)
-
-        p_score = tl.math.div_rn(p, exponential)
-        tile_best = tl.max(p_score, axis=0)  # a later tile wins only if strictly better: ties go to the lowest id
-        best_p_token = tl.where(tile_best > best_p_score, start + tl.argmax(p_score, axis=0), best_p_token)
-        best_p_score = tl.maximum(tile_best, best_p_score)
-
-        if HAS_DRAFT_PROBS:
-            q = tl.load(q_ptr + vocab, mask=vocab < tl.where(use_residual, V, 0), other=0.0).to(tl.float32)
-            residual = tl.maximum(tl.math.div_rn(p, p_sum) - coef * tl.math.div_rn(q, q_sum), 0.0)
-        else:
-            residual = tl.math.div_rn(p, p_sum)
-            for slot in range(num_rejected):
-                token = tl.sum(tl.where(slots == slot, rejected_tokens, 0), axis=0)
-                residual = tl.where(vocab == token, 0.0, residual)
-        residual_score = tl.math.div_rn(residual, exponential)
-        tile_best = tl.max(residual_score, axis=0)
-        best_residual_token = tl.where(
-            tile_best > best_residual_score, start + tl.argmax(residual_score, axis=0), best_residual_token
-        )
-        best_residual_score = tl.maximum(tile_best, best_residual_score)
-
-    return tl.where(use_residual & (best_residual_score > 0.0), best_residual_token, best_p_token)
 
 
 @triton.jit
@@ -245,7 +204,7 @@ def _tree_rejection_sample_kernel(
         moved = accepted
 
     # The recovered token (every child of cur rejected) or the bonus token (cur is a leaf), at depth.
-    token = _draw_token(
+    token = draw_token(
         p_rows + cur * V, q_rows + tl.minimum(first_child, N - 1) * V, p_sum, q_sum, coef, rejected_tokens,
         num_tried, seed, offset + depth, V, HAS_DRAFT_PROBS, BLOCK_N, BLOCK_V,
     )
@@ -394,7 +353,7 @@ def tree_rejection_sample_ref(
         walking = moved
 
     # One draw per row at the node where it stopped: the residual after rejections, the target at a leaf.
-    exponential = _exponentials_ref(seeds, offsets + depth, vocab_size)
+    exponential = exponentials_ref(seeds, offsets + depth, vocab_size)
     p_stop = p[rows, cur]
     token = (p_stop / exponential).argmax(-1)
     if q is not None:

@@ -1,0 +1,70 @@
+"""Drawing one token from a (residual) distribution by an exponential race, shared by the verifiers.
+
+    token = argmax_v  w_v / E_v,   E_v = -log(uniform(seed, offset, v))
+
+picks v with probability w_v / sum(w): no normalisation, no cumsum, one pass over the vocabulary.
+The log is taken in float64 and rounded to float32 and divisions round to nearest, so the Triton
+kernels and their torch references pick the same token; ties go to the lowest id.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanospec.kernels.random import uniform, uniform_ref
+
+
+@triton.jit
+def draw_token(
+    p_ptr, q_ptr, p_sum, q_sum, coef, rejected_tokens, num_rejected, seed, offset, V,
+    HAS_DRAFT_PROBS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Exponential race over the residual if ``num_rejected > 0`` and it has mass, else over p.
+
+    Residual: with draft probabilities ``norm(max(p - coef * q, 0))``; one-hot drafts: p with the
+    ``num_rejected`` tokens in ``rejected_tokens`` zeroed (the chain verifier passes coef = 1 and
+    its one rejected draft token).
+    """
+    use_residual = num_rejected > 0
+    slots = tl.arange(0, BLOCK_N)
+    best_p_score = tl.full((), 0.0, tl.float32)
+    best_p_token = tl.full((), 0, tl.int32)
+    best_residual_score = tl.full((), 0.0, tl.float32)
+    best_residual_token = tl.full((), 0, tl.int32)
+    for start in range(0, V, BLOCK_V):
+        vocab = start + tl.arange(0, BLOCK_V)
+        mask = vocab < V
+        p = tl.load(p_ptr + vocab, mask=mask, other=0.0).to(tl.float32)
+        exponential = (-tl.log(uniform(seed, offset, vocab).to(tl.float64))).to(tl.float32)
+
+        p_score = tl.math.div_rn(p, exponential)
+        tile_best = tl.max(p_score, axis=0)  # a later tile wins only if strictly better: ties go to the lowest id
+        best_p_token = tl.where(tile_best > best_p_score, start + tl.argmax(p_score, axis=0), best_p_token)
+        best_p_score = tl.maximum(tile_best, best_p_score)
+
+        if HAS_DRAFT_PROBS:
+            q = tl.load(q_ptr + vocab, mask=vocab < tl.where(use_residual, V, 0), other=0.0).to(tl.float32)
+            residual = tl.maximum(tl.math.div_rn(p, p_sum) - coef * tl.math.div_rn(q, q_sum), 0.0)
+        else:
+            residual = tl.math.div_rn(p, p_sum)
+            for slot in range(num_rejected):
+                token = tl.sum(tl.where(slots == slot, rejected_tokens, 0), axis=0)
+                residual = tl.where(vocab == token, 0.0, residual)
+        residual_score = tl.math.div_rn(residual, exponential)
+        tile_best = tl.max(residual_score, axis=0)
+        best_residual_token = tl.where(
+            tile_best > best_residual_score, start + tl.argmax(residual_score, axis=0), best_residual_token
+        )
+        best_residual_score = tl.maximum(tile_best, best_residual_score)
+
+    return tl.where(use_residual & (best_residual_score > 0.0), best_residual_token, best_p_token)
+
+
+
+def exponentials_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """E[b, v] = -log(uniform(seeds[b], offsets[b], v)), the float64 log rounded to float32."""
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=seeds.device)
+    u = uniform_ref(seeds[:, None], offsets[:, None], vocab[None, :])
+    return (-torch.log(u.double())).float()
