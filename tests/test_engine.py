@@ -3,7 +3,7 @@
 import pytest
 
 from nanospec import LLM, SamplingParams
-from tiny import make_tiny_llama
+from tiny import assert_no_leak, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -18,12 +18,6 @@ def tiny_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def llm(tiny_path):
     return LLM(str(tiny_path), num_blocks=96, block_size=4)
-
-
-def assert_no_leak(llm):
-    stats = llm.kv_cache_stats()
-    assert stats["free_blocks"] == stats["total_blocks"]
-    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
 PROMPTS = [[5, 9, 33], list(range(40, 61)), [7] * 9, [100, 101, 102, 103, 104, 105, 3]]

@@ -1,11 +1,10 @@
 """Speculative decoding end to end on tiny random models: lossless, fewer steps, no leaked blocks."""
 
 import pytest
-import torch
 
 from nanospec import LLM, SamplingParams
 from nanospec.forward_batch import build_forward_batch
-from tiny import make_tiny_llama
+from tiny import assert_no_leak, assert_same_kv, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 # repetitive prompts give the n-gram proposer something to find
@@ -29,14 +28,6 @@ def draft_path(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(target_path):
     return LLM(str(target_path), num_blocks=256, block_size=4)
-
-
-def assert_no_leak(llm):
-    stats = llm.kv_cache_stats()
-    assert stats["free_blocks"] == stats["total_blocks"]
-    proposer = llm.engine.proposer
-    if hasattr(proposer, "block_manager"):
-        assert proposer.block_manager.num_free_blocks == proposer.block_manager.num_blocks
 
 
 def spec_llm(target_path, config, **kwargs):
@@ -98,10 +89,7 @@ def test_draft_kv_after_many_steps_equals_a_fresh_prefill(target_path, draft_pat
     batch = build_forward_batch([seq.token_ids[:n]], [0], [table], proposer.block_size, [[n - 1]], "cpu")
     proposer.model.forward(batch, proposer.kv_cache)
     fresh = proposer.block_manager.slots(table, 0, n)
-    for layer in range(proposer.model.config.num_hidden_layers):
-        for cache in proposer.kv_cache.layer(layer):
-            flat = cache.view(-1, *cache.shape[2:])
-            torch.testing.assert_close(flat[slots], flat[fresh], rtol=1e-5, atol=1e-5)
+    assert_same_kv(proposer.kv_cache, proposer.model.config.num_hidden_layers, slots, fresh)
     proposer.block_manager.free(table)
     engine.abort(rid)
     assert_no_leak(llm)

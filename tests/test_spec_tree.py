@@ -1,12 +1,11 @@
 """Token trees and lookahead decoding end to end on tiny random models: lossless, compacted KV, no leaks."""
 
 import pytest
-import torch
 
 from nanospec import LLM, SamplingParams
 from nanospec.engine import StepResult
 from nanospec.forward_batch import build_forward_batch
-from tiny import make_tiny_llama
+from tiny import assert_no_leak, assert_same_kv, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 5, 9, 34, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 3], [11, 12]]
@@ -37,14 +36,6 @@ def make(paths, name, **kwargs):
         config["model"] = str(paths[1])
     return LLM(str(paths[0]), num_blocks=kwargs.pop("num_blocks", 256), block_size=4, speculative_config=config,
                **kwargs)
-
-
-def assert_no_leak(llm):
-    stats = llm.kv_cache_stats()
-    assert stats["free_blocks"] == stats["total_blocks"]
-    bm = getattr(llm.engine.proposer, "block_manager", None)
-    if bm is not None:
-        assert bm.num_free_blocks == bm.num_blocks
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
@@ -107,10 +98,7 @@ def test_accepted_tree_path_kv_equals_plain_decoding(paths):
     llm.model.forward(build_forward_batch([tokens], [0], [table], 4, [[n - 1]], "cpu"), engine.kv_cache)
     ours = engine.block_manager.slots(seq.block_table, 0, n)
     fresh = engine.block_manager.slots(table, 0, n)
-    for layer in range(llm.model.config.num_hidden_layers):
-        for cache in engine.kv_cache.layer(layer):
-            flat = cache.view(-1, *cache.shape[2:])
-            torch.testing.assert_close(flat[ours], flat[fresh], rtol=1e-5, atol=1e-5)
+    assert_same_kv(engine.kv_cache, llm.model.config.num_hidden_layers, ours, fresh)
     engine.block_manager.free(table)
     engine.abort(rid)
     assert_no_leak(llm)

@@ -58,3 +58,21 @@ def make_tiny_llama(out_dir: Path, *, seed: int = 0, tie: bool = True, num_heads
     model.save_pretrained(out_dir)
     write_byte_tokenizer(out_dir)
     return model
+
+
+def assert_no_leak(llm) -> None:
+    """Every target KV block (and every draft KV block) is back in its pool; no request is left queued."""
+    stats = llm.kv_cache_stats()
+    assert stats["free_blocks"] == stats["total_blocks"]
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+    draft_blocks = getattr(llm.engine.proposer, "block_manager", None)
+    if draft_blocks is not None:
+        assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
+
+
+def assert_same_kv(kv_cache, num_layers: int, slots: list[int], other_slots: list[int]) -> None:
+    """The K and V at ``slots`` equal those at ``other_slots`` in every layer."""
+    for layer in range(num_layers):
+        for cache in kv_cache.layer(layer):
+            flat = cache.view(-1, *cache.shape[2:])
+            torch.testing.assert_close(flat[slots], flat[other_slots], rtol=1e-5, atol=1e-5)
