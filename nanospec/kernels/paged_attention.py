@@ -20,9 +20,14 @@ query token ``r // GROUP``, query head ``r % GROUP`` of the group. Keys are visi
 BLOCK_N with an online (flash-attention) softmax; each key's slot is looked up in the block table, so
 a tile may span cache blocks. Without a tree mask the loop stops at the last key the block's last
 query can see.
+
+The torch reference works out what depends only on the batch (each sequence's cache slots and mask)
+once, in :class:`PagedAttentionPlan`; the CPU engine builds one plan per forward for all its layers.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -181,6 +186,112 @@ def paged_attention_triton(
     return out
 
 
+@dataclass
+class _Group:
+    """Query rows of the batch and the cache slots they attend over (see :class:`PagedAttentionPlan`)."""
+    rows: slice | torch.Tensor      # a slice of the batch's rows, or row indices (batched decode)
+    kv: slice | torch.Tensor        # a slice of the flat slot axis, or slot indices ([S, L] for batched decode)
+    q_len: int                      # new tokens per sequence
+    bias: torch.Tensor | None       # additive mask (0 / -inf): [q_len * group, L], or [S, 1, 1, L] batched
+    batched: bool = False
+
+
+class PagedAttentionPlan:
+    """The torch reference's per-batch work, done once per forward and shared by every layer.
+
+    For each sequence: the flat cache slots of its storage indices (a plain slice when its blocks are
+    consecutive, as a lone request's are) and its additive mask among the new tokens (causal, or the
+    tree bitmask unpacked), with one row per (new token, query head of a kv head's group), token-major.
+    Sequences with one new token each, when there are several, are attended together: padded to the
+    longest, in one batched matmul. :meth:`attend` then costs a handful of torch ops per layer.
+    """
+
+    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
+                 block_size: int, group: int, tree_mask: torch.Tensor | None = None):
+        device = block_tables.device
+        self.group = group
+        starts, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
+        self.num_tokens = starts[-1] if starts else 0
+        q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
+        decode = [s for s, q_len in enumerate(q_lens) if q_len == 1]
+        batched = set(decode) if len(decode) > 1 else set()
+        self.groups: list[_Group] = []
+        if batched:
+            self.groups.append(self._batched_decode(decode, starts, lens, tables, block_size, device))
+        for s, q_len in enumerate(q_lens):
+            if q_len == 0 or s in batched:
+                continue
+            seq_len, ctx_len = lens[s], lens[s] - q_len
+            visible = None
+            if tree_mask is not None and q_len > 1:
+                visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
+                visible[:, ctx_len:] = unpack_mask(tree_mask[starts[s]:starts[s + 1]], q_len)
+            elif q_len > 1:
+                visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(diagonal=ctx_len)
+            bias = None
+            if visible is not None:
+                bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
+                bias = bias.repeat_interleave(group, dim=0)
+            self.groups.append(_Group(slice(starts[s], starts[s + 1]), _slots(tables[s], seq_len, block_size, device),
+                                      q_len, bias))
+
+    def _batched_decode(self, seqs, starts, lens, tables, block_size, device) -> _Group:
+        longest = max(lens[s] for s in seqs)
+        slots = torch.zeros(len(seqs), longest, dtype=torch.int64, device=device)  # padding reads slot 0, masked
+        bias = torch.zeros(len(seqs), 1, 1, longest, device=device)
+        for i, s in enumerate(seqs):
+            slots[i, :lens[s]] = _slot_indices(tables[s], lens[s], block_size, device)
+            bias[i, ..., lens[s]:] = float("-inf")
+        rows = [starts[s] for s in seqs]
+        in_order = rows == list(range(self.num_tokens))
+        return _Group(slice(0, self.num_tokens) if in_order else torch.tensor(rows, device=device), slots, 1, bias,
+                      batched=True)
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``."""
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads = num_heads // self.group
+        k_slots = k_cache.view(-1, num_kv_heads, head_dim)
+        v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+        whole = (len(self.groups) == 1 and isinstance(self.groups[0].rows, slice)
+                 and self.groups[0].rows == slice(0, num_tokens))
+        out = None if whole else q.new_zeros(num_tokens, num_heads, head_dim)
+        for g in self.groups:
+            if g.batched:
+                k = k_slots[g.kv].permute(0, 2, 3, 1)  # [S, Hk, D, L]
+                v = v_slots[g.kv].transpose(1, 2)      # [S, Hk, L, D]
+                q_rows = q[g.rows].view(-1, num_kv_heads, self.group, head_dim).to(k.dtype)
+                scores = torch.matmul(q_rows, k).add_(g.bias.to(k.dtype))
+                result = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [S, Hk, group, D]
+            else:
+                k = k_slots[g.kv].permute(1, 2, 0)     # [Hk, D, L]
+                v = v_slots[g.kv].transpose(0, 1)      # [Hk, L, D]
+                q_rows = q[g.rows].view(g.q_len, num_kv_heads, self.group, head_dim).transpose(0, 1)
+                q_rows = q_rows.reshape(num_kv_heads, g.q_len * self.group, head_dim).to(k.dtype)
+                scores = torch.bmm(q_rows, k) if g.bias is None else torch.baddbmm(g.bias.to(k.dtype), q_rows, k)
+                result = torch.bmm(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [Hk, q_len * group, D]
+                result = result.view(num_kv_heads, g.q_len, self.group, head_dim).transpose(0, 1)
+            result = result.reshape(-1, num_heads, head_dim).to(q.dtype)
+            if whole:
+                return result
+            out[g.rows] = result
+        return out
+
+
+def _slot_indices(table: list[int], seq_len: int, block_size: int, device) -> torch.Tensor:
+    blocks = torch.tensor(table[: (seq_len + block_size - 1) // block_size], dtype=torch.int64, device=device)
+    return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:seq_len]
+
+
+def _slots(table: list[int], seq_len: int, block_size: int, device) -> slice | torch.Tensor:
+    """The flat cache slots of storage indices ``0 .. seq_len-1``: a slice when the blocks are consecutive."""
+    num_blocks = (seq_len + block_size - 1) // block_size
+    if all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1)):
+        first = table[0] * block_size if num_blocks else 0
+        return slice(first, first + seq_len)
+    return _slot_indices(table, seq_len, block_size, device)
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -192,66 +303,9 @@ def paged_attention_ref(
     max_query_len: int,
     tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    out = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    decode = [s for s in range(len(lens)) if starts[s + 1] - starts[s] == 1] if tree_mask is None else []
-    if len(decode) > 1:  # one batched call for all single-token queries (plain decode)
-        _decode_batch_ref(q, k_cache, v_cache, block_tables, lens, starts, scale, decode, out)
-    done = set(decode) if len(decode) > 1 else set()
-    for seq, seq_len in enumerate(lens):
-        q_start, q_end = starts[seq], starts[seq + 1]
-        q_len = q_end - q_start
-        if q_len == 0 or seq in done:
-            continue
-        ctx_len = seq_len - q_len
-        blocks = block_tables[seq, : (seq_len + block_size - 1) // block_size]
-        # [Hk, seq_len, D]: whole blocks gathered, then cut to the sequence.
-        k = k_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        v = v_cache.index_select(0, blocks).view(-1, num_kv_heads, head_dim)[:seq_len].transpose(0, 1)
-        # GQA without copying K/V: the query heads of a kv head become extra query rows, [Hk, group * q_len, D].
-        q_rows = q[q_start:q_end].transpose(0, 1).reshape(num_kv_heads, group * q_len, head_dim)
-
-        mask = None
-        if tree_mask is not None:
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device)
-            mask[:, ctx_len:] = unpack_mask(tree_mask[q_start:q_end], q_len)
-        elif q_len > 1:
-            mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=q.device).tril(diagonal=ctx_len)
-        if mask is not None:
-            mask = mask.repeat(group, 1)
-
-        attended = _attend(q_rows, k, v, mask, scale)
-        out[q_start:q_end] = attended.view(num_q_heads, q_len, head_dim).transpose(0, 1)
-    return out
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """softmax(scale * q k^T, masked) v in three ops; SDPA's CPU math path costs ~4x more at decode sizes."""
-    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
-
-
-def _decode_batch_ref(q, k_cache, v_cache, block_tables, lens, starts, scale, decode, out) -> None:
-    """Sequences with one query each, padded to the longest context: one SDPA call, [S, Hk, group, D]."""
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    group = q.shape[1] // num_kv_heads
-    index = torch.tensor(decode, device=q.device)
-    seq_lens = torch.tensor([lens[s] for s in decode], device=q.device)
-    rows = torch.tensor([starts[s] for s in decode], device=q.device)
-    num_blocks = (max(lens[s] for s in decode) + block_size - 1) // block_size
-    blocks = block_tables.index_select(0, index)[:, :num_blocks].long()  # padding entries are masked below
-    k = k_cache[blocks].view(len(decode), num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache[blocks].view(len(decode), num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    valid = torch.arange(num_blocks * block_size, device=q.device)[None, :] < seq_lens[:, None]
-    q_rows = q.index_select(0, rows).view(len(decode), num_kv_heads, group, head_dim)
-    attended = _attend(q_rows, k, v, valid[:, None, None, :], scale)
-    out[rows] = attended.reshape(len(decode), num_kv_heads * group, head_dim).to(out.dtype)
+    plan = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1],
+                              q.shape[1] // k_cache.shape[2], tree_mask)
+    return plan.attend(q * scale, k_cache, v_cache)
 
 
 def paged_attention(

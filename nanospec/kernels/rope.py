@@ -131,11 +131,32 @@ def _rope_kernel(
                   cos, sin, BLOCK_K_HEADS, BLOCK_HALF)
 
 
-def _rotate_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half_dim = x.shape[-1] // 2
-    x1 = x[..., :half_dim].float()
-    x2 = x[..., half_dim:].float()
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+class RopeTables:
+    """The torch reference's per-batch work: ``cos`` and a signed ``sin`` over the whole head,
+
+        cos = [c | c],   sin = [-s | s],   rope(x) = x * cos + [x2 | x1] * sin
+
+    (the two halves of the formula above in three ops). Built once per forward and shared by every
+    layer. ``head_scale`` ``[H]`` optionally multiplies head ``h``'s rows by ``head_scale[h]``: the
+    engine's torch path folds the softmax scale into the query heads this way.
+    """
+
+    def __init__(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_scale: torch.Tensor | None = None):
+        half_dim = cos_sin_cache.shape[-1] // 2
+        cos_sin = cos_sin_cache.index_select(0, positions)
+        cos, sin = cos_sin[:, :half_dim], cos_sin[:, half_dim:]
+        self.cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)  # [T, 1, D]
+        self.sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
+        if head_scale is not None:  # [T, H, D]
+            self.cos = self.cos * head_scale[:, None]
+            self.sin = self.sin * head_scale[:, None]
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [T, H, D]`` rotated (fp32 math, stored in x's dtype), out of place."""
+        half_dim = x.shape[-1] // 2
+        x32 = x.float()
+        swapped = torch.cat((x32[..., half_dim:], x32[..., :half_dim]), dim=-1)
+        return torch.addcmul(x32 * self.cos, swapped, self.sin).to(x.dtype)
 
 
 def apply_rope_ref(
@@ -144,14 +165,12 @@ def apply_rope_ref(
     positions: torch.Tensor,
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    half_dim = q.shape[-1] // 2
-    cos_sin = cos_sin_cache.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
-    cos, sin = cos_sin[..., :half_dim], cos_sin[..., half_dim:]
+    tables = RopeTables(positions, cos_sin_cache)
     qk = _adjacent_heads(q, k)
     if qk is not None:  # q and k are neighbouring slices of one fused qkv output: rotate them in one pass
-        rotated = _rotate_ref(qk, cos, sin)
+        rotated = tables.rotate(qk)
         return rotated[:, : q.shape[1]], rotated[:, q.shape[1]:]
-    return _rotate_ref(q, cos, sin), _rotate_ref(k, cos, sin)
+    return tables.rotate(q), tables.rotate(k)
 
 
 def _adjacent_heads(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:

@@ -24,10 +24,9 @@ import torch.nn.functional as F
 from nanospec.cache.kv_cache import KVCache
 from nanospec.forward_batch import ForwardBatch
 from nanospec.kernels.activation import silu_and_mul
-from nanospec.kernels.kv_store import store_kv
-from nanospec.kernels.paged_attention import paged_attention
 from nanospec.kernels.rmsnorm import rms_norm
-from nanospec.kernels.rope import apply_rope, build_rope_cache
+from nanospec.kernels.rope import build_rope_cache
+from nanospec.model.attention import Attention
 from nanospec.model.config import LlamaConfig
 from nanospec.model.linear import Linear
 
@@ -58,16 +57,14 @@ class Llama:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.scale = self.head_dim ** -0.5
         self.cos_sin_cache = build_rope_cache(self.head_dim, config.max_position_embeddings, config.rope_theta,
                                               config.rope_scaling, device=self.device)
+        self.attention = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.cos_sin_cache)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Hidden states (after the final norm) of the rows ``batch.logits_indices``: ``[R, hidden]``."""
-        T = batch.num_tokens
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
+        plan = self.attention.plan(batch, kv_cache.block_size)  # what every layer's attention shares
         hidden = F.embedding(batch.input_ids, self.embed_tokens)
         residual = None
         for i, layer in enumerate(self.layers):
@@ -76,16 +73,8 @@ class Llama:
                 x = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
             else:
                 x, residual = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual=residual)
-            qkv = layer.qkv_proj(x)
-            q = qkv[:, :q_size].view(T, self.num_heads, self.head_dim)
-            k = qkv[:, q_size:q_size + kv_size].view(T, self.num_kv_heads, self.head_dim)
-            v = qkv[:, q_size + kv_size:].view(T, self.num_kv_heads, self.head_dim)
-            q, k = apply_rope(q, k, batch.positions, self.cos_sin_cache)
             k_cache, v_cache = kv_cache.layer(i)
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
-                                   self.scale, batch.max_query_len, batch.tree_mask)
-            hidden = layer.o_proj(attn.view(T, q_size))
+            hidden = layer.o_proj(self.attention(layer.qkv_proj(x), k_cache, v_cache, batch, plan))
             x, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual=residual)
             hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(x)))
         if residual is None:  # a model with no layers
