@@ -16,7 +16,8 @@ class KVCache:
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]  # views, made once
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k_cache, v_cache)`` of layer ``i``."""
-        return self.data[i, 0], self.data[i, 1]
+        return self._layers[i]

@@ -23,7 +23,7 @@ import torch
 
 from nanospec.forward_batch import ForwardBatch
 from nanospec.kernels.backend import use_triton
-from nanospec.kernels.kv_store import store_kv, store_kv_ref
+from nanospec.kernels.kv_store import store_kv
 from nanospec.kernels.paged_attention import PagedAttentionPlan, paged_attention
 from nanospec.kernels.rope import RopeTables, apply_rope
 
@@ -32,6 +32,8 @@ from nanospec.kernels.rope import RopeTables, apply_rope
 class TorchAttentionPlan:
     rope: RopeTables              # over q and k heads; q's rows carry the softmax scale
     attention: PagedAttentionPlan
+    slot_mapping: torch.Tensor    # where each real (non-padding) token's K/V goes
+    real_rows: torch.Tensor | None  # which rows are real tokens; None when all are
 
 
 class Attention:
@@ -48,10 +50,15 @@ class Attention:
         """Once per forward: the torch path's plan, or None where the Triton kernels run."""
         if use_triton(batch.input_ids):
             return None
+        slot_mapping, real_rows = batch.slot_mapping, None
+        if bool((slot_mapping < 0).any()):  # padding tokens (slot -1) write nowhere
+            real_rows = (slot_mapping >= 0).nonzero().squeeze(1)
+            slot_mapping = slot_mapping[real_rows]
         return TorchAttentionPlan(
             RopeTables(batch.positions, self.cos_sin_cache, self.head_scale),
             PagedAttentionPlan(batch.block_tables, batch.seq_lens, batch.query_start_loc, block_size,
-                               self.num_heads // self.num_kv_heads, batch.tree_mask))
+                               self.num_heads // self.num_kv_heads, batch.tree_mask),
+            slot_mapping, real_rows)
 
     def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                  plan: TorchAttentionPlan | None) -> torch.Tensor:
@@ -67,5 +74,9 @@ class Attention:
             return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                    self.scale, batch.max_query_len, batch.tree_mask).view(T, H * D)
         qk = plan.rope.rotate(qkv[:, :(H + Hk) * D].view(T, H + Hk, D))  # q heads come out scaled
-        store_kv_ref(qk[:, H:], v, k_cache, v_cache, batch.slot_mapping)
+        k = qk[:, H:]
+        if plan.real_rows is not None:
+            k, v = k[plan.real_rows], v[plan.real_rows]
+        k_cache.view(-1, Hk, D).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, Hk, D).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
         return plan.attention.attend(qk[:, :H], k_cache, v_cache).reshape(T, H * D)
