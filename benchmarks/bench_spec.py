@@ -5,7 +5,8 @@
     python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --draft path/to/small-llama --json spec.json
 
 Each prompt of prompts.jsonl goes through the chat template and runs once per method, after one warm-up
-request, batch 1, greedy, until eos or --max-tokens. Every method has a transformers counterpart run in the
+request, batch 1, greedy, until eos or --max-tokens; each prompt goes through every method in turn, so that a
+machine whose speed drifts slows them alike. Every method has a transformers counterpart run in the
 same process on the same token ids: plain ``generate``, prompt lookup (``prompt_lookup_num_tokens``, the
 n-gram method) and assisted generation (``assistant_model=`` the same draft, the same k, no early exit).
 nanospec's k is adaptive by default (each step verifies only the guesses that pay off on this machine);
@@ -27,7 +28,6 @@ early, so it agrees with the target rarely: it exercises the draft path, a train
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
@@ -122,18 +122,19 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
     return None
 
 
-def run_nanospec(llm: LLM, method: str, prompts, prompt_ids, max_tokens: int, device) -> list[Result]:
+def nanospec_runner(llm: LLM, method: str, prompt_ids, max_tokens: int, device):
+    """A function that generates one prompt with this engine and times it."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
-    results = []
-    for (index, category, _), ids in zip(prompts, prompt_ids):
+
+    def run(index: int, category: str, ids: list[int]) -> Result:
         sync(device)
         start = time.perf_counter()
         out = llm.generate([ids], params)[0]
         sync(device)
-        results.append(Result("nanospec", method, category, index, out.token_ids, time.perf_counter() - start,
-                              out.num_steps, out.num_draft_tokens, out.num_accepted_tokens))
-    return results
+        return Result("nanospec", method, category, index, out.token_ids, time.perf_counter() - start,
+                      out.num_steps, out.num_draft_tokens, out.num_accepted_tokens)
+    return run
 
 
 # ---------------------------------------------------------------- transformers
@@ -147,8 +148,9 @@ def load_transformers(path: Path, dtype, device):
     return model.to(device).eval()
 
 
-def run_transformers(model, method: str, prompts, prompt_ids, max_tokens: int, eos_ids: list[int], args,
-                     assistant, device) -> list[Result]:
+def transformers_runner(model, method: str, prompt_ids, max_tokens: int, eos_ids: list[int], args, assistant,
+                        device):
+    """A function that generates one prompt with transformers (plain, prompt lookup or assisted) and times it."""
     kwargs = dict(do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
     if method == "ngram":
         kwargs.update(prompt_lookup_num_tokens=args.k["ngram"], max_matching_ngram_size=args.prompt_lookup_max)
@@ -158,29 +160,31 @@ def run_transformers(model, method: str, prompts, prompt_ids, max_tokens: int, e
         assistant.generation_config.assistant_confidence_threshold = 0.0  # always k guesses, like nanospec
         kwargs.update(assistant_model=assistant)
     forwards = [0]
-    hook = model.register_forward_pre_hook(lambda module, inputs: forwards.__setitem__(0, forwards[0] + 1))
+
+    def count_forward(module, inputs):
+        forwards[0] += 1
 
     def generate(ids: list[int], n: int) -> list[int]:
         input_ids = torch.tensor([ids], device=device)
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n, **kwargs)
+        hook = model.register_forward_pre_hook(count_forward)
+        try:
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n, **kwargs)
+        finally:
+            hook.remove()
         new = out[0, len(ids):].tolist()
         stop = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
         return new[:stop]  # until eos, like nanospec
 
-    try:
-        generate(prompt_ids[0], 8)  # warm-up
-        results = []
-        for (index, category, _), ids in zip(prompts, prompt_ids):
-            forwards[0] = 0
-            sync(device)
-            start = time.perf_counter()
-            tokens = generate(ids, max_tokens)
-            sync(device)
-            results.append(Result("transformers", method, category, index, tokens, time.perf_counter() - start,
-                                  forwards[0]))
-    finally:
-        hook.remove()
-    return results
+    generate(prompt_ids[0], 8)  # warm-up
+
+    def run(index: int, category: str, ids: list[int]) -> Result:
+        forwards[0] = 0
+        sync(device)
+        start = time.perf_counter()
+        tokens = generate(ids, max_tokens)
+        sync(device)
+        return Result("transformers", method, category, index, tokens, time.perf_counter() - start, forwards[0])
+    return run
 
 
 # ---------------------------------------------------------------- report
@@ -311,10 +315,12 @@ def main():
           + ("; nanospec verifies every guess" if args.no_adaptive else "; nanospec k adaptive (goodput)"))
     print("tok/s = generated tokens / wall time of the request, prefill included")
 
-    results: list[Result] = []
+    # Every engine and method is loaded first, then each prompt runs through all of them in turn, so a
+    # machine whose speed drifts (a shared 2-core VM does) slows every method alike.
+    runners = []
     prompt_ids, eos_ids = None, None
     for method in args.methods:
-        print(f"nanospec {method} ...", flush=True)
+        print(f"nanospec {method}: loading ...", flush=True)
         llm = LLM(args.model, dtype=dtype, device=device, max_num_seqs=1,
                   speculative_config=speculative_config(method, args, draft))
         if prompt_ids is None:
@@ -322,20 +328,18 @@ def main():
             prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
                           for _, _, text in prompts]
             eos_ids = list(tok.eos_token_ids)
-        results += run_nanospec(llm, method, prompts, prompt_ids, args.max_tokens, device)
-        del llm
-        gc.collect()
-
+        runners.append(nanospec_runner(llm, method, prompt_ids, args.max_tokens, device))
     if not args.no_transformers:
         print("transformers: loading the target ...", flush=True)
         model = load_transformers(model_path, dtype, device)
         assistant = load_transformers(draft, dtype, device) if "draft" in args.methods else None
         for method in [m for m in args.methods if m in HF_LABELS]:
-            print(f"transformers {HF_LABELS[method]} ...", flush=True)
-            results += run_transformers(model, method, prompts, prompt_ids, args.max_tokens, eos_ids, args,
-                                        assistant, device)
-        del model, assistant
-        gc.collect()
+            runners.append(transformers_runner(model, method, prompt_ids, args.max_tokens, eos_ids, args, assistant,
+                                               device))
+    results: list[Result] = []
+    for (index, category, _), ids in zip(prompts, prompt_ids):
+        print(f"prompt {index} ({category}) ...", flush=True)
+        results += [run(index, category, ids) for run in runners]
 
     plain_tokens = {(r.engine, "plain", r.prompt_index): r.token_ids for r in results if r.method == "plain"}
     mismatches = find_mismatches(results, plain_tokens)
