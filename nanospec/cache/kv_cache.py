@@ -16,8 +16,14 @@ class KVCache:
         self.data = torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]  # views, made once
+        # views, made once: per layer as blocks, and with the block axes merged into one slot axis
+        self._layers = [(self.data[i, 0], self.data[i, 1]) for i in range(num_layers)]
+        self._slots = [(k.flatten(0, 1), v.flatten(0, 1)) for k, v in self._layers]
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(k_cache, v_cache)`` of layer ``i``."""
+        """``(k_cache, v_cache)`` of layer ``i``, ``[num_blocks, block_size, Hk, D]`` each."""
         return self._layers[i]
+
+    def layer_slots(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same, ``[num_blocks * block_size, Hk, D]``: slot ``s`` is block ``s // block_size``, row ``s % block_size``."""
+        return self._slots[i]

@@ -31,7 +31,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_row_stride, ffn_size, BLOCK: tl.const
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     ffn_size = x.shape[-1] // 2
     if x.dtype == torch.float32:
-        return F.silu(x[..., :ffn_size]).mul_(x[..., ffn_size:])
+        return F.silu(x.narrow(-1, 0, ffn_size)).mul_(x.narrow(-1, ffn_size, ffn_size))
     gate, up = x[..., :ffn_size].float(), x[..., ffn_size:].float()
     return (F.silu(gate) * up).to(x.dtype)
 

@@ -247,31 +247,44 @@ class PagedAttentionPlan:
         return _Group(slice(0, self.num_tokens) if in_order else torch.tensor(rows, device=device), slots, 1, bias,
                       batched=True)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``."""
+    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
+        """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``.
+
+        ``k_slots`` / ``v_slots``: the cache with its block axes merged, ``[num_blocks * block_size, Hk, D]``.
+        """
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = num_heads // self.group
-        k_slots = k_cache.view(-1, num_kv_heads, head_dim)
-        v_slots = v_cache.view(-1, num_kv_heads, head_dim)
         whole = (len(self.groups) == 1 and isinstance(self.groups[0].rows, slice)
                  and self.groups[0].rows == slice(0, num_tokens))
         out = None if whole else q.new_zeros(num_tokens, num_heads, head_dim)
         for g in self.groups:
+            q_rows = q if whole else q[g.rows]
+            if q_rows.dtype != k_slots.dtype:
+                q_rows = q_rows.to(k_slots.dtype)
             if g.batched:
                 k = k_slots[g.kv].permute(0, 2, 3, 1)  # [S, Hk, D, L]
                 v = v_slots[g.kv].transpose(1, 2)      # [S, Hk, L, D]
-                q_rows = q[g.rows].view(-1, num_kv_heads, self.group, head_dim).to(k.dtype)
-                scores = torch.matmul(q_rows, k).add_(g.bias.to(k.dtype))
-                result = torch.matmul(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [S, Hk, group, D]
+                scores = torch.matmul(q_rows.view(-1, num_kv_heads, self.group, head_dim), k)
+                scores = scores.add_(g.bias if g.bias.dtype == scores.dtype else g.bias.to(scores.dtype))
             else:
                 k = k_slots[g.kv].permute(1, 2, 0)     # [Hk, D, L]
                 v = v_slots[g.kv].transpose(0, 1)      # [Hk, L, D]
-                q_rows = q[g.rows].view(g.q_len, num_kv_heads, self.group, head_dim).transpose(0, 1)
-                q_rows = q_rows.reshape(num_kv_heads, g.q_len * self.group, head_dim).to(k.dtype)
-                scores = torch.bmm(q_rows, k) if g.bias is None else torch.baddbmm(g.bias.to(k.dtype), q_rows, k)
-                result = torch.bmm(torch.softmax(scores.float(), dim=-1).to(v.dtype), v)  # [Hk, q_len * group, D]
+                if g.q_len == 1:                       # rows are the heads of each group already
+                    q_rows = q_rows.view(num_kv_heads, self.group, head_dim)
+                else:
+                    q_rows = q_rows.view(g.q_len, num_kv_heads, self.group, head_dim).transpose(0, 1)
+                    q_rows = q_rows.reshape(num_kv_heads, g.q_len * self.group, head_dim)
+                if g.bias is None:
+                    scores = torch.bmm(q_rows, k)
+                else:
+                    scores = torch.baddbmm(g.bias if g.bias.dtype == k.dtype else g.bias.to(k.dtype), q_rows, k)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+            result = torch.matmul(probs if probs.dtype == v.dtype else probs.to(v.dtype), v)
+            if not g.batched and g.q_len > 1:          # [Hk, q_len * group, D] -> [q_len, Hk, group, D]
                 result = result.view(num_kv_heads, g.q_len, self.group, head_dim).transpose(0, 1)
-            result = result.reshape(-1, num_heads, head_dim).to(q.dtype)
+            result = result.reshape(-1, num_heads, head_dim)
+            if result.dtype != q.dtype:
+                result = result.to(q.dtype)
             if whole:
                 return result
             out[g.rows] = result
@@ -305,7 +318,7 @@ def paged_attention_ref(
 ) -> torch.Tensor:
     plan = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1],
                               q.shape[1] // k_cache.shape[2], tree_mask)
-    return plan.attend(q * scale, k_cache, v_cache)
+    return plan.attend(q * scale, k_cache.flatten(0, 1), v_cache.flatten(0, 1))
 
 
 def paged_attention(

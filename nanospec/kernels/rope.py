@@ -153,10 +153,10 @@ class RopeTables:
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H, D]`` rotated (fp32 math, stored in x's dtype), out of place."""
-        half_dim = x.shape[-1] // 2
-        x32 = x.float()
-        swapped = torch.cat((x32[..., half_dim:], x32[..., :half_dim]), dim=-1)
-        return torch.addcmul(x32 * self.cos, swapped, self.sin).to(x.dtype)
+        x32 = x if x.dtype == torch.float32 else x.float()
+        swapped = torch.roll(x32, x.shape[-1] // 2, dims=-1)  # [x2 | x1]
+        out = torch.addcmul(x32 * self.cos, swapped, self.sin)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def apply_rope_ref(

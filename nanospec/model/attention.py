@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanospec.cache.kv_cache import KVCache
 from nanospec.forward_batch import ForwardBatch
 from nanospec.kernels.backend import use_triton
 from nanospec.kernels.kv_store import store_kv
@@ -60,23 +61,25 @@ class Attention:
                                self.num_heads // self.num_kv_heads, batch.tree_mask),
             slot_mapping, real_rows)
 
-    def __call__(self, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+    def __call__(self, qkv: torch.Tensor, kv_cache: KVCache, layer: int, batch: ForwardBatch,
                  plan: TorchAttentionPlan | None) -> torch.Tensor:
-        """``qkv [T, (Hq + 2 Hk) * D]`` -> attention output ``[T, Hq * D]``; writes this layer's new K/V."""
+        """``qkv [T, (Hq + 2 Hk) * D]`` -> attention output ``[T, Hq * D]``; writes the layer's new K/V."""
         T = qkv.shape[0]
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        v = qkv[:, (H + Hk) * D:].view(T, Hk, D)
+        v = qkv.narrow(1, (H + Hk) * D, Hk * D).view(T, Hk, D)
         if plan is None:
-            q = qkv[:, :H * D].view(T, H, D)
-            k = qkv[:, H * D:(H + Hk) * D].view(T, Hk, D)
+            k_cache, v_cache = kv_cache.layer(layer)
+            q = qkv.narrow(1, 0, H * D).view(T, H, D)
+            k = qkv.narrow(1, H * D, Hk * D).view(T, Hk, D)
             q, k = apply_rope(q, k, batch.positions, self.cos_sin_cache)
             store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
             return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                    self.scale, batch.max_query_len, batch.tree_mask).view(T, H * D)
-        qk = plan.rope.rotate(qkv[:, :(H + Hk) * D].view(T, H + Hk, D))  # q heads come out scaled
-        k = qk[:, H:]
+        k_slots, v_slots = kv_cache.layer_slots(layer)
+        qk = plan.rope.rotate(qkv.narrow(1, 0, (H + Hk) * D).view(T, H + Hk, D))  # q heads come out scaled
+        k = qk.narrow(1, H, Hk)
         if plan.real_rows is not None:
             k, v = k[plan.real_rows], v[plan.real_rows]
-        k_cache.view(-1, Hk, D).index_copy_(0, plan.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, Hk, D).index_copy_(0, plan.slot_mapping, v.to(v_cache.dtype))
-        return plan.attention.attend(qk[:, :H], k_cache, v_cache).reshape(T, H * D)
+        k_slots.index_copy_(0, plan.slot_mapping, k if k.dtype == k_slots.dtype else k.to(k_slots.dtype))
+        v_slots.index_copy_(0, plan.slot_mapping, v if v.dtype == v_slots.dtype else v.to(v_slots.dtype))
+        return plan.attention.attend(qk.narrow(1, 0, H), k_slots, v_slots).reshape(T, H * D)

@@ -73,8 +73,7 @@ class Llama:
                 x = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps)
             else:
                 x, residual = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual=residual)
-            k_cache, v_cache = kv_cache.layer(i)
-            hidden = layer.o_proj(self.attention(layer.qkv_proj(x), k_cache, v_cache, batch, plan))
+            hidden = layer.o_proj(self.attention(layer.qkv_proj(x), kv_cache, i, batch, plan))
             x, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual=residual)
             hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(x)))
         if residual is None:  # a model with no layers
