@@ -234,6 +234,8 @@ class PagedAttentionPlan:
                 bias = bias.repeat_interleave(group, dim=0)
             self.groups.append(_Group(slice(starts[s], starts[s + 1]), _slots(tables[s], seq_len, block_size, device),
                                       q_len, bias))
+        self.one_group_for_all_rows = (len(self.groups) == 1 and isinstance(self.groups[0].rows, slice)
+                                       and self.groups[0].rows == slice(0, self.num_tokens))
 
     def _batched_decode(self, seqs, starts, lens, tables, block_size, device) -> _Group:
         longest = max(lens[s] for s in seqs)
@@ -254,8 +256,7 @@ class PagedAttentionPlan:
         """
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = num_heads // self.group
-        whole = (len(self.groups) == 1 and isinstance(self.groups[0].rows, slice)
-                 and self.groups[0].rows == slice(0, num_tokens))
+        whole = self.one_group_for_all_rows
         out = None if whole else q.new_zeros(num_tokens, num_heads, head_dim)
         for g in self.groups:
             q_rows = q if whole else q[g.rows]

@@ -64,11 +64,12 @@ def rms_norm_ref(
     if residual is not None:
         summed = x + residual
         return rms_norm_ref(summed, weight, eps), summed
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:  # one fused op on the CPU engine's hot path
-        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight, eps)
-    x32 = x.float()
-    inv_rms = torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
-    return (x32 * inv_rms * weight.float()).to(x.dtype)
+    # HF's formula, in place on its own temporaries; on a CPU decode step this costs less than the
+    # composite torch.nn.functional.rms_norm (measured: ~1 ms less per SmolLM2 forward)
+    x32 = x if x.dtype == torch.float32 else x.float()
+    inv_rms = torch.mul(x32, x32).mean(dim=-1, keepdim=True).add_(eps).rsqrt_()
+    out = x32 * inv_rms * (weight if weight.dtype == torch.float32 else weight.float())
+    return out if out.dtype == x.dtype else out.to(x.dtype)
 
 
 def rms_norm_triton(
