@@ -5,8 +5,9 @@ on average ``E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)`
 ``C(k) = T(k+1) + k * D``, where ``T(m)`` is the target's forward time over ``m`` tokens and ``D``
 one draft forward (0 for the n-gram proposer). Each step every speculating sequence verifies the
 ``k`` in ``0..K`` that maximises ``E(k) / C(k)``. ``T`` and ``D`` are measured on this machine when
-the engine starts: on a GPU ``T`` is flat and speculation always pays; on a CPU in fp32 a 2-token
-forward costs ~1.8 single ones, so guessing pays only when ``alpha`` is high.
+the engine starts: on a GPU ``T`` is flat and speculation always pays; on the 2-core CI CPU in fp32
+(SmolLM2) a forward over 2 tokens costs ~1.1 single ones and over 8 ~1.4, so a guess must be right
+often enough to pay for its share (with ``alpha`` below ~0.1, not even one does).
 
 ``alpha`` is estimated per request from its own history: decayed counts of accepted and tried
 drafts, shrunk towards a prior, ``alpha = (S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)``. The
