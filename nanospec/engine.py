@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.cache.block_manager import BlockManager
+from nanospec.cache.block_manager import BlockManager, slots_of
 from nanospec.cache.kv_cache import KVCache
 from nanospec.forward_batch import build_forward_batch
 from nanospec.kernels.attention_mask import tree_depths, tree_mask_from_parents
@@ -355,11 +355,9 @@ class Engine:
         moves = [(a, b) for a, b in zip(src, dst) if a != b]
         if not moves:
             return
-        bs, table = self.config.block_size, seq.block_table
-        slot = lambda i: table[i // bs] * bs + i % bs  # noqa: E731
-        device = self.model.device
-        src_slots = torch.tensor([slot(a) for a, _ in moves], dtype=torch.int64, device=device)
-        dst_slots = torch.tensor([slot(b) for _, b in moves], dtype=torch.int64, device=device)
+        bs, table, device = self.config.block_size, seq.block_table, self.model.device
+        src_slots = torch.tensor(slots_of(table, bs, [a for a, _ in moves]), dtype=torch.int64, device=device)
+        dst_slots = torch.tensor(slots_of(table, bs, [b for _, b in moves]), dtype=torch.int64, device=device)
         for layer in range(self.model.config.num_hidden_layers):
             copy_kv_slots(*self.kv_cache.layer(layer), src_slots, dst_slots)
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from nanospec.cache.block_manager import slots_of
 from nanospec.kernels.attention_mask import causal_mask, concat_masks
 
 
@@ -51,7 +52,7 @@ def build_forward_batch(token_lists: list[list[int]], start_positions: list[int]
         input_ids.extend(tokens)
         pos.extend(positions[s] if positions is not None and positions[s] is not None
                    else range(start, start + len(tokens)))
-        slots.extend(table[i // block_size] * block_size + i % block_size for i in range(start, start + len(tokens)))
+        slots.extend(slots_of(table, block_size, range(start, start + len(tokens))))
         logits_indices.extend(qsl[-1] + r for r in logits_rows[s])
         qsl.append(qsl[-1] + len(tokens))
     max_blocks = max((len(t) for t in block_tables), default=0)

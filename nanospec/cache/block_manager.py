@@ -17,6 +17,11 @@ from __future__ import annotations
 from collections import deque
 
 
+def slots_of(block_table: list[int], block_size: int, token_indices) -> list[int]:
+    """The cache slot of each token index (its block must be reserved): the formula above."""
+    return [block_table[i // block_size] * block_size + i % block_size for i in token_indices]
+
+
 class OutOfBlocks(RuntimeError):
     """Raised by ``reserve`` when the pool has too few free blocks; callers preempt and retry."""
 
@@ -60,5 +65,4 @@ class BlockManager:
 
     def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
         """Slots of token indices ``start .. end-1`` (all must be reserved)."""
-        bs = self.block_size
-        return [block_table[i // bs] * bs + i % bs for i in range(start, end)]
+        return slots_of(block_table, self.block_size, range(start, end))
