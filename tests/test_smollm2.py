@@ -10,6 +10,7 @@ import torch
 from nanospec import LLM, SamplingParams
 from nanospec.forward_batch import build_forward_batch
 from nanospec.model.embedded import embedded_model_path
+from tiny import assert_no_leak
 
 pytestmark = pytest.mark.slow
 
@@ -100,7 +101,7 @@ def test_ngram_greedy_equals_plain_on_real_prompts(prompts, plain_outputs):
     stats = llm.stats()
     assert stats["num_accepted_tokens"] > 0
     assert sum(o.num_steps for o in outs) < sum(o.num_steps for o in plain_outputs)
-    assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
+    assert_no_leak(llm)
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +122,7 @@ def test_truncated_draft_greedy_equals_plain_on_real_prompts(draft_dir, prompts,
     for out, plain in zip(outs, plain_outputs):
         assert out.token_ids == plain.token_ids
     assert llm.stats()["num_accepted_tokens"] > 0
-    assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
-    assert llm.engine.proposer.block_manager.num_free_blocks == llm.engine.proposer.block_manager.num_blocks
+    assert_no_leak(llm)
 
 
 @pytest.mark.parametrize("config", [
@@ -135,4 +135,4 @@ def test_tree_methods_greedy_equal_plain_on_real_prompts(prompts, plain_outputs,
     for out, plain in zip(outs, plain_outputs):
         assert out.token_ids == plain.token_ids
     assert llm.stats()["num_accepted_tokens"] > 0
-    assert llm.kv_cache_stats()["free_blocks"] == llm.kv_cache_stats()["total_blocks"]
+    assert_no_leak(llm)

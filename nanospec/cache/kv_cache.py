@@ -25,5 +25,6 @@ class KVCache:
         return self._layers[i]
 
     def layer_slots(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same, ``[num_blocks * block_size, Hk, D]``: slot ``s`` is block ``s // block_size``, row ``s % block_size``."""
+        """The same, ``[num_blocks * block_size, Hk, D]``: slot ``s`` is row ``s % block_size`` of block
+        ``s // block_size``."""
         return self._slots[i]

@@ -98,6 +98,13 @@ def _slot_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:])
 
 
+def real_token_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
+    """Rows of the tokens that write K/V (slot >= 0; padding tokens have slot -1), or None when all do."""
+    if not bool((slot_mapping < 0).any()):  # most batches have no padding
+        return None
+    return (slot_mapping >= 0).nonzero().squeeze(1)
+
+
 def store_kv_ref(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -105,9 +112,9 @@ def store_kv_ref(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    if bool((slot_mapping < 0).any()):  # drop padding tokens (most batches have none)
-        is_real = slot_mapping >= 0
-        k, v, slot_mapping = k[is_real], v[is_real], slot_mapping[is_real]
+    rows = real_token_rows(slot_mapping)
+    if rows is not None:
+        k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
     _slot_view(k_cache).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     _slot_view(v_cache).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 

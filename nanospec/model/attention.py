@@ -25,7 +25,7 @@ import torch
 from nanospec.cache.kv_cache import KVCache
 from nanospec.forward_batch import ForwardBatch
 from nanospec.kernels.backend import use_triton
-from nanospec.kernels.kv_store import store_kv
+from nanospec.kernels.kv_store import real_token_rows, store_kv
 from nanospec.kernels.paged_attention import PagedAttentionPlan, paged_attention
 from nanospec.kernels.rope import RopeTables, apply_rope
 
@@ -52,10 +52,8 @@ class Attention:
         """Once per forward: the torch path's plan, or None where the Triton kernels run."""
         if use_triton(batch.input_ids):
             return None
-        slot_mapping, real_rows = batch.slot_mapping, None
-        if bool((slot_mapping < 0).any()):  # padding tokens (slot -1) write nowhere
-            real_rows = (slot_mapping >= 0).nonzero().squeeze(1)
-            slot_mapping = slot_mapping[real_rows]
+        real_rows = real_token_rows(batch.slot_mapping)
+        slot_mapping = batch.slot_mapping if real_rows is None else batch.slot_mapping[real_rows]
         return TorchAttentionPlan(
             RopeTables(batch.positions, self.cos_sin_cache, self.head_scale),
             PagedAttentionPlan(batch.block_tables, batch.seq_lens, batch.query_start_loc, block_size,
