@@ -254,42 +254,41 @@ class PagedAttentionPlan:
 
         ``k_slots`` / ``v_slots``: the cache with its block axes merged, ``[num_blocks * block_size, Hk, D]``.
         """
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads = num_heads // self.group
-        whole = self.one_group_for_all_rows
-        out = None if whole else q.new_zeros(num_tokens, num_heads, head_dim)
+        if self.one_group_for_all_rows:
+            return self._attend_group(self.groups[0], q, k_slots, v_slots)
+        out = q.new_zeros(q.shape)
         for g in self.groups:
-            q_rows = q if whole else q[g.rows]
-            if q_rows.dtype != k_slots.dtype:
-                q_rows = q_rows.to(k_slots.dtype)
-            if g.batched:
-                k = k_slots[g.kv].permute(0, 2, 3, 1)  # [S, Hk, D, L]
-                v = v_slots[g.kv].transpose(1, 2)      # [S, Hk, L, D]
-                scores = torch.matmul(q_rows.view(-1, num_kv_heads, self.group, head_dim), k)
-                scores = scores.add_(g.bias if g.bias.dtype == scores.dtype else g.bias.to(scores.dtype))
-            else:
-                k = k_slots[g.kv].permute(1, 2, 0)     # [Hk, D, L]
-                v = v_slots[g.kv].transpose(0, 1)      # [Hk, L, D]
-                if g.q_len == 1:                       # rows are the heads of each group already
-                    q_rows = q_rows.view(num_kv_heads, self.group, head_dim)
-                else:
-                    q_rows = q_rows.view(g.q_len, num_kv_heads, self.group, head_dim).transpose(0, 1)
-                    q_rows = q_rows.reshape(num_kv_heads, g.q_len * self.group, head_dim)
-                if g.bias is None:
-                    scores = torch.bmm(q_rows, k)
-                else:
-                    scores = torch.baddbmm(g.bias if g.bias.dtype == k.dtype else g.bias.to(k.dtype), q_rows, k)
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-            result = torch.matmul(probs if probs.dtype == v.dtype else probs.to(v.dtype), v)
-            if not g.batched and g.q_len > 1:          # [Hk, q_len * group, D] -> [q_len, Hk, group, D]
-                result = result.view(num_kv_heads, g.q_len, self.group, head_dim).transpose(0, 1)
-            result = result.reshape(-1, num_heads, head_dim)
-            if result.dtype != q.dtype:
-                result = result.to(q.dtype)
-            if whole:
-                return result
-            out[g.rows] = result
+            out[g.rows] = self._attend_group(g, q[g.rows], k_slots, v_slots)
         return out
+
+    def _attend_group(self, g: _Group, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        num_kv_heads, group = num_heads // self.group, self.group
+        q_in = q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)
+        if g.batched:                                  # S sequences, one token each, padded to the longest
+            k = k_slots[g.kv].permute(0, 2, 3, 1)      # [S, Hk, D, L]
+            v = v_slots[g.kv].transpose(1, 2)          # [S, Hk, L, D]
+            scores = torch.matmul(q_in.view(-1, num_kv_heads, group, head_dim), k)
+            scores = scores.add_(g.bias if g.bias.dtype == scores.dtype else g.bias.to(scores.dtype))
+        else:                                          # one sequence: [Hk, q_len * group, L]
+            k = k_slots[g.kv].permute(1, 2, 0)         # [Hk, D, L]
+            v = v_slots[g.kv].transpose(0, 1)          # [Hk, L, D]
+            if g.q_len == 1:                           # rows are the heads of each group already
+                q_in = q_in.view(num_kv_heads, group, head_dim)
+            else:
+                q_in = q_in.view(g.q_len, num_kv_heads, group, head_dim).transpose(0, 1)
+                q_in = q_in.reshape(num_kv_heads, g.q_len * group, head_dim)
+            if g.bias is None:
+                scores = torch.bmm(q_in, k)
+            else:
+                scores = torch.baddbmm(g.bias if g.bias.dtype == k.dtype else g.bias.to(k.dtype), q_in, k)
+        probs = torch.softmax(scores, dim=-1) if scores.dtype == torch.float32 else \
+            torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        result = torch.matmul(probs, v) if g.batched else torch.bmm(probs, v)
+        if not g.batched and g.q_len > 1:              # [Hk, q_len * group, D] -> [q_len, Hk, group, D]
+            result = result.view(num_kv_heads, g.q_len, group, head_dim).transpose(0, 1)
+        result = result.reshape(num_tokens, num_heads, head_dim)
+        return result if result.dtype == q.dtype else result.to(q.dtype)
 
 
 def _slot_indices(table: list[int], seq_len: int, block_size: int, device) -> torch.Tensor:
