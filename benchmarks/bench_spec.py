@@ -1,8 +1,9 @@
-"""Speculative decoding on a prompt set: nanospec plain / n-gram / draft model vs transformers, batch 1, greedy.
+"""Speculative decoding on a prompt set: nanospec plain / n-gram / draft model vs transformers, greedy.
 
     python benchmarks/bench_spec.py                        # embedded SmolLM2, fp32 on CPU, every prompt
     python benchmarks/bench_spec.py --limit 1 --max-tokens 16 --categories summarization   # a quick look
     python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --draft path/to/small-llama --json spec.json
+    python benchmarks/bench_spec.py --batch 16 --methods plain ngram   # 16 requests at a time
 
 Each prompt of prompts.jsonl goes through the chat template and runs once per method, after one warm-up
 request, batch 1, greedy, until eos or --max-tokens; each prompt goes through every method in turn, so that a
@@ -10,7 +11,13 @@ machine whose speed drifts slows them alike. Every method has a transformers cou
 same process on the same token ids: plain ``generate``, prompt lookup (``prompt_lookup_num_tokens``, the
 n-gram method) and assisted generation (``assistant_model=`` the same draft, the same k, no early exit).
 nanospec's k is adaptive by default (each step verifies only the guesses that pay off on this machine);
---no-adaptive verifies all k every step, as transformers does. Per category and overall:
+--no-adaptive verifies all k every step, as transformers does.
+
+With --batch B the prompts go B at a time (file order) into one ``generate`` call per method, so
+speculating requests share every forward with each other. transformers then runs plain batched
+``generate`` (left-padded) only: its prompt lookup and assisted generation take one sequence at a
+time. A batch's wall time is shared among its requests in proportion to their tokens, so tok/s is
+the batches' throughput. Per category and overall:
 
     tok/s    generated tokens / wall time of the whole request, prefill included
     tau      tokens per target forward that could verify drafts. nanospec: (tokens - 1) / (steps - 1), its
@@ -122,18 +129,25 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
     return None
 
 
+def share_time(seconds: float, token_ids: list[list[int]]) -> list[float]:
+    """A batch's wall time split among its requests in proportion to their generated tokens."""
+    total = sum(len(t) for t in token_ids)
+    return [seconds * len(t) / total if total else seconds / len(token_ids) for t in token_ids]
+
+
 def nanospec_runner(llm: LLM, method: str, prompt_ids, max_tokens: int, device):
-    """A function that generates one prompt with this engine and times it."""
+    """A function that generates a batch of prompts with this engine and times it."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
 
-    def run(index: int, category: str, ids: list[int]) -> Result:
+    def run(batch: list[tuple[int, str, list[int]]]) -> list[Result]:
         sync(device)
         start = time.perf_counter()
-        out = llm.generate([ids], params)[0]
+        outs = llm.generate([ids for _, _, ids in batch], params)
         sync(device)
-        return Result("nanospec", method, category, index, out.token_ids, time.perf_counter() - start,
-                      out.num_steps, out.num_draft_tokens, out.num_accepted_tokens)
+        seconds = share_time(time.perf_counter() - start, [o.token_ids for o in outs])
+        return [Result("nanospec", method, category, index, o.token_ids, s, o.num_steps, o.num_draft_tokens,
+                       o.num_accepted_tokens) for (index, category, _), o, s in zip(batch, outs, seconds)]
     return run
 
 
@@ -150,7 +164,7 @@ def load_transformers(path: Path, dtype, device):
 
 def transformers_runner(model, method: str, prompt_ids, max_tokens: int, eos_ids: list[int], args, assistant,
                         device):
-    """A function that generates one prompt with transformers (plain, prompt lookup or assisted) and times it."""
+    """A function that generates a batch of prompts with transformers (plain, prompt lookup or assisted), timed."""
     kwargs = dict(do_sample=False, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
     if method == "ngram":
         kwargs.update(prompt_lookup_num_tokens=args.k["ngram"], max_matching_ngram_size=args.prompt_lookup_max)
@@ -164,26 +178,33 @@ def transformers_runner(model, method: str, prompt_ids, max_tokens: int, eos_ids
     def count_forward(module, inputs):
         forwards[0] += 1
 
-    def generate(ids: list[int], n: int) -> list[int]:
-        input_ids = torch.tensor([ids], device=device)
+    def generate(batch_ids: list[list[int]], n: int) -> list[list[int]]:
+        width = max(len(ids) for ids in batch_ids)  # left padding: every row's last prompt token is aligned
+        input_ids = torch.tensor([[kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in batch_ids],
+                                 device=device)
+        mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch_ids], device=device)
         hook = model.register_forward_pre_hook(count_forward)
         try:
-            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n, **kwargs)
+            out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, **kwargs)
         finally:
             hook.remove()
-        new = out[0, len(ids):].tolist()
-        stop = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
-        return new[:stop]  # until eos, like nanospec
+        rows = []
+        for new in out[:, width:].tolist():
+            stop = next((i + 1 for i, t in enumerate(new) if t in eos_ids), len(new))
+            rows.append(new[:stop])  # until eos, like nanospec
+        return rows
 
-    generate(prompt_ids[0], 8)  # warm-up
+    generate([prompt_ids[0]], 8)  # warm-up
 
-    def run(index: int, category: str, ids: list[int]) -> Result:
+    def run(batch: list[tuple[int, str, list[int]]]) -> list[Result]:
         forwards[0] = 0
         sync(device)
         start = time.perf_counter()
-        tokens = generate(ids, max_tokens)
+        rows = generate([ids for _, _, ids in batch], max_tokens)
         sync(device)
-        return Result("transformers", method, category, index, tokens, time.perf_counter() - start, forwards[0])
+        seconds = share_time(time.perf_counter() - start, rows)
+        return [Result("transformers", method, category, index, tokens, s, forwards[0])
+                for (index, category, _), tokens, s in zip(batch, rows, seconds)]
     return run
 
 
@@ -247,11 +268,12 @@ def print_table(title: str, rows: dict) -> None:
               f"{vs_hf:>8}{match:>8}")
 
 
-def print_targets(summary: dict) -> None:
+def print_targets(summary: dict, batch: int) -> None:
+    """The issue's batch-1 targets; at a larger batch every category shares the batches' throughput."""
     lines = []
     for category, rows in summary.items():
         ngram, plain = rows.get(("nanospec", "ngram")), rows.get(("nanospec", "plain"))
-        if ngram is None or plain is None or category == "overall":
+        if ngram is None or plain is None or category == "overall" or batch > 1:
             continue
         need = NGRAM_TARGETS.get(category, NGRAM_FLOOR)
         got = ngram["tok_per_s"] / plain["tok_per_s"]
@@ -278,6 +300,7 @@ def main():
     p.add_argument("--categories", nargs="+", default=None)
     p.add_argument("--limit", type=int, default=None, help="prompts per category")
     p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--batch", type=int, default=1, help="requests per generate call (transformers: plain only)")
     p.add_argument("--draft", default=None, help="draft model path (default: the target's first --draft-layers layers)")
     p.add_argument("--draft-layers", type=int, default=4)
     p.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -308,7 +331,8 @@ def main():
     if "draft" in args.methods or "draft_tree" in args.methods:
         draft = Path(args.draft) if args.draft else truncated_draft(model_path, args.draft_layers)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"threads {torch.get_num_threads()}, dtype {dtype}, batch 1, greedy, max {args.max_tokens} new tokens, "
+          f"threads {torch.get_num_threads()}, dtype {dtype}, batch {args.batch}, greedy, max {args.max_tokens} "
+          f"new tokens, "
           f"{len(prompts)} prompts")
     print(f"target {model_path.name}; ngram k={args.k['ngram']} n-gram<={args.prompt_lookup_max}"
           + (f"; draft {draft} k={args.k['draft']}" if draft else "")
@@ -321,7 +345,7 @@ def main():
     prompt_ids, eos_ids = None, None
     for method in args.methods:
         print(f"nanospec {method}: loading ...", flush=True)
-        llm = LLM(args.model, dtype=dtype, device=device, max_num_seqs=1,
+        llm = LLM(args.model, dtype=dtype, device=device, max_num_seqs=args.batch,
                   speculative_config=speculative_config(method, args, draft))
         if prompt_ids is None:
             tok = llm.tokenizer
@@ -333,13 +357,17 @@ def main():
         print("transformers: loading the target ...", flush=True)
         model = load_transformers(model_path, dtype, device)
         assistant = load_transformers(draft, dtype, device) if "draft" in args.methods else None
-        for method in [m for m in args.methods if m in HF_LABELS]:
+        for method in [m for m in args.methods if m in HF_LABELS and (args.batch == 1 or m == "plain")]:
             runners.append(transformers_runner(model, method, prompt_ids, args.max_tokens, eos_ids, args, assistant,
                                                device))
     results: list[Result] = []
-    for (index, category, _), ids in zip(prompts, prompt_ids):
-        print(f"prompt {index} ({category}) ...", flush=True)
-        results += [run(index, category, ids) for run in runners]
+    work = [(index, category, ids) for (index, category, _), ids in zip(prompts, prompt_ids)]
+    for start in range(0, len(work), args.batch):
+        batch = work[start:start + args.batch]
+        print("prompt" + ("s " if len(batch) > 1 else " ") + ", ".join(f"{i} ({c})" for i, c, _ in batch) + " ...",
+              flush=True)
+        for run in runners:
+            results += run(batch)
 
     plain_tokens = {(r.engine, "plain", r.prompt_index): r.token_ids for r in results if r.method == "plain"}
     mismatches = find_mismatches(results, plain_tokens)
@@ -352,7 +380,10 @@ def main():
     for category, rows in summary.items():
         if category != "overall" or len(summary) > 2:  # one category: its table is the overall one
             print_table(category, rows)
-    print_targets(summary)
+    if args.batch > 1:
+        print(f"\nbatch {args.batch}: tok/s is the throughput of the batches, which mix categories; "
+              "tau and match are per request")
+    print_targets(summary, args.batch)
 
     nanospec_plain = {i: t for (engine, _, i), t in plain_tokens.items() if engine == "nanospec"}
     hf_plain = {i: t for (engine, _, i), t in plain_tokens.items() if engine == "transformers"}
@@ -371,6 +402,7 @@ def main():
         report = {
             "settings": {"model": str(model_path), "draft": str(draft) if draft else None, "device": str(device),
                          "dtype": str(dtype), "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
+                         "batch": args.batch,
                          "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive,
                          "prompt_lookup_max": args.prompt_lookup_max,
                          "methods": args.methods,
