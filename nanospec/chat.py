@@ -35,11 +35,15 @@ def parse_args(argv=None):
 def spec_config_from_arg(spec: str | None, k: int | None) -> dict | None:
     if spec is None:
         return None
+    if k is not None and k < 1:
+        raise SystemExit(f"-k {k}: the number of speculative tokens must be >= 1")
     if spec == "ngram":
-        config = {"method": "ngram", "num_speculative_tokens": k or 5}
+        config = {"method": "ngram", "num_speculative_tokens": 5 if k is None else k}
     elif spec.startswith("draft:"):
-        config = {"method": "draft", "model": spec[len("draft:"):], "num_speculative_tokens": k or 4}
+        config = {"method": "draft", "model": spec[len("draft:"):], "num_speculative_tokens": 4 if k is None else k}
     elif spec == "lookahead":
+        if k is not None:
+            raise SystemExit("-k does not apply to --spec lookahead (its window sizes set how much it guesses)")
         config = {"method": "lookahead"}
     else:
         raise SystemExit(f"--spec {spec!r}: use 'ngram', 'draft:PATH' or 'lookahead'")

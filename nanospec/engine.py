@@ -127,6 +127,10 @@ class Engine:
         self._next_id = 0
         self._seed_rng = random.Random(seed)
         self.policy = None
+        if proposer is not None and self.block_manager.blocks_for(proposer.max_tokens_per_step + 2) > config.num_blocks:
+            raise ValueError(f"the KV pool ({config.num_blocks} blocks of {config.block_size} tokens) cannot hold one "
+                             f"speculative step ({proposer.max_tokens_per_step + 2} tokens); raise num_blocks / "
+                             f"block_size or lower num_speculative_tokens")
         if proposer is not None and adaptive_speculation and proposer.adaptive_k:
             k = proposer.max_tokens_per_step
             self.policy = GoodputPolicy(k, self.measure_forward_cost(k + 1), proposer.measure_cost())
@@ -224,8 +228,8 @@ class Engine:
             ks = [self._choose_k(seqs[i]) for i in spec_seqs]
             for i, k, proposal in zip(spec_seqs, ks, self.proposer.propose([seqs[i] for i in spec_seqs], ks)):
                 room = self.config.max_model_len - seqs[i].num_tokens - 1
-                if proposal.is_chain:
-                    k = min(k, max(room, 0))
+                if proposal.is_chain:  # no guess past the context or past max_tokens (one token always comes)
+                    k = min(k, max(room, 0), seqs[i].params.max_tokens - seqs[i].num_output_tokens - 1)
                     if k == 0 and proposal.token_ids:
                         proposal.unverified_guess = proposal.token_ids[0]
                     proposal.token_ids = proposal.token_ids[:k]
@@ -294,9 +298,7 @@ class Engine:
             self._compact_accepted_path(seq, result.path)
         seq.num_steps += 1
         seq.num_draft_tokens += k
-        seq.num_accepted_tokens += num_accepted
         self.stats.num_draft_tokens += k
-        self.stats.num_accepted_tokens += num_accepted
         self.stats.num_verify_steps += k > 0
         # K/V now exists for every old token and the accepted drafts; the emitted last token has none yet
         seq.num_cached_tokens = seq.num_tokens + num_accepted
@@ -325,6 +327,9 @@ class Engine:
         seq.token_ids.extend(new_tokens)
         seq.num_cached_tokens = min(seq.num_cached_tokens, seq.num_tokens - 1)
         self.stats.num_generated_tokens += len(new_tokens)
+        num_accepted_emitted = min(num_accepted, len(new_tokens))  # not the drafts cut off by eos or max_tokens
+        seq.num_accepted_tokens += num_accepted_emitted
+        self.stats.num_accepted_tokens += num_accepted_emitted
         if self._speculates(seq):
             self.proposer.extend(seq, new_tokens)
 
@@ -340,7 +345,11 @@ class Engine:
                 seq.text = seq.text[:idx]
                 finish_reason = "stop"
                 break
-        delta = seq.text[previous_len:]
+        # stream only text that cannot turn out to be the start of a stop string
+        streamable = len(seq.text) if finish_reason is not None else \
+            len(seq.text) - _stop_prefix_len(seq.text, seq.params.stop_list)
+        delta = seq.text[seq.num_text_streamed:streamable]
+        seq.num_text_streamed = max(seq.num_text_streamed, streamable)
         if finish_reason is not None:
             self._finish(seq, finish_reason)
         else:
@@ -374,3 +383,14 @@ class Engine:
 
     def pop_finished(self, request_id: int) -> None:
         self.sequences.pop(request_id, None)
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that is the beginning of a stop string (held back)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

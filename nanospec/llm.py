@@ -29,7 +29,10 @@ Prompt = str | list[int]
 def resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device name (cpu or cuda)") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {str(device)!r} asked for, but CUDA is not available on this machine")
     if device.type not in ("cpu", "cuda"):
@@ -70,11 +73,20 @@ class LLM:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if kv_cache_memory is not None and kv_cache_memory < 1:
+            raise ValueError(f"kv_cache_memory must be a number of bytes >= 1, got {kv_cache_memory}")
+        if max_model_len is not None and max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         from nanospec.spec.config import make_proposer, parse_speculative_config
 
         spec_config = parse_speculative_config(speculative_config)
+        if spec_config is not None and spec_config.dtype is not None:
+            try:  # a bad draft dtype fails here, before any loading
+                resolve_dtype(spec_config.dtype, self.device)
+            except ValueError as e:
+                raise ValueError(f"speculative_config['dtype']: {e}") from None
         checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model, self.dtype)
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -95,6 +107,9 @@ class LLM:
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer, seed=seed,
                              adaptive_speculation=spec_config is None or spec_config.adaptive)
+        # outputs not yet taken by the call that owns their request: every engine step serves every
+        # request, so a generate() call also advances an open stream (and the stream must get them)
+        self._outputs: dict[int, list[RequestOutput]] = {}
 
     def _blocks_from_memory(self, kv_cache_memory, block_size, max_model_len, max_num_seqs) -> int:
         c = self.config
@@ -117,6 +132,9 @@ class LLM:
                 raise ValueError("the prompt is empty: give some text or token ids")
             return self.tokenizer.encode(prompt)
         if isinstance(prompt, (list, tuple)):
+            bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool)), None)
+            if bad is not None:
+                raise ValueError(f"token ids must be ints, got {bad!r} ({type(bad).__name__})")
             return list(prompt)
         raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
 
@@ -135,6 +153,8 @@ class LLM:
             params = SamplingParams()
         if isinstance(params, SamplingParams):
             return [params] * n
+        if not isinstance(params, (list, tuple)):
+            raise ValueError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
@@ -147,19 +167,35 @@ class LLM:
         """Encode and validate every prompt first, then queue them: a bad one queues nothing."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._params_list(params, len(prompt_list))
-        encoded = [self._encode(p) for p in prompt_list]
-        for i, (ids, p) in enumerate(zip(encoded, params_list)):
+        encoded = []
+        for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
             try:
-                self.engine.validate_prompt(ids, p)
+                encoded.append(self._encode(prompt))
+                self.engine.validate_prompt(encoded[-1], p)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
         return [self.engine.add_request(ids, p) for ids, p in zip(encoded, params_list)]
 
     # ---------------------------------------------------------------- generation
+    def _step(self) -> None:
+        """One engine step; each output waits in its request's queue until its owner takes it."""
+        outputs = self.engine.step()
+        if not outputs and not self.engine.has_unfinished():
+            raise RuntimeError("the engine has no work left but a caller is still waiting for a request")
+        for out in outputs:
+            if out.request_id in self._outputs:
+                self._outputs[out.request_id].append(out)
+
+    def _take(self, request_id: int) -> list[RequestOutput]:
+        taken, self._outputs[request_id] = self._outputs[request_id], []
+        return taken
+
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion; outputs in prompt order."""
         ids = self._add_all(prompts, params)
+        for rid in ids:
+            self._outputs[rid] = []
         finished: dict[int, RequestOutput] = {}
         bar = None
         if use_tqdm:
@@ -168,33 +204,48 @@ class LLM:
             bar = tqdm(total=len(ids), desc="generating")
         try:
             while len(finished) < len(ids):
-                for out in self.engine.step():
-                    if out.finished and out.request_id in ids:
-                        finished[out.request_id] = out
-                        self.engine.pop_finished(out.request_id)
-                        if bar is not None:
-                            bar.update(1)
+                self._step()
+                for rid in ids:
+                    for out in self._take(rid):
+                        if out.finished:
+                            finished[rid] = out
+                            self.engine.pop_finished(rid)
+                            if bar is not None:
+                                bar.update(1)
         except BaseException:
             for rid in ids:
                 self.engine.abort(rid)
             raise
         finally:
+            for rid in ids:
+                self._outputs.pop(rid, None)
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput after every step that produced tokens; ``delta_text`` is the new text."""
+        """Yield a RequestOutput after every step that produced tokens; ``delta_text`` is the new text.
+
+        The prompt is checked and queued here, before the first ``next()``."""
+        if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
+            raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
         (rid,) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
+        self._outputs[rid] = []
+        return self._stream(rid)
+
+    def _stream(self, rid: int) -> Iterator[RequestOutput]:
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == rid:
-                        yield out
-                        if out.finished:
-                            self.engine.pop_finished(rid)
-                            return
+                outputs = self._take(rid)
+                if not outputs:
+                    self._step()
+                for out in outputs:
+                    yield out
+                    if out.finished:
+                        self.engine.pop_finished(rid)
+                        return
         finally:
+            self._outputs.pop(rid, None)
             self.engine.abort(rid)
 
     def _render_chat(self, messages) -> list[int]:

@@ -26,8 +26,8 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature or self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not isinstance(self.top_p, (int, float)) or not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k == 0 or self.top_k < -1:

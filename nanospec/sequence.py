@@ -30,6 +30,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
         self.text = ""
+        self.num_text_streamed = 0  # characters of ``text`` already handed out as delta_text
         self.num_steps = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

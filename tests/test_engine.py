@@ -87,6 +87,39 @@ def test_stream_yields_deltas_that_add_up(llm):
     assert_no_leak(llm)
 
 
+def test_a_stream_gets_the_outputs_a_generate_call_stepped_for_it(llm):
+    expected = llm.generate([[5, 9, 33]], GREEDY)[0]
+    stream = llm.stream([5, 9, 33], GREEDY)
+    chunks = [next(stream)]
+    llm.generate([[7] * 9], GREEDY)  # steps the stream's request too; its outputs must not be lost
+    chunks += list(stream)
+    assert chunks[-1].finished and chunks[-1].token_ids == expected.token_ids
+    assert "".join(c.delta_text for c in chunks) == expected.text
+    assert_no_leak(llm)
+
+
+def test_streamed_text_never_includes_the_start_of_a_stop_string(llm):
+    full = llm.generate([[5, 9, 33]], GREEDY)[0].text
+    assert len(full) > 8
+    for stop in (full[3:6], full[5:9] + "\x00"):  # a stop that occurs, and one whose start occurs but not all
+        chunks = list(llm.stream([5, 9, 33], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
+                                                            stop=[stop])))
+        streamed = ""
+        for c in chunks[:-1]:
+            streamed += c.delta_text
+            assert stop not in streamed and not any(streamed.endswith(stop[:n]) for n in range(1, len(stop)))
+        assert streamed + chunks[-1].delta_text == chunks[-1].text
+    assert_no_leak(llm)
+
+
+def test_stream_checks_its_prompt_when_called(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.stream("")
+    with pytest.raises(ValueError, match="one prompt"):
+        llm.stream(["a", "b"])
+    assert_no_leak(llm)
+
+
 def test_chat_renders_template(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     assert len(out) == 1 and len(out[0].token_ids) == 5
@@ -99,6 +132,7 @@ def test_chat_renders_template(llm):
     ([], "empty"),
     ([5, 320], "320"),
     ([5, -1], "-1"),
+    ([5, 2.0], "must be ints"),
     (list(range(3, 131)), "128"),
 ])
 def test_bad_prompts_raise_before_any_work(llm, prompt, match):
@@ -122,10 +156,27 @@ def test_pool_too_small_for_one_request(tiny_path):
     (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"),
     (dict(max_tokens=0), "max_tokens"),
+    (dict(temperature=float("inf")), "temperature"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(device="tpu"), ValueError, "tpu"),
+    (dict(kv_cache_memory=0), ValueError, "kv_cache_memory"),
+    (dict(speculative_config={"method": "draft", "model": "/no/such/draft"}), FileNotFoundError, "draft"),
+    (dict(speculative_config={"method": "ngram"}, num_blocks=2, block_size=2), ValueError, "num_blocks"),
+])
+def test_bad_engine_arguments(tiny_path, kwargs, error, match):
+    with pytest.raises(error, match=match):
+        LLM(str(tiny_path), **kwargs)
+
+
+def test_params_of_the_wrong_type(llm):
+    with pytest.raises(ValueError, match="got dict"):
+        llm.generate([[5, 6]], {"max_tokens": 3})
 
 
 def test_missing_model_path(tmp_path):

@@ -71,6 +71,17 @@ def test_target_as_its_own_draft_accepts_everything(target_path, plain, k):
     assert_no_leak(llm)
 
 
+def test_no_guess_past_max_tokens_and_only_emitted_drafts_count(target_path):
+    """max_tokens = 1 + (k + 1) + 2: the last step may verify one guess only (its bonus is the last token)."""
+    k = 4
+    params = SamplingParams(temperature=0, max_tokens=1 + (k + 1) + 2, ignore_eos=True)
+    llm = spec_llm(target_path, {"method": "draft", "model": str(target_path), "num_speculative_tokens": k})
+    for o in llm.generate(PROMPTS, params):
+        assert len(o.token_ids) == 8 and o.num_steps == 3
+        assert o.num_draft_tokens == o.num_accepted_tokens == k + 1
+    assert_no_leak(llm)
+
+
 def test_draft_kv_after_many_steps_equals_a_fresh_prefill(target_path, draft_path):
     k = 3
     llm = spec_llm(target_path, {"method": "draft", "model": str(draft_path), "num_speculative_tokens": k})

@@ -14,6 +14,7 @@ default) each step verifies only as many as pay off on this machine (``nanospec.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 _KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive",
@@ -77,6 +78,8 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     if not config.get("model"):
         raise ValueError("speculative_config for method 'draft' needs 'model': the path of a small Llama")
     tree_top_k = _positive_int(config, "tree_top_k", 1)
+    if not Path(config["model"]).exists():
+        raise FileNotFoundError(f"speculative_config['model']: the draft model path does not exist: {config['model']}")
     return SpeculativeConfig(method, k, model=str(config["model"]), dtype=config.get("dtype"), adaptive=adaptive,
                              tree_top_k=tree_top_k, tree_budget=tree_budget or k * tree_top_k)
 
