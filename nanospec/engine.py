@@ -1,7 +1,7 @@
 """The engine loop: one step = schedule, propose, one target forward, verify, commit.
 
     seqs     = scheduler.schedule()              which sequences run, KV blocks reserved
-    k        = policy.choose_k(seq)              how many guesses pay off on this machine (goodput)
+    k        = policy.choose_ks(seqs)            how many guesses pay off in this batch on this machine (goodput)
     drafts   = proposer.propose(seqs, k)         candidate tokens (+ draft probs) per sequence
     batch    = [uncached tokens + drafts]        one ragged batch: prefill, decode and verify alike
     logits   = model(batch)                      ONE target pass
@@ -133,7 +133,15 @@ class Engine:
                              f"block_size or lower num_speculative_tokens")
         if proposer is not None and adaptive_speculation and proposer.adaptive_k:
             k = proposer.max_tokens_per_step
-            self.policy = GoodputPolicy(k, self.measure_forward_cost(k + 1), proposer.measure_cost())
+            # T(m) for one sequence's verify (m = 1..k+1) and, sparser, for the batches this engine can run
+            larger = []
+            while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(config.max_num_seqs * (k + 1),
+                                                                config.max_num_batched_tokens, 256,
+                                                                config.max_model_len // 2):
+                larger.append(m)
+            costs = self.measure_forward_cost(list(range(1, k + 2)) + larger)
+            self.policy = GoodputPolicy(k, costs[:k + 1], proposer.measure_cost(),
+                                        larger_forwards=dict(zip(larger, costs[k + 1:])))
 
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
@@ -189,24 +197,31 @@ class Engine:
         in_decode = seq.num_tokens - seq.num_cached_tokens == 1
         return self.proposer.max_tokens_per_step if in_decode and self._speculates(seq) else 0
 
-    def _choose_k(self, seq: Sequence) -> int:
-        return self.policy.choose_k(seq.acceptance) if self.policy is not None else self.proposer.max_tokens_per_step
+    def _choose_ks(self, seqs: list[Sequence], spec_seqs: list[int]) -> list[int]:
+        """Guesses for each speculating sequence ``seqs[i]``, ``i`` in ``spec_seqs``, given the whole batch."""
+        if self.policy is None:
+            return [self.proposer.max_tokens_per_step] * len(spec_seqs)
+        num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+        return self.policy.choose_ks([seqs[i].acceptance for i in spec_seqs], num_tokens, len(seqs))
 
-    def measure_forward_cost(self, max_tokens: int, context: int = 64) -> list[float]:
-        """Seconds of one target forward over m = 1..max_tokens new tokens after ``context`` cached ones."""
+    def measure_forward_cost(self, token_counts: list[int], context: int = 64) -> list[float]:
+        """Seconds of one target forward over each of ``token_counts`` new tokens after ``context`` cached ones
+        (fewer when the pool is small: the largest counts it cannot hold are timed at what it can)."""
         bm = self.block_manager
-        if bm.blocks_for(context + max_tokens) > bm.num_free_blocks:
+        longest = min(max(token_counts), bm.num_free_blocks * bm.block_size, self.config.max_model_len)
+        if bm.blocks_for(context + longest) > bm.num_free_blocks or context + longest > self.config.max_model_len:
             context = 0
         table: list[int] = []
-        bm.reserve(table, context + max_tokens)
+        bm.reserve(table, context + longest)
         run = lambda tokens, start: self.model.forward(  # noqa: E731
             build_forward_batch([[0] * tokens], [start], [table], bm.block_size, [[tokens - 1]], self.model.device),
             self.kv_cache)
         if context:
             run(context, 0)
         device = self.model.device
-        costs = [best_seconds(lambda: self.model.compute_logits(run(m, context)), device)
-                 for m in range(1, max_tokens + 1)]
+        costs = [best_seconds(lambda: self.model.compute_logits(run(min(m, longest), context)), device,
+                              repeats=3 if m <= 16 else 1)
+                 for m in token_counts]
         bm.free(table)
         return costs
 
@@ -225,7 +240,7 @@ class Engine:
         proposals = [Proposal([]) for _ in seqs]
         spec_seqs = [i for i, s in enumerate(seqs) if self._num_lookahead_slots(s) > 0]
         if spec_seqs:
-            ks = [self._choose_k(seqs[i]) for i in spec_seqs]
+            ks = self._choose_ks(seqs, spec_seqs)
             for i, k, proposal in zip(spec_seqs, ks, self.proposer.propose([seqs[i] for i in spec_seqs], ks)):
                 room = self.config.max_model_len - seqs[i].num_tokens - 1
                 if proposal.is_chain:  # no guess past the context or past max_tokens (one token always comes)

@@ -59,3 +59,38 @@ def test_observe_counts_the_first_rejection_only():
 def test_needs_costs_for_every_k():
     with pytest.raises(ValueError, match="target costs"):
         GoodputPolicy(5, CPU_FP32[:3])
+
+
+# this CPU, SmolLM2 fp32, ms per forward over m tokens (RESULTS.md: 2: 1.08x, 8: 1.41x, 16: 2.0x, 32: 3.0x)
+CPU_CURVE = [40.0, 43.2, 48.0, 51.2, 53.6, 56.0]
+CPU_LARGER = {12: 66.4, 24: 96.0, 48: 150.0, 96: 260.0}
+
+
+def test_batch_of_one_is_the_single_sequence_rule():
+    policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER)
+    for successes in (0, 2, 5, 10, 15, 19):
+        e = estimate(successes, 20)
+        assert policy.choose_ks([e], 1, 1) == [policy.choose_k(e)]
+    drafted = GoodputPolicy(5, GPU_FLAT, draft_cost=3.3)
+    assert drafted.choose_ks([estimate(14, 20)], 1, 1) == [drafted.choose_k(estimate(14, 20))]
+
+
+def test_forward_cost_interpolates_and_extrapolates():
+    policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER)
+    assert policy.forward_cost(1) == 40.0 and policy.forward_cost(6) == 56.0
+    assert policy.forward_cost(9) == pytest.approx(56.0 + (66.4 - 56.0) * 3 / 6)
+    assert policy.forward_cost(192) == pytest.approx(260.0 + (260.0 - 150.0) * 2)
+
+
+def test_a_compute_bound_batch_guesses_only_what_is_likely_to_pay():
+    policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER)
+    alone = policy.choose_k(estimate(8, 20))
+    assert alone > 0  # alpha ~0.4 pays for a sequence alone on this CPU ...
+    assert policy.choose_ks([estimate(8, 20)] * 16, 16, 16) == [0] * 16  # ... not in a batch of 16
+    ks = policy.choose_ks([estimate(8, 20)] * 15 + [estimate(20, 20)], 16, 16)
+    assert ks[:15] == [0] * 15 and ks[15] > 0  # the one that is nearly always right still guesses
+
+
+def test_a_flat_cost_curve_guesses_the_most_in_a_batch_too():
+    policy = GoodputPolicy(5, GPU_FLAT, larger_forwards={12: 10.0, 24: 10.0, 48: 10.0, 96: 10.0})
+    assert policy.choose_ks([estimate(3, 10)] * 16, 16, 16) == [5] * 16

@@ -1,13 +1,17 @@
-"""How many tokens to guess: the goodput rule (Liu et al. 2024, adapted to batch-1 cost curves).
+"""How many tokens to guess: the goodput rule (Liu et al. 2024, "SmartSpec"), for the whole batch.
 
 If each draft is accepted with probability ``alpha`` (independently), verifying ``k`` drafts yields
 on average ``E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)`` tokens and costs
 ``C(k) = T(k+1) + k * D``, where ``T(m)`` is the target's forward time over ``m`` tokens and ``D``
-one draft forward (0 for the n-gram proposer). Each step every speculating sequence verifies the
-``k`` in ``0..K`` that maximises ``E(k) / C(k)``. ``T`` and ``D`` are measured on this machine when
-the engine starts: on a GPU ``T`` is flat and speculation always pays; on the 2-core CI CPU in fp32
-(SmolLM2) a forward over 2 tokens costs ~1.1 single ones and over 8 ~1.4, so a guess must be right
-often enough to pay for its share (with ``alpha`` below ~0.1, not even one does).
+one draft forward (0 for the n-gram proposer). Alone, a sequence verifies the ``k`` in ``0..K``
+that maximises ``E(k) / C(k)``. In a batch every guess shares one forward: with ``M`` tokens fed
+without guesses and ``S`` sequences (each emits a token), guess ``j`` of sequence ``i`` adds
+``alpha_i^j`` expected tokens and one token to the forward, so the engine takes guesses in order of
+that chance and keeps the prefix that maximises ``(S + sum of chances) / (T(M + n) + max_i k_i D)``.
+At batch 1 this is the rule above. ``T`` and ``D`` are measured on this machine when the engine
+starts: on a GPU ``T`` is flat until the batch is large and speculation pays; on the 2-core CI CPU
+in fp32 (SmolLM2) a forward over 2 tokens costs ~1.1 single ones, over 8 ~1.4 and over 32 ~3, so a
+guess must be right often enough to pay for its share, and in a batch of 16 far more often.
 
 ``alpha`` is estimated per request from its own history: decayed counts of accepted and tried
 drafts, shrunk towards a prior, ``alpha = (S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)``. The
@@ -56,12 +60,15 @@ class AcceptanceEstimate:
 
 class GoodputPolicy:
     def __init__(self, max_k: int, target_cost: list[float], draft_cost: float = 0.0, prior: float = 0.6,
-                 decay: float = 0.8):
-        """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1."""
+                 decay: float = 0.8, larger_forwards: dict[int, float] | None = None):
+        """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1;
+        ``larger_forwards`` maps larger token counts to their measured times (batches). Between points
+        the cost is interpolated linearly, past the last one extrapolated along the last two."""
         if len(target_cost) < max_k + 1:
             raise ValueError(f"need target costs for 1..{max_k + 1} tokens, got {len(target_cost)}")
         self.max_k = max_k
         self.target_cost = target_cost
+        self.points = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())
         self.draft_cost = draft_cost
         self.prior = prior
         self.decay = decay
@@ -73,6 +80,40 @@ class GoodputPolicy:
     def cost(self, k: int) -> float:
         return self.target_cost[k] + k * self.draft_cost
 
+    def forward_cost(self, num_tokens: int) -> float:
+        """``T(num_tokens)`` from the measured points."""
+        points = self.points
+        if num_tokens <= points[0][0]:
+            return points[0][1]
+        for (m0, t0), (m1, t1) in zip(points, points[1:]):
+            if num_tokens <= m1:
+                return t0 + (t1 - t0) * (num_tokens - m0) / (m1 - m0)
+        (m0, t0), (m1, t1) = points[-2:] if len(points) > 1 else (points[0], (points[0][0] + 1, points[0][1]))
+        return t1 + max(t1 - t0, 0.0) * (num_tokens - m1) / (m1 - m0)
+
     def choose_k(self, estimate: AcceptanceEstimate) -> int:
+        """A sequence alone in its forward."""
         alpha = estimate.alpha(self.prior)
         return max(range(self.max_k + 1), key=lambda k: (self.expected_tokens(alpha, k) / self.cost(k), -k))
+
+    def choose_ks(self, estimates: list[AcceptanceEstimate], num_tokens: int, num_seqs: int) -> list[int]:
+        """Guesses per speculating sequence when the forward already feeds ``num_tokens`` tokens of
+        ``num_seqs`` sequences (the speculating ones included)."""
+        alphas = [e.alpha(self.prior) for e in estimates]
+        # guess j of sequence i is accepted with chance alpha_i^j; take the likeliest first
+        guesses = sorted(((alpha ** j, -j, i) for i, alpha in enumerate(alphas) for j in range(1, self.max_k + 1)),
+                         reverse=True)
+        ks = [0] * len(alphas)
+        expected, longest = float(num_seqs), 0
+        best_n, best = 0, expected / self.forward_cost(num_tokens)
+        for n, (chance, _, i) in enumerate(guesses, 1):
+            ks[i] += 1
+            expected += chance
+            longest = max(longest, ks[i])
+            goodput = expected / (self.forward_cost(num_tokens + n) + longest * self.draft_cost)
+            if goodput > best:
+                best, best_n = goodput, n
+        ks = [0] * len(alphas)
+        for _, _, i in guesses[:best_n]:
+            ks[i] += 1
+        return ks
