@@ -80,7 +80,8 @@ class Proposal:
         """(bitmask, position offsets) over root + candidates + lookahead tokens."""
         if self.mask is not None:
             return self.mask, self.positions
-        parents = [-1] + [p + 1 for p in (self.parents if self.parents is not None else range(-1, len(self.token_ids) - 1))]
+        chain = range(-1, len(self.token_ids) - 1)  # node i's parent is node i - 1
+        parents = [-1] + [p + 1 for p in (self.parents if self.parents is not None else chain)]
         return tree_mask_from_parents(parents), tree_depths(parents)
 
 

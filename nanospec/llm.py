@@ -146,7 +146,8 @@ class LLM:
             return [list(prompts)]
         if isinstance(prompts, (list, tuple)):
             return list(prompts)
-        raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}")
+        raise ValueError("prompts must be a string, a list of token ids, or a list of those; "
+                         f"got {type(prompts).__name__}")
 
     def _params_list(self, params, n: int) -> list[SamplingParams]:
         if params is None:

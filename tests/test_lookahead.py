@@ -145,7 +145,7 @@ def test_step_structure_random(seed):
     # lookahead cells: token (l, c) at position l + c, in level order
     cells = window_cells(state)
     assert len(cells) == n - t
-    assert [step.positions[r] for r in step.lookahead_rows] == [l + c for l, c in cells]
+    assert [step.positions[r] for r in step.lookahead_rows] == [level + c for level, c in cells]
     assert [step.tokens[r] for r in step.lookahead_rows] == [x for level in state.levels for x in level]
     assert n <= decoder.max_step_tokens
 
@@ -153,7 +153,7 @@ def test_step_structure_random(seed):
 def test_mask_spans_several_words():
     decoder = LookaheadDecoder(10, 5, 8)
     state = decoder.new_state(list(range(40)))
-    state.levels = [list(range(100, 109))] + [list(range(200 + 10 * l, 210 + 10 * l)) for l in range(3)]
+    state.levels = [list(range(100, 109))] + [list(range(200 + 10 * i, 210 + 10 * i)) for i in range(3)]
     set_pool(decoder, state, [(7, [k, k + 1, k + 2, k + 3]) for k in range(8)])
     step = decoder.build_step(state, 7)
     assert len(step.tokens) == 1 + 8 * 4 + 39 == 72

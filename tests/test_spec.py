@@ -139,7 +139,8 @@ def test_adaptive_speculation_is_lossless(target_path, draft_path, plain, method
         config["model"] = str(draft_path)
     llm = LLM(str(target_path), num_blocks=256, block_size=4, speculative_config=config)
     assert llm.engine.policy is not None and len(llm.engine.policy.target_cost) == 5
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert_no_leak(llm)
 
 

@@ -35,7 +35,8 @@ uniform ``u = uniform(seed, offset, 0)`` of :mod:`nanospec.kernels.random`:
 Every step after reading ``p_v`` is exact, so Triton and torch return the same token for the same
 ``(probs, seed, offset)``, bit for bit. (``sample`` from logits inherits the backends' ulp-level
 differences in ``exp``: its tokens differ only if ``r`` falls within rounding of a CDF step.)
-``probs`` need not be normalised, zeros are never drawn, and a one-hot row always gives its token. Each token's probability is ``p_v / sum p`` up to the 2**-23 grid
+``probs`` need not be normalised, zeros are never drawn, and a one-hot row always gives its token.
+Each token's probability is ``p_v / sum p`` up to the 2**-23 grid
 of ``u`` and a relative ``V * 2**-30`` from flooring the weights. A row with no positive entry gives 0.
 
 ``sample`` is ``probs_from_logits`` followed by ``sample_from_probs``; ``greedy`` is a row-wise argmax
