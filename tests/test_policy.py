@@ -66,13 +66,20 @@ CPU_CURVE = [40.0, 43.2, 48.0, 51.2, 53.6, 56.0]
 CPU_LARGER = {12: 66.4, 24: 96.0, 48: 150.0, 96: 260.0}
 
 
+def single_sequence_rule(policy, e):
+    """argmax over k of E(k) / (T(k + 1) + k D), the smallest k on ties (the module docstring's rule)."""
+    alpha = e.alpha(policy.prior)
+    return max(range(policy.max_k + 1), key=lambda k: (
+        GoodputPolicy.expected_tokens(alpha, k) / (policy.target_cost[k] + k * policy.draft_cost), -k))
+
+
 def test_batch_of_one_is_the_single_sequence_rule():
     policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER)
     for successes in (0, 2, 5, 10, 15, 19):
         e = estimate(successes, 20)
-        assert policy.choose_ks([e], 1, 1) == [policy.choose_k(e)]
+        assert policy.choose_ks([e], 1, 1) == [single_sequence_rule(policy, e)]
     drafted = GoodputPolicy(5, GPU_FLAT, draft_cost=3.3)
-    assert drafted.choose_ks([estimate(14, 20)], 1, 1) == [drafted.choose_k(estimate(14, 20))]
+    assert drafted.choose_ks([estimate(14, 20)], 1, 1) == [single_sequence_rule(drafted, estimate(14, 20))]
 
 
 def test_forward_cost_interpolates_and_extrapolates():

@@ -77,9 +77,6 @@ class GoodputPolicy:
     def expected_tokens(alpha: float, k: int) -> float:
         return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
-    def cost(self, k: int) -> float:
-        return self.target_cost[k] + k * self.draft_cost
-
     def forward_cost(self, num_tokens: int) -> float:
         """``T(num_tokens)`` from the measured points."""
         points = self.points
@@ -92,9 +89,8 @@ class GoodputPolicy:
         return t1 + max(t1 - t0, 0.0) * (num_tokens - m1) / (m1 - m0)
 
     def choose_k(self, estimate: AcceptanceEstimate) -> int:
-        """A sequence alone in its forward."""
-        alpha = estimate.alpha(self.prior)
-        return max(range(self.max_k + 1), key=lambda k: (self.expected_tokens(alpha, k) / self.cost(k), -k))
+        """A sequence alone in its forward: the ``k`` that maximises ``E(k) / C(k)``."""
+        return self.choose_ks([estimate], 1, 1)[0]
 
     def choose_ks(self, estimates: list[AcceptanceEstimate], num_tokens: int, num_seqs: int) -> list[int]:
         """Guesses per speculating sequence when the forward already feeds ``num_tokens`` tokens of
