@@ -126,9 +126,7 @@ def main():
 
     torch.set_grad_enabled(False)
     if args.random_shape:
-        from nanospec.model.random_model import random_llm
-
-        llm = random_llm(RANDOM_SHAPES[args.random_shape], dtype=args.dtype, device=args.device)
+        llm = LLM.with_random_weights(RANDOM_SHAPES[args.random_shape], dtype=args.dtype, device=args.device)
     else:
         llm = LLM(args.model, dtype=args.dtype, device=args.device)
     device, dtype = llm.device, llm.dtype

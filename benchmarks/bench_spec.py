@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nanospec import LLM, SamplingParams  # noqa: E402
 from nanospec.convert import convert  # noqa: E402
-from nanospec.llm import resolve_device, resolve_dtype  # noqa: E402
+from nanospec.device import resolve_device, resolve_dtype  # noqa: E402
 from nanospec.model.embedded import embedded_model_path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent

@@ -7,13 +7,14 @@ target model scored the same positions with its distributions p (one more row: t
 Each draft is accepted with probability min(1, p/q); the first rejected one is replaced by a token drawn
 from the residual norm(max(p - q, 0)), which is exactly what makes the emitted tokens follow p. The walk
 below uses the same random numbers as the kernel (uniform(seed, position, index)) and checks that
-rejection_sample emits the same tokens (its Triton kernel on a GPU, its PyTorch reference on CPU).
+tree_rejection_sample, given the chain as a tree (node i's parent is node i - 1), emits the same tokens
+(its Triton kernel on a GPU, its PyTorch reference on CPU).
 """
 
 import torch
 
 from nanospec.kernels.random import uniform_ref
-from nanospec.kernels.rejection import rejection_sample
+from nanospec.kernels.tree_rejection import tree_rejection_sample
 
 WORDS = ["the", "cat", "sat", "on", "a", "down"]
 V = len(WORDS)
@@ -74,9 +75,14 @@ else:
     emitted.append(token)
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-out = rejection_sample(p[None].to(device), torch.tensor([drafts], device=device), q[None].to(device),
-                       seeds=torch.tensor([SEED], device=device), offsets=torch.tensor([OFFSET], device=device))
-print("by hand:          ", " ".join(WORDS[t] for t in emitted))
-print("rejection_sample: ", out[0].tolist(), "->", " ".join(WORDS[t] for t in out[0].tolist() if t >= 0))
+# the chain as a tree: node 0 is the root ("the"), node i the draft d_i under node i - 1; node i's draft row
+# is the q that proposed it
+node_tokens = torch.tensor([[-1] + drafts], device=device)
+parents = torch.arange(-1, k, device=device)[None]
+node_q = torch.cat([torch.zeros(1, V), q])[None].to(device)
+_, out = tree_rejection_sample(p[None].to(device), node_tokens, parents, torch.tensor([k + 1], device=device), node_q,
+                               seeds=torch.tensor([SEED], device=device), offsets=torch.tensor([OFFSET], device=device))
+print("by hand:               ", " ".join(WORDS[t] for t in emitted))
+print("tree_rejection_sample: ", out[0].tolist(), "->", " ".join(WORDS[t] for t in out[0].tolist() if t >= 0))
 assert out[0, : len(emitted)].tolist() == emitted and (out[0, len(emitted) :] == -1).all()
 print(f'the sequence is now "the {" ".join(WORDS[t] for t in emitted)}": {len(emitted)} tokens from one target pass')

@@ -15,7 +15,7 @@ other. With a PNG path and matplotlib installed, the mask is also drawn to that 
 import sys
 
 from nanospec.kernels.attention_mask import unpack_mask
-from nanospec.spec.lookahead import LookaheadDecoder
+from nanospec.speculative.lookahead import LookaheadDecoder
 
 W, N, G = 5, 4, 2
 ROOT = 42

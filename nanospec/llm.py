@@ -15,41 +15,16 @@ from typing import Iterator, Sequence as Seq
 import torch
 
 from nanospec.cache.kv_cache import kv_bytes_per_block
+from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine import Engine, EngineConfig
 from nanospec.model.llama import Llama
 from nanospec.model.loader import Checkpoint, load_checkpoint
+from nanospec.model.random_model import random_checkpoint
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
+from nanospec.speculative.config import make_proposer, parse_speculative_config
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
 Prompt = str | list[int]
-
-
-def resolve_device(device) -> torch.device:
-    if device is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"device {device!r} is not a device name (cpu or cuda)") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {str(device)!r} asked for, but CUDA is not available on this machine")
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device {str(device)!r} is not supported (cpu or cuda)")
-    return device
-
-
-def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if isinstance(dtype, torch.dtype):
-        if dtype not in _DTYPES.values():
-            raise ValueError(f"dtype {dtype} is not supported (float32, bfloat16, float16)")
-        return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-    return _DTYPES[dtype]
 
 
 class LLM:
@@ -58,7 +33,7 @@ class LLM:
 
     KV pool: ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes
     hold (default: 1 GiB on CPU, 40% of free memory on CUDA, never more than ``max_num_seqs``
-    full contexts). ``speculative_config``: see :mod:`nanospec.spec`.
+    full contexts). ``speculative_config``: see :mod:`nanospec.speculative.config`.
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype=None, device=None, *,
@@ -79,8 +54,6 @@ class LLM:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        from nanospec.spec.config import make_proposer, parse_speculative_config
-
         spec_config = parse_speculative_config(speculative_config)
         if spec_config is not None and spec_config.dtype is not None:
             try:  # a bad draft dtype fails here, before any loading
@@ -110,6 +83,14 @@ class LLM:
         # outputs not yet taken by the call that owns their request: every engine step serves every
         # request, so a generate() call also advances an open stream (and the stream must get them)
         self._outputs: dict[int, list[RequestOutput]] = {}
+
+    @classmethod
+    def with_random_weights(cls, shape: dict, dtype=None, device=None, **kwargs) -> LLM:
+        """An ``LLM`` over a random-weight Llama of the given shape (``LlamaConfig`` fields; the embedded
+        SmolLM2's vocabulary and tokenizer), for speed measurements without a model file."""
+        device = resolve_device(device)
+        dtype = resolve_dtype(dtype, device)
+        return cls(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **kwargs)
 
     def _blocks_from_memory(self, kv_cache_memory, block_size, max_model_len, max_num_seqs) -> int:
         c = self.config

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from nanospec.detokenizer import TextStream
 from nanospec.sampling_params import SamplingParams
 
 
@@ -19,7 +20,8 @@ class Sequence:
     ``num_cached_tokens`` of them; the next forward computes ``token_ids[num_cached_tokens:]``
     (the whole prompt on prefill, the last token on decode, everything again after preemption)."""
 
-    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int):
+    def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
+                 text_stream: TextStream):
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
@@ -29,18 +31,20 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
-        self.text = ""
-        self.num_text_streamed = 0  # characters of ``text`` already handed out as delta_text
+        self.text_stream = text_stream  # the output text, stop strings, what is streamed
         self.num_steps = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.spec_state: Any = None  # owned by the proposer (n-gram index, draft KV, ...)
-        self.acceptance: Any = None  # per-request acceptance estimate for choosing k (spec.policy)
-        self.detokenizer: Any = None
+        self.acceptance: Any = None  # per-request acceptance estimate for choosing k (speculative.policy)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def text(self) -> str:
+        return self.text_stream.text
 
     @property
     def prompt_token_ids(self) -> list[int]:

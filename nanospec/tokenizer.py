@@ -1,8 +1,7 @@
-"""Text <-> token ids: a thin layer over Hugging Face `tokenizers`, plus the chat template and streaming decode.
+"""Text <-> token ids: a thin layer over Hugging Face `tokenizers`, plus the chat template.
 
 `Tokenizer` behaves like transformers' fast tokenizer for the same tokenizer.json and tokenizer_config.json: the same
-ids, the same decoded text, the same rendered chat template. `IncrementalDetokenizer` turns a growing list of ids into
-text deltas for streaming, never cutting a multi-byte character in half.
+ids, the same decoded text, the same rendered chat template. Streaming decode is `nanospec.detokenizer`.
 """
 
 from __future__ import annotations
@@ -17,9 +16,6 @@ import jinja2
 import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
-
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` and the settings of its tokenizer_config.json.
@@ -110,45 +106,6 @@ class Tokenizer:
         if self.bos_token_id is None:
             return False
         return self.backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id]
-
-
-class IncrementalDetokenizer:
-    """Streams text for a growing sequence of token ids, without re-decoding the whole sequence each time.
-
-    The technique of vLLM and TGI: keep two offsets into the ids. Text up to `read_offset` has been emitted. Each
-    call decodes the short window from `prefix_offset` twice, without and with the new ids, and emits the
-    difference. Decoding a few tokens of context in front keeps the spacing right (e.g. SentencePiece drops the
-    leading space of the first token it decodes). If the new text ends in U+FFFD, the last token ended in the middle
-    of a multi-byte character: nothing is emitted and the offsets stay, so the next call decodes it whole.
-    """
-
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, context_tokens: int = 5):
-        self.tokenizer = tokenizer
-        self.token_ids = list(prompt_ids or [])
-        self.read_offset = len(self.token_ids)
-        self.prefix_offset = max(self.read_offset - context_tokens, 0)
-        self.text = ""
-
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Append `token_ids`; return the text they complete (possibly empty)."""
-        self.token_ids.extend(token_ids)
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            return ""
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.text += delta
-        return delta
-
-    def flush(self) -> str:
-        """At the end of a sequence: return held-back text (an unfinished character decodes as U+FFFD)."""
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset = len(self.token_ids)
-        self.text += delta
-        return delta
 
 
 def _token_content(token) -> str | None:

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanospec.cache.block_manager import BlockManager, OutOfBlocks
+from nanospec.cache.block_manager import BlockManager, OutOfBlocks, slots_of
 
 
 def check_invariant(bm: BlockManager, tables: list[list[int]]):
@@ -56,7 +56,7 @@ def test_slots_cross_block_boundaries():
     bm.reserve(other, 4)  # interleave so the first sequence's blocks are not contiguous
     bm.reserve(table, 9)
     assert len(table) == 3
-    slots = bm.slots(table, 0, 9)
+    slots = slots_of(table, bm.block_size, range(9))
     assert slots == [table[i // 4] * 4 + i % 4 for i in range(9)]
     assert len(set(slots)) == 9
 

@@ -185,9 +185,7 @@ def test_missing_model_path(tmp_path):
 
 
 def test_random_weight_model_of_a_given_shape_generates():
-    from nanospec.model.random_model import random_llm
-
-    llm = random_llm(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    llm = LLM.with_random_weights(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2), num_blocks=16, block_size=16)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and llm.config.vocab_size == 49152

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanospec.kernels.attention_mask import pack_mask, tree_mask_from_parents, unpack_mask
-from nanospec.spec.lookahead import LookaheadDecoder
+from nanospec.speculative.lookahead import LookaheadDecoder
 
 
 # ----------------------------------------------------------------------------- helpers

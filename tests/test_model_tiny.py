@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.forward_batch import build_forward_batch
+from nanospec.model.forward_batch import build_forward_batch
 from tiny import make_tiny_llama
 
 CONFIGS = {

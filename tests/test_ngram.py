@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanospec.spec.ngram import OCCURRENCES_SCANNED_PER_CANDIDATE, NgramIndex, NgramProposer
+from nanospec.speculative.ngram import OCCURRENCES_SCANNED_PER_CANDIDATE, NgramIndex, NgramProposer
 
 
 # ----------------------------------------------------------------------------- brute-force reference
@@ -73,103 +73,103 @@ def path_to(node, tokens, parents):
 def test_match_at_max_n():
     proposer = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=4)
     index = proposer.new_index([1, 2, 3, 4, 9, 1, 2, 3, 4])
-    assert proposer.propose(index) == [9, 1, 2]
+    assert proposer.chain(index) == [9, 1, 2]
 
 
 def test_longest_match_wins_over_a_more_recent_shorter_one():
     proposer = NgramProposer(2, prompt_lookup_min=1, prompt_lookup_max=3)
     # [1, 2, 3] occurred at the start (then 10); only [3] occurred more recently (then 11).
     index = proposer.new_index([1, 2, 3, 10, 9, 3, 11, 1, 2, 3])
-    assert proposer.propose(index) == [10, 9]
+    assert proposer.chain(index) == [10, 9]
 
 
 def test_fallback_to_smaller_n():
     proposer = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=4)
     index = proposer.new_index([5, 2, 3, 7, 8, 1, 2, 3])  # [8,1,2,3] and [1,2,3] are new, [2,3] is not
-    assert proposer.propose(index) == [7, 8, 1]
+    assert proposer.chain(index) == [7, 8, 1]
 
 
 def test_no_match_gives_empty():
     proposer = NgramProposer(4, prompt_lookup_min=1, prompt_lookup_max=4)
     for prompt in ([], [7], [1, 2, 3, 4]):
         index = proposer.new_index(prompt)
-        assert proposer.propose(index) == []
-        assert proposer.propose_tree(index, budget=8) == ([], [])
+        assert proposer.chain(index) == []
+        assert proposer.tree(index, budget=8) == ([], [])
 
 
 def test_min_n_is_respected():
     index_tokens = [1, 5, 2, 1]  # only the 1-gram [1] recurs
-    assert NgramProposer(2, prompt_lookup_min=1).propose(NgramProposer(2).new_index(index_tokens)) == [5, 2]
+    assert NgramProposer(2, prompt_lookup_min=1).chain(NgramProposer(2).new_index(index_tokens)) == [5, 2]
     proposer = NgramProposer(2, prompt_lookup_min=2, prompt_lookup_max=3)
-    assert proposer.propose(proposer.new_index(index_tokens)) == []
+    assert proposer.chain(proposer.new_index(index_tokens)) == []
 
 
 def test_continuation_runs_into_the_suffix_and_stops_at_the_end():
     proposer = NgramProposer(5, prompt_lookup_min=1, prompt_lookup_max=2)
-    assert proposer.propose(proposer.new_index([1, 2, 1, 2])) == [1, 2]
-    assert proposer.propose(proposer.new_index([7, 7, 7])) == [7]  # [7,7] also ends at 2 (overlapping)
+    assert proposer.chain(proposer.new_index([1, 2, 1, 2])) == [1, 2]
+    assert proposer.chain(proposer.new_index([7, 7, 7])) == [7]  # [7,7] also ends at 2 (overlapping)
 
 
 def test_k_limits():
     proposer = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=2)
     index = proposer.new_index([1, 2, 3, 4, 5, 6, 1, 2])
-    assert proposer.propose(index) == [3, 4, 5]  # default k = num_speculative_tokens
-    assert proposer.propose(index, k=0) == []
-    assert proposer.propose(index, k=1) == [3]
-    assert proposer.propose(index, k=5) == [3, 4, 5, 6, 1]
-    assert proposer.propose(index, k=100) == [3, 4, 5, 6, 1, 2]
+    assert proposer.chain(index) == [3, 4, 5]  # default k = num_speculative_tokens
+    assert proposer.chain(index, k=0) == []
+    assert proposer.chain(index, k=1) == [3]
+    assert proposer.chain(index, k=5) == [3, 4, 5, 6, 1]
+    assert proposer.chain(index, k=100) == [3, 4, 5, 6, 1, 2]
     with pytest.raises(ValueError, match="k"):
-        proposer.propose(index, k=-1)
+        proposer.chain(index, k=-1)
 
 
 def test_repeated_pattern_picks_the_most_recent_occurrence():
     proposer = NgramProposer(2, prompt_lookup_min=1, prompt_lookup_max=1)
-    assert proposer.propose(proposer.new_index([1, 5, 1, 6, 1, 7, 1])) == [7, 1]
+    assert proposer.chain(proposer.new_index([1, 5, 1, 6, 1, 7, 1])) == [7, 1]
     proposer = NgramProposer(2, prompt_lookup_min=2, prompt_lookup_max=2)
-    assert proposer.propose(proposer.new_index([1, 2, 8, 1, 2, 9, 0, 1, 2])) == [9, 0]
+    assert proposer.chain(proposer.new_index([1, 2, 8, 1, 2, 9, 0, 1, 2])) == [9, 0]
 
 
 def test_extend_updates_the_proposal():
     proposer = NgramProposer(2, prompt_lookup_min=1, prompt_lookup_max=3)
     index = proposer.new_index([4, 5, 6, 7, 8])
-    assert proposer.propose(index) == []
+    assert proposer.chain(index) == []
     index.extend([4, 5])
     assert index.tokens == [4, 5, 6, 7, 8, 4, 5]
     assert len(index) == 7
-    assert proposer.propose(index) == [6, 7]
+    assert proposer.chain(index) == [6, 7]
     index.extend([9])
-    assert proposer.propose(index) == []
+    assert proposer.chain(index) == []
 
 
 def test_tree_merges_continuations_most_recent_first():
     proposer = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=1, max_candidates=3)
     # [1] was followed by [5,6,1] (oldest), [7,8,1], [5,9,1] (most recent).
     index = proposer.new_index([1, 5, 6, 1, 7, 8, 1, 5, 9, 1])
-    tokens, parents = proposer.propose_tree(index, budget=16)
+    tokens, parents = proposer.tree(index, budget=16)
     assert tokens == [5, 9, 1, 7, 8, 1, 6, 1]
     assert parents == [-1, 0, 1, -1, 3, 4, 0, 6]  # [5, 6, 1] shares the node 5 with [5, 9, 1]
-    assert proposer.propose_tree(index, budget=5) == ([5, 9, 1, 7, 8], [-1, 0, 1, -1, 3])
-    assert proposer.propose_tree(index, budget=0) == ([], [])
+    assert proposer.tree(index, budget=5) == ([5, 9, 1, 7, 8], [-1, 0, 1, -1, 3])
+    assert proposer.tree(index, budget=0) == ([], [])
     two = NgramProposer(3, prompt_lookup_min=1, prompt_lookup_max=1, max_candidates=2)
-    assert two.propose_tree(index, budget=16) == ([5, 9, 1, 7, 8, 1], [-1, 0, 1, -1, 3, 4])
+    assert two.tree(index, budget=16) == ([5, 9, 1, 7, 8, 1], [-1, 0, 1, -1, 3, 4])
     with pytest.raises(ValueError, match="budget"):
-        proposer.propose_tree(index, budget=-1)
+        proposer.tree(index, budget=-1)
 
 
 def test_tree_skips_continuations_already_in_the_trie():
     proposer = NgramProposer(2, prompt_lookup_min=1, prompt_lookup_max=1, max_candidates=2)
     # [1] was followed by [5,2], [5,2], [5,2], then [6,2] (oldest): the copies add nothing.
     index = proposer.new_index([1, 6, 2, 1, 5, 2, 1, 5, 2, 1, 5, 2, 1])
-    assert proposer.propose_tree(index, budget=10) == ([5, 2, 6, 2], [-1, 0, -1, 2])
+    assert proposer.tree(index, budget=10) == ([5, 2, 6, 2], [-1, 0, -1, 2])
 
 
 def test_tree_with_one_candidate_is_the_chain_of_propose():
     proposer = NgramProposer(4, prompt_lookup_min=1, prompt_lookup_max=3)
     index = proposer.new_index([3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 1, 4, 1])
-    chain = proposer.propose(index)
+    chain = proposer.chain(index)
     assert chain == [5, 9, 2, 6]
-    assert proposer.propose_tree(index, budget=10) == (chain, [-1, 0, 1, 2])
-    assert proposer.propose_tree(index, budget=2) == (chain[:2], [-1, 0])
+    assert proposer.tree(index, budget=10) == (chain, [-1, 0, 1, 2])
+    assert proposer.tree(index, budget=2) == (chain[:2], [-1, 0])
 
 
 @pytest.mark.parametrize(
@@ -200,9 +200,9 @@ def test_matches_brute_force_reference(tokens, min_n, extra_n, k, max_candidates
     max_n = min_n + extra_n
     proposer = NgramProposer(k, min_n, max_n, max_candidates)
     index = proposer.new_index(tokens)
-    assert proposer.propose(index) == propose_reference(tokens, min_n, max_n, k)
+    assert proposer.chain(index) == propose_reference(tokens, min_n, max_n, k)
 
-    tree_tokens, parents = proposer.propose_tree(index, budget)
+    tree_tokens, parents = proposer.tree(index, budget)
     assert (tree_tokens, parents) == propose_tree_reference(tokens, min_n, max_n, k, max_candidates, budget)
     check_tree_structure(tree_tokens, parents, budget, depth=k)
     n, ends = earlier_ends_reference(tokens, min_n, max_n)
@@ -210,7 +210,7 @@ def test_matches_brute_force_reference(tokens, min_n, extra_n, k, max_candidates
     for node in range(len(tree_tokens)):  # every root-to-node path starts a real continuation
         path = path_to(node, tree_tokens, parents)
         assert any(c[: len(path)] == path for c in continuations)
-    chain = proposer.propose(index)  # the most recent continuation is inserted first
+    chain = proposer.chain(index)  # the most recent continuation is inserted first
     assert tree_tokens[: min(len(chain), budget)] == chain[:budget]
 
 
@@ -221,8 +221,8 @@ def test_long_runs_match_the_reference():
         proposer = NgramProposer(rng.randint(1, 8), rng.randint(1, 3), rng.randint(3, 6), rng.randint(1, 4))
         index = proposer.new_index(tokens)
         args = (proposer.prompt_lookup_min, proposer.prompt_lookup_max, proposer.num_speculative_tokens)
-        assert proposer.propose(index) == propose_reference(tokens, *args)
-        assert proposer.propose_tree(index, 24) == propose_tree_reference(
+        assert proposer.chain(index) == propose_reference(tokens, *args)
+        assert proposer.tree(index, 24) == propose_tree_reference(
             tokens, *args, proposer.max_candidates, 24
         )
 
@@ -243,8 +243,8 @@ def test_extend_incrementally_equals_building_from_scratch():
             fresh = proposer.new_index(tokens[:position])
             assert index.tokens == fresh.tokens
             assert index.ends == fresh.ends
-            assert proposer.propose(index) == proposer.propose(fresh)
-            assert proposer.propose_tree(index, 12) == proposer.propose_tree(fresh, 12)
+            assert proposer.chain(index) == proposer.chain(fresh)
+            assert proposer.tree(index, 12) == proposer.tree(fresh, 12)
 
 
 def test_truncate_equals_building_from_scratch():
@@ -258,8 +258,8 @@ def test_truncate_equals_building_from_scratch():
         fresh = proposer.new_index(tokens[:length])
         assert index.tokens == fresh.tokens
         assert index.ends == fresh.ends
-        assert proposer.propose(index) == proposer.propose(fresh)
-        assert proposer.propose_tree(index, 12) == proposer.propose_tree(fresh, 12)
+        assert proposer.chain(index) == proposer.chain(fresh)
+        assert proposer.tree(index, 12) == proposer.tree(fresh, 12)
         index.extend(tokens[length:])  # and it grows back to the same state
         assert index.ends == proposer.new_index(tokens).ends
     with pytest.raises(ValueError, match="truncate"):
@@ -290,9 +290,9 @@ def test_propose_cost_does_not_grow_with_sequence_length():
         # must not look at every occurrence to find out that they add nothing.
         periodic = proposer.new_index(list(range(10)) * (length // 10))
         calls[length] = [
-            lambda index=index: proposer.propose(index),
-            lambda index=index: proposer.propose_tree(index, 32),
-            lambda periodic=periodic: proposer.propose_tree(periodic, 32),
+            lambda index=index: proposer.chain(index),
+            lambda index=index: proposer.tree(index, 32),
+            lambda periodic=periodic: proposer.tree(periodic, 32),
         ]
     seconds = fastest_seconds_per_call(calls[1_000] + calls[64_000])
     short, long = seconds[:3], seconds[3:]

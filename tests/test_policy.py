@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanospec.spec.policy import AcceptanceEstimate, GoodputPolicy
+from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy
 
 CPU_FP32 = [38.0, 72.0, 70.0, 71.0, 72.0, 73.0]  # ms per forward of 1..6 tokens (MODEL_NOTES, this CPU)
 GPU_FLAT = [10.0] * 6  # a GPU: verifying 6 tokens costs what 1 does

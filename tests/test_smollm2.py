@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.forward_batch import build_forward_batch
+from nanospec.model.forward_batch import build_forward_batch
 from nanospec.model.embedded import embedded_model_path
 from tiny import assert_no_leak
 

@@ -3,7 +3,8 @@
 import pytest
 
 from nanospec import LLM, SamplingParams
-from nanospec.forward_batch import build_forward_batch
+from nanospec.cache.block_manager import slots_of
+from nanospec.model.forward_batch import build_forward_batch
 from tiny import assert_no_leak, assert_same_kv, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -85,7 +86,7 @@ def test_no_guess_past_max_tokens_and_only_emitted_drafts_count(target_path):
 def test_draft_kv_after_many_steps_equals_a_fresh_prefill(target_path, draft_path):
     k = 3
     llm = spec_llm(target_path, {"method": "draft", "model": str(draft_path), "num_speculative_tokens": k})
-    engine, proposer = llm.engine, llm.engine.proposer
+    engine, proposer = llm.engine, llm.engine.speculator.proposer
     rid = engine.add_request(PROMPTS[1], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     seq = engine.sequences[rid]
     for _ in range(12):
@@ -93,13 +94,13 @@ def test_draft_kv_after_many_steps_equals_a_fresh_prefill(target_path, draft_pat
     state = seq.spec_state
     n = state.num_cached
     assert n >= seq.num_tokens - 2  # at most [d_k, bonus] missing
-    slots = proposer.block_manager.slots(state.block_table, 0, n)
+    slots = slots_of(state.block_table, proposer.block_size, range(n))
     # a fresh draft prefill over the same tokens, in a separate region of the draft pool
     table: list[int] = []
     proposer.block_manager.reserve(table, n)
     batch = build_forward_batch([seq.token_ids[:n]], [0], [table], proposer.block_size, [[n - 1]], "cpu")
     proposer.model.forward(batch, proposer.kv_cache)
-    fresh = proposer.block_manager.slots(table, 0, n)
+    fresh = slots_of(table, proposer.block_size, range(n))
     assert_same_kv(proposer.kv_cache, proposer.model.config.num_hidden_layers, slots, fresh)
     proposer.block_manager.free(table)
     engine.abort(rid)
@@ -138,7 +139,8 @@ def test_adaptive_speculation_is_lossless(target_path, draft_path, plain, method
     if method == "draft":
         config["model"] = str(draft_path)
     llm = LLM(str(target_path), num_blocks=256, block_size=4, speculative_config=config)
-    assert llm.engine.policy is not None and len(llm.engine.policy.target_cost) == 5
+    policy = llm.engine.speculator.policy
+    assert policy is not None and len(policy.target_cost) == 5
     expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert_no_leak(llm)

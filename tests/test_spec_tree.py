@@ -3,8 +3,11 @@
 import pytest
 
 from nanospec import LLM, SamplingParams
-from nanospec.engine import StepResult
-from nanospec.forward_batch import build_forward_batch
+from nanospec.cache.block_manager import slots_of
+from nanospec.model.forward_batch import build_forward_batch
+from nanospec.speculative.proposal import Proposal, build_step_batch
+from nanospec.speculative.speculator import Speculator
+from nanospec.speculative.verify import verify
 from tiny import assert_no_leak, assert_same_kv, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -67,42 +70,37 @@ def test_lookahead_with_preemption_and_plain_requests(paths, plain):
     assert_no_leak(llm)
 
 
-def test_accepted_tree_path_kv_equals_plain_decoding(paths):
+def test_accepted_tree_path_kv_equals_plain_decoding(paths, device):
     """Force a tree whose accepted path is not contiguous in storage, then compare KV with a fresh prefill."""
-    llm = LLM(str(paths[0]), num_blocks=64, block_size=4)
+    llm = LLM(str(paths[0]), num_blocks=64, block_size=4, device=device)
     engine = llm.engine
     _, a, b = llm.generate([[5, 9, 33, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].token_ids
     rid = engine.add_request([5, 9, 33, 7], GREEDY)
     seq = engine.sequences[rid]
     engine.step()  # prefill
     # the tree: root -> x (wrong), root -> a -> y (wrong), a -> b; the accepted path is a, b (nodes 1 and 3)
-    from nanospec.engine import Proposal
-
     proposal = Proposal([(a + 1) % 300, a, (b + 1) % 300, b], parents=[-1, -1, 1, 1])
     root = seq.num_tokens - 1
     engine.block_manager.reserve(seq.block_table, seq.num_tokens + 4)
-    mask, offsets = proposal.layout()
-    batch = build_forward_batch([[seq.token_ids[-1]] + proposal.token_ids], [root], [seq.block_table], 4,
-                                [list(range(5))], "cpu", positions=[[root + o for o in offsets]], tree_masks=[mask])
+    batch = build_step_batch([seq], [proposal], 4, llm.device)
     logits = llm.model.compute_logits(llm.model.forward(batch, engine.kv_cache))
-    from nanospec.spec.verify import _verify_trees
-
-    (result,) = _verify_trees([seq], [proposal], logits, [0], [0], True)
-    assert result.path == [1, 3] and result.emitted[:2] == [a, b]
-    engine._compact_accepted_path(seq, result.path)
+    (verdict,) = engine.speculator.verify([seq], [proposal], logits)  # no proposer: plain sampling at the root
+    # a greedy walk of the tree, whose accepted path is then compacted next to the root
+    walk = verify([seq], [proposal], logits, [True])[0]
+    assert walk.path == [1, 3] and walk.emitted[:2] == [a, b] and verdict.emitted == [a]
+    Speculator._compact_accepted_paths(engine.speculator, [seq], [walk])
     n = root + 3  # root, a, b now contiguous
     # a fresh prefill of the same tokens in other blocks
     table: list[int] = []
     engine.block_manager.reserve(table, n)
     tokens = seq.token_ids + [a, b]
-    llm.model.forward(build_forward_batch([tokens], [0], [table], 4, [[n - 1]], "cpu"), engine.kv_cache)
-    ours = engine.block_manager.slots(seq.block_table, 0, n)
-    fresh = engine.block_manager.slots(table, 0, n)
+    llm.model.forward(build_forward_batch([tokens], [0], [table], 4, [[n - 1]], llm.device), engine.kv_cache)
+    ours = slots_of(seq.block_table, 4, range(n))
+    fresh = slots_of(table, 4, range(n))
     assert_same_kv(engine.kv_cache, llm.model.config.num_hidden_layers, ours, fresh)
     engine.block_manager.free(table)
     engine.abort(rid)
     assert_no_leak(llm)
-    assert isinstance(result, StepResult)
 
 
 @pytest.mark.parametrize("config, match", [

@@ -8,7 +8,8 @@ import tokenizers
 
 from nanospec.model.embedded import embedded_model_path
 from nanospec.model.gguf_file import read_gguf
-from nanospec.tokenizer import IncrementalDetokenizer, Tokenizer
+from nanospec.detokenizer import IncrementalDetokenizer
+from nanospec.tokenizer import Tokenizer
 
 TEXTS = [
     "",

@@ -65,7 +65,7 @@ def assert_no_leak(llm) -> None:
     stats = llm.kv_cache_stats()
     assert stats["free_blocks"] == stats["total_blocks"]
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
-    draft_blocks = getattr(llm.engine.proposer, "block_manager", None)
+    draft_blocks = getattr(llm.engine.speculator.proposer, "block_manager", None)
     if draft_blocks is not None:
         assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
 

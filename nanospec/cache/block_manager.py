@@ -62,7 +62,3 @@ class BlockManager:
 
     def free(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)
-
-    def slots(self, block_table: list[int], start: int, end: int) -> list[int]:
-        """Slots of token indices ``start .. end-1`` (all must be reserved)."""
-        return slots_of(block_table, self.block_size, range(start, end))

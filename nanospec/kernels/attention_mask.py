@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 
 BITS_PER_WORD = 64
+_WORD = (1 << BITS_PER_WORD) - 1
+_SIGN = 1 << (BITS_PER_WORD - 1)
 _BIT_VALUES = torch.ones(BITS_PER_WORD, dtype=torch.int64) << torch.arange(BITS_PER_WORD, dtype=torch.int64)
 
 
@@ -48,15 +50,23 @@ def causal_mask(q_len: int) -> torch.Tensor:
 
 
 def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:
-    """Each node sees itself and its ancestors; ``parents[i] < i`` or ``-1`` for a root."""
-    n = len(parents)
-    dense = torch.eye(n, dtype=torch.bool)
+    """Each node sees itself and its ancestors; ``parents[i] < i`` or ``-1`` for a root.
+
+    A row is built as a Python-int bitset (its parent's row plus its own bit), then split into words."""
+    words = num_words(len(parents))
+    bitsets: list[int] = []
+    rows: list[list[int]] = []
     for node, parent in enumerate(parents):
         if not -1 <= parent < node:
             raise ValueError(f"parent of node {node} is {parent}: it must be -1 or an earlier node")
-        if parent >= 0:
-            dense[node] |= dense[parent]
-    return pack_mask(dense)
+        bits = (bitsets[parent] if parent >= 0 else 0) | (1 << node)
+        bitsets.append(bits)
+        row = []
+        for w in range(words):
+            word = (bits >> (BITS_PER_WORD * w)) & _WORD
+            row.append(word - (1 << BITS_PER_WORD) if word & _SIGN else word)  # bit 63 is the int64 sign bit
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64).view(len(parents), words)
 
 
 def tree_depths(parents: list[int]) -> list[int]:

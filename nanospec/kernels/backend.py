@@ -28,10 +28,6 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def get_backend() -> str:
-    return _backend
-
-
 def set_backend(name: str) -> None:
     global _backend
     name = name.lower()

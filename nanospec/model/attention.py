@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from nanospec.cache.kv_cache import KVCache
-from nanospec.forward_batch import ForwardBatch
+from nanospec.model.forward_batch import ForwardBatch
 from nanospec.kernels.backend import use_triton
 from nanospec.kernels.kv_store import real_token_rows, store_kv
 from nanospec.kernels.paged_attention import PagedAttentionPlan, paged_attention

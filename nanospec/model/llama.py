@@ -1,7 +1,7 @@
 """Llama, from scratch, on paged KV: RMSNorm, RoPE (theta, llama3 scaling), GQA attention, SwiGLU.
 
 One forward serves prefill, decode and speculative verify: it takes a flat ragged
-:class:`~nanospec.forward_batch.ForwardBatch`, writes the new tokens' K/V into the paged cache and
+:class:`~nanospec.model.forward_batch.ForwardBatch`, writes the new tokens' K/V into the paged cache and
 attends over each sequence's cached context plus the new tokens its mask allows.
 
     h_0 = embed(x)
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from nanospec.cache.kv_cache import KVCache
-from nanospec.forward_batch import ForwardBatch
+from nanospec.model.forward_batch import ForwardBatch
 from nanospec.kernels.activation import silu_and_mul
 from nanospec.kernels.rmsnorm import rms_norm
 from nanospec.kernels.rope import build_rope_cache

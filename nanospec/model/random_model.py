@@ -26,12 +26,3 @@ def random_checkpoint(shape: dict, *, device=None, dtype: torch.dtype = torch.fl
         else:
             tensors[name] = (torch.randn(size, generator=generator, device=device) * size[-1] ** -0.5).to(dtype)
     return Checkpoint(config, tensors, embedded.tokenizer, embedded.path)
-
-
-def random_llm(shape: dict, dtype=None, device=None, **llm_kwargs):
-    """An ``LLM`` over a random-weight Llama of the given shape."""
-    from nanospec.llm import LLM, resolve_device, resolve_dtype
-
-    device = resolve_device(device)
-    dtype = resolve_dtype(dtype, device)
-    return LLM(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **llm_kwargs)

@@ -21,27 +21,9 @@ again. Greedy and sampled outputs are unaffected: only how many candidates are c
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
-from typing import Callable
-
-import torch
 
 PRIOR_WEIGHT = 2.0
-
-
-def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn`` (synchronising CUDA around each)."""
-    best = float("inf")
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 @dataclass

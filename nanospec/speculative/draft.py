@@ -24,15 +24,17 @@ import torch
 
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
-from nanospec.engine import Proposal
-from nanospec.forward_batch import build_forward_batch
+from nanospec.device import resolve_dtype
 from nanospec.kernels.attention_mask import tree_mask_from_parents
-from nanospec.kernels.sampling import probs_from_logits, sample_from_probs
+from nanospec.kernels.sampling import sample_from_probs
+from nanospec.model.forward_batch import build_forward_batch
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
 from nanospec.sequence import Sequence
-from nanospec.spec.policy import best_seconds
-from nanospec.spec.proposer import Proposer
+from nanospec.speculative.cost import time_forwards
+from nanospec.speculative.proposal import Proposal, Verdict
+from nanospec.speculative.proposer import Proposer
+from nanospec.speculative.sampling import SamplingTensors
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's random stream differs from the target's for the same request
 
@@ -41,6 +43,7 @@ DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's random stream differs from the tar
 class DraftState:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # draft K/V exists for token_ids[:num_cached]
+    num_reusable: int = 0  # of this step's guesses, how many (the first) have draft K/V in sequence order
 
 
 class DraftProposer(Proposer):
@@ -48,8 +51,6 @@ class DraftProposer(Proposer):
                  device: torch.device, dtype: torch.dtype):
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
-        from nanospec.llm import resolve_dtype
-
         if config.dtype is not None:
             dtype = resolve_dtype(config.dtype, device)
         checkpoint = load_checkpoint(config.model, dtype)
@@ -77,7 +78,7 @@ class DraftProposer(Proposer):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         if self.tree_top_k > 1:
             return self._propose_trees(seqs)
-        proposals = [Proposal([]) for _ in seqs]
+        tokens: list[list[int]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
         for i in active:  # room for the sequence and the k-1 guesses fed back
@@ -91,18 +92,17 @@ class DraftProposer(Proposer):
                                         [states[i].block_table for i in rows], self.block_size,
                                         [[len(feed[i]) - 1] for i in rows], self.model.device)
             logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
-            tokens, q = self._draw([seqs[i] for i in rows], logits, j)
-            for r, (i, t) in enumerate(zip(rows, tokens)):
-                proposals[i].token_ids.append(t)
+            guesses, q = self._draw([seqs[i] for i in rows], logits, j)
+            for r, (i, t) in enumerate(zip(rows, guesses)):
+                tokens[i].append(t)
                 if q is not None:
                     probs[i].append(q[r])
                 starts[i] += len(feed[i])
                 feed[i] = [t]
         for i in active:
             states[i].num_cached = seqs[i].num_tokens + ks[i] - 1
-            if probs[i]:
-                proposals[i].draft_probs = torch.stack(probs[i])
-        return proposals
+            states[i].num_reusable = ks[i] - 1  # d_1 .. d_{k-1} were fed, d_k was not
+        return [Proposal.chain(t, torch.stack(probs[i]) if probs.get(i) else None) for i, t in enumerate(tokens)]
 
     def _propose_trees(self, seqs: list[Sequence]) -> list[Proposal]:
         states: list[DraftState] = [s.spec_state for s in seqs]
@@ -114,6 +114,7 @@ class DraftProposer(Proposer):
         logprobs = torch.log_softmax(self.model.compute_logits(self.model.forward(batch, self.kv_cache)), dim=-1)
         for seq, st in zip(seqs, states):
             st.num_cached = seq.num_tokens  # the root's draft K/V now exists; tree nodes are scratch
+            st.num_reusable = 0
         tokens: list[list[int]] = [[] for _ in seqs]
         parents: list[list[int]] = [[] for _ in seqs]
         depths: list[list[int]] = [[] for _ in seqs]
@@ -146,43 +147,26 @@ class DraftProposer(Proposer):
             rows = iter(torch.log_softmax(self.model.compute_logits(self.model.forward(batch, self.kv_cache)), dim=-1))
             for i in grown:
                 frontier[i] = [(n, score, next(rows)) for n, score, _ in frontier[i]]
-        return [Proposal(t, parents=p) if t else Proposal([]) for t, p in zip(tokens, parents)]
+        return [Proposal(t, p) for t, p in zip(tokens, parents)]
 
-    def measure_cost(self, context: int = 64) -> float:
-        """Seconds of one single-token draft forward (best of 3) after ``context`` cached tokens."""
-        table: list[int] = []
-        self.block_manager.reserve(table, context + 1)
-        device = self.model.device
-
-        def run(tokens: int, start: int):
-            batch = build_forward_batch([[0] * tokens], [start], [table], self.block_size, [[tokens - 1]], device)
-            return self.model.compute_logits(self.model.forward(batch, self.kv_cache))
-
-        run(context, 0)
-        best = best_seconds(lambda: run(1, context), device)
-        self.block_manager.free(table)
-        return best
+    def measure_cost(self) -> float:
+        """Seconds of one single-token draft forward after 64 cached tokens."""
+        return time_forwards(self.model, self.kv_cache, self.block_manager, [1])[0]
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int):
         """Guess j for every sequence and, if any samples, the draft distributions ``q`` ``[S, V]``."""
         if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1).tolist(), None
-        dev = logits.device
-        q = probs_from_logits(logits,
-                              torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32, device=dev),
-                              torch.tensor([s.params.top_k for s in seqs], dtype=torch.int32, device=dev),
-                              torch.tensor([s.params.top_p for s in seqs], dtype=torch.float32, device=dev))
-        seeds = torch.tensor([s.seed ^ DRAFT_SEED_SALT for s in seqs], dtype=torch.int64, device=dev)
-        offsets = torch.tensor([s.num_tokens + j for s in seqs], dtype=torch.int64, device=dev)
-        return sample_from_probs(q, seeds, offsets).tolist(), q
+        t = SamplingTensors.of(seqs, logits.device, offset=j, seed_salt=DRAFT_SEED_SALT)
+        q = t.probs(logits)
+        return sample_from_probs(q, t.seeds, t.offsets).tolist(), q
 
-    def commit(self, seq: Sequence, proposal: Proposal, result) -> None:
-        """Drop the draft K/V of rejected guesses (called before the emitted tokens are appended).
-
-        A tree's draft K/V is dropped whole (it sits in tree order); the next step backfills the
-        accepted path and the bonus token in one ragged forward."""
+    def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
+        """Drop the draft K/V of rejected guesses. Kept: the old tokens' and the accepted guesses' that were
+        fed in sequence order (a tree's nodes sit in tree order: its K/V is dropped whole, and the next
+        step backfills the accepted path and the bonus token in one ragged forward)."""
         st: DraftState = seq.spec_state
-        keep = seq.num_tokens + (result.num_accepted if proposal.is_chain else 0)
+        keep = seq.num_tokens - len(verdict.emitted) + min(verdict.num_accepted, st.num_reusable)
         st.num_cached = min(st.num_cached, keep)
         self.block_manager.truncate(st.block_table, st.num_cached)
 

@@ -12,7 +12,7 @@ generation loops, since the newest copy is the one being continued.
 
 Cost: `NgramIndex` keeps, for every n-gram (n in [min, max]) of the sequence, the list of positions
 where it ends, in increasing order. `extend` appends in O(new tokens * number of n values) and
-`propose` is one dict lookup per n plus a slice: O(n_max^2 + k), independent of the sequence length.
+`chain` is one dict lookup per n plus a slice: O(n_max^2 + k), independent of the sequence length.
 Memory is about 0.7 KB per token with n in [1, 4] (CPython tuples, lists and dict entries).
 
 Tree proposals (`max_candidates > 1`): for the winning n, up to `max_candidates` continuations from
@@ -20,8 +20,14 @@ different earlier occurrences (most recent first, each adding at least one new n
 token trie, shared prefixes once, at most `budget` nodes.
 """
 
-from collections.abc import Sequence
+from __future__ import annotations
+
+from collections.abc import Sequence as Tokens
 from itertools import islice
+
+from nanospec.sequence import Sequence
+from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
+from nanospec.speculative.proposer import Proposer
 
 # The tree proposal looks at no more than this many earlier occurrences per wanted candidate, so a
 # pattern that recurs thousands of times with the same continuation (a long run of one token) costs
@@ -37,7 +43,7 @@ class NgramIndex:
     tuples, so one dict holds all lengths.
     """
 
-    def __init__(self, min_n: int, max_n: int, token_ids: Sequence[int] = ()):
+    def __init__(self, min_n: int, max_n: int, token_ids: Tokens[int] = ()):
         self.min_n = min_n
         self.max_n = max_n
         self._tokens: list[int] = []
@@ -52,7 +58,7 @@ class NgramIndex:
     def __len__(self) -> int:
         return len(self._tokens)
 
-    def extend(self, token_ids: Sequence[int]) -> None:
+    def extend(self, token_ids: Tokens[int]) -> None:
         """Append tokens to the sequence and index the n-grams that end at each of them."""
         tokens = self._tokens
         for token in token_ids:
@@ -87,16 +93,13 @@ class NgramIndex:
         return None
 
 
-class NgramProposer:
-    """Proposes draft tokens by prompt lookup (see the module docstring for the exact rule)."""
+class NgramProposer(Proposer):
+    """Proposes draft tokens by prompt lookup (see the module docstring for the exact rule), from one
+    incremental index per sequence (its ``spec_state``). Guesses are free: each step proposes the whole
+    chain (or tree) and the engine verifies as much of it as pays off."""
 
-    def __init__(
-        self,
-        num_speculative_tokens: int,
-        prompt_lookup_min: int = 1,
-        prompt_lookup_max: int = 4,
-        max_candidates: int = 1,
-    ):
+    def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
+                 max_candidates: int = 1, tree_budget: int | None = None):
         if num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
         if prompt_lookup_min < 1:
@@ -111,12 +114,15 @@ class NgramProposer:
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
         self.max_candidates = max_candidates
+        self.tree_budget = tree_budget or num_speculative_tokens * max_candidates
+        self.max_tokens_per_step = num_speculative_tokens if max_candidates == 1 else self.tree_budget
+        self.adaptive_k = max_candidates == 1
 
     def new_index(self, prompt_ids: list[int]) -> NgramIndex:
         """Per-sequence state; feed it the accepted output with `extend`."""
         return NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max, prompt_ids)
 
-    def propose(self, index: NgramIndex, k: int | None = None) -> list[int]:
+    def chain(self, index: NgramIndex, k: int | None = None) -> list[int]:
         """Up to k (default num_speculative_tokens) tokens that followed the most recent earlier
         occurrence of the longest matching suffix; [] when nothing matches."""
         k = self.num_speculative_tokens if k is None else k
@@ -129,15 +135,12 @@ class NgramProposer:
         start = positions[-2]
         return index.tokens[start : min(start + k, len(index))]
 
-    def propose_tree(self, index: NgramIndex, budget: int) -> tuple[list[int], list[int]]:
-        """A trie of candidate continuations, as (tokens, parents).
+    def tree(self, index: NgramIndex, budget: int) -> tuple[list[int], list[int]]:
+        """A trie of candidate continuations, as (tokens, parents) (``parents[i] == -1``: under the root).
 
-        Node i holds tokens[i]; parents[i] < i is the index of its parent node, or -1 when the parent
-        is the root: the last committed token, which the caller places as node 0 (so caller node
-        i + 1 has parent parents[i] + 1). Children of a node carry distinct tokens. Each path from the
-        root is at most num_speculative_tokens long, there are at most `budget` nodes, and
-        continuations are inserted most recent occurrence first, so when the budget runs out the
-        older ones are cut. With max_candidates == 1 this is the chain of `propose`.
+        Each path from the root is at most num_speculative_tokens long, there are at most `budget` nodes, and
+        continuations are inserted most recent occurrence first, so when the budget runs out the older ones
+        are cut. With max_candidates == 1 this is the chain of `chain`.
         """
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
@@ -148,28 +151,23 @@ class NgramProposer:
         tokens = index.tokens
         length = len(tokens)
         depth = self.num_speculative_tokens
-
-        node_tokens: list[int] = []
-        parents: list[int] = []
-        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> child node
+        trie = TokenTrie(budget)
         num_candidates = 0
         max_scanned = self.max_candidates * OCCURRENCES_SCANNED_PER_CANDIDATE
-        earlier = islice(reversed(positions), 1, 1 + max_scanned)  # most recent first, suffix skipped
-        for start in earlier:
-            parent = -1
-            added_node = False
-            for token in tokens[start : min(start + depth, length)]:
-                child = children.get((parent, token))
-                if child is None:
-                    if len(node_tokens) == budget:
-                        break
-                    child = len(node_tokens)
-                    children[(parent, token)] = child
-                    node_tokens.append(token)
-                    parents.append(parent)
-                    added_node = True
-                parent = child
-            num_candidates += added_node
-            if num_candidates == self.max_candidates or len(node_tokens) == budget:
+        for start in islice(reversed(positions), 1, 1 + max_scanned):  # most recent first, suffix skipped
+            num_candidates += trie.insert(tokens[start : min(start + depth, length)])
+            if num_candidates == self.max_candidates or trie.full:
                 break
-        return node_tokens, parents
+        return trie.token_ids, trie.parents
+
+    # ---------------------------------------------------------------- as the engine's proposer
+    def start(self, seq: Sequence) -> None:
+        seq.spec_state = self.new_index(seq.token_ids)
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        if self.max_candidates == 1:
+            return [Proposal.chain(self.chain(seq.spec_state)) for seq in seqs]
+        return [Proposal(*self.tree(seq.spec_state, self.tree_budget)) for seq in seqs]
+
+    def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
+        seq.spec_state.extend(verdict.emitted)

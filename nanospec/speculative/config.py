@@ -7,7 +7,7 @@
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
 
 ``num_speculative_tokens`` is the most guesses verified per step. With ``"adaptive": True`` (the
-default) each step verifies only as many as pay off on this machine (``nanospec.spec.policy``);
+default) each step verifies only as many as pay off on this machine (``nanospec.speculative.policy``);
 ``False`` always verifies every guess the proposer has.
 """
 
@@ -15,6 +15,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
+from nanospec.speculative.draft import DraftProposer
+from nanospec.speculative.lookahead import LookaheadProposer
+from nanospec.speculative.ngram import NgramProposer
+from nanospec.speculative.proposer import Proposer
 
 _KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive",
@@ -84,17 +89,12 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                              tree_top_k=tree_top_k, tree_budget=tree_budget or k * tree_top_k)
 
 
-def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device, dtype):
-    """The proposer object the engine drives (see ``nanospec.spec.proposer.Proposer``)."""
+def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
+                  dtype) -> Proposer:
+    """The proposer the speculator drives (see ``nanospec.speculative.proposer.Proposer``)."""
     if config.method == "ngram":
-        from nanospec.spec.ngram_proposer import NgramSpeculator
-
-        return NgramSpeculator(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
-                               config.max_candidates, config.tree_budget)
+        return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                             config.max_candidates, config.tree_budget)
     if config.method == "lookahead":
-        from nanospec.spec.lookahead_proposer import LookaheadSpeculator
-
-        return LookaheadSpeculator(config.window_size, config.ngram_size, config.guess_set_size)
-    from nanospec.spec.draft import DraftProposer
-
+        return LookaheadProposer(config.window_size, config.ngram_size, config.guess_set_size)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype)

@@ -50,21 +50,42 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.kernels.attention_mask import BITS_PER_WORD, num_words
+from nanospec.kernels.attention_mask import tree_depths, tree_mask_from_parents
+from nanospec.sequence import Sequence
+from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
+from nanospec.speculative.proposer import Proposer
 
 WINDOW_SEED = 0  # the RNG that fills a fresh window from the prompt: the same prompt gives the same window
-_WORD = (1 << BITS_PER_WORD) - 1
-_SIGN = 1 << (BITS_PER_WORD - 1)
 
 
 @dataclass
 class LookaheadStep:
-    tokens: list[int]  # new tokens, root first
-    positions: list[int]  # offsets to add to P (root 0)
-    mask: torch.Tensor  # packed int64 bitmask [n, ceil(n / 64)] for paged attention
-    tree_parents: list[int]  # parents of the verification part, indices 0..num_tree_nodes-1 (root -1)
+    """One step's tokens, root first: the verification trie (root included), then the window level by level.
+    Every token hangs under ``parents[i]`` (the root's is -1); the positions and the mask follow from them."""
+
+    tokens: list[int]
+    parents: list[int]
     num_tree_nodes: int  # root + verification nodes (they come first)
-    lookahead_rows: range  # indices of the lookahead branch tokens in `tokens`
+
+    @property
+    def positions(self) -> list[int]:
+        """Offsets to add to P (root 0): each token's depth."""
+        return tree_depths(self.parents)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The packed int64 bitmask ``[n, ceil(n / 64)]``: each token sees itself and its ancestors."""
+        return tree_mask_from_parents(self.parents)
+
+    @property
+    def tree_parents(self) -> list[int]:
+        """Parents of the verification part, indices 0..num_tree_nodes-1 (root -1)."""
+        return self.parents[: self.num_tree_nodes]
+
+    @property
+    def lookahead_rows(self) -> range:
+        """Indices of the lookahead branch tokens in ``tokens``."""
+        return range(self.num_tree_nodes, len(self.tokens))
 
 
 @dataclass
@@ -129,22 +150,11 @@ class LookaheadDecoder:
         """The tokens, positions and mask of one forward for a sequence whose last committed token is ``root``."""
         if state.root_in_recent and root != state.recent[-1]:
             raise ValueError(f"root {root} is not the last committed token {state.recent[-1]}")
-        tokens = [root]
-        parents = [-1]
-        depths = [0]
-
-        children: dict[tuple[int, int], int] = {}  # (parent node, token) -> child node
+        trie = TokenTrie()
         for continuation in reversed(state.pool.get(root, ())):
-            parent = 0
-            for token in continuation:
-                child = children.get((parent, token))
-                if child is None:
-                    child = len(tokens)
-                    children[(parent, token)] = child
-                    tokens.append(token)
-                    parents.append(parent)
-                    depths.append(depths[parent] + 1)
-                parent = child
+            trie.insert(continuation)
+        tokens = [root] + trie.token_ids
+        parents = [-1] + [p + 1 for p in trie.parents]
         num_tree_nodes = len(tokens)
 
         width = state.width
@@ -154,16 +164,7 @@ class LookaheadDecoder:
                 below = (level, column - 1) if level == 0 else (level - 1, column)  # the token just before it
                 tokens.append(token)
                 parents.append(_window_row(num_tree_nodes, width, *below))
-                depths.append(level + column)
-
-        return LookaheadStep(
-            tokens=tokens,
-            positions=depths,
-            mask=_ancestor_mask(parents),
-            tree_parents=parents[:num_tree_nodes],
-            num_tree_nodes=num_tree_nodes,
-            lookahead_rows=range(num_tree_nodes, len(tokens)),
-        )
+        return LookaheadStep(tokens, parents, num_tree_nodes)
 
     def update(
         self, state: LookaheadState, step: LookaheadStep, lookahead_argmax: list[int], accepted: list[int]
@@ -231,20 +232,38 @@ def _window_row(num_tree_nodes: int, width: int, level: int, column: int) -> int
     return num_tree_nodes + (width - 1) + (level - 1) * width + column
 
 
-def _ancestor_mask(parents: list[int]) -> torch.Tensor:
-    """Packed mask where node i sees itself and its ancestors (``parents[i] < i``; -1 for the root).
+class LookaheadProposer(Proposer):
+    """Lookahead decoding in the engine: each step's proposal is the trie of pool candidates, followed by the
+    window as fed-only nodes; the target's argmax over the window comes back in ``commit``."""
 
-    Rows are Python-int bitsets, split into 64-bit words and reinterpreted as signed int64.
-    """
-    words = num_words(len(parents))
-    rows: list[list[int]] = []
-    bitsets: list[int] = []
-    for node, parent in enumerate(parents):
-        bits = (bitsets[parent] if parent >= 0 else 0) | (1 << node)
-        bitsets.append(bits)
-        row = []
-        for w in range(words):
-            word = (bits >> (BITS_PER_WORD * w)) & _WORD
-            row.append(word - (1 << BITS_PER_WORD) if word & _SIGN else word)
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.int64).view(len(parents), words)
+    adaptive_k = False  # the window must run every step to keep its Jacobi iteration going
+
+    def __init__(self, window_size: int, ngram_size: int, guess_set_size: int):
+        self.decoder = LookaheadDecoder(window_size, ngram_size, guess_set_size)
+        self.max_tokens_per_step = self.decoder.max_step_tokens - 1
+
+    def start(self, seq: Sequence) -> None:
+        seq.spec_state = _SeqLookahead(self.decoder.new_state(seq.token_ids))
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        proposals = []
+        for seq in seqs:
+            st: _SeqLookahead = seq.spec_state
+            step = st.step = self.decoder.build_step(st.state, seq.token_ids[-1])
+            proposals.append(Proposal(step.tokens[1:], [p - 1 for p in step.parents[1:]],
+                                      num_candidates=step.num_tree_nodes - 1))
+        return proposals
+
+    def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
+        st: _SeqLookahead = seq.spec_state
+        if st.step is not None and verdict.extra_argmax is not None:
+            self.decoder.update(st.state, st.step, verdict.extra_argmax, verdict.emitted)
+        else:  # the prefill, or a step whose window did not fit before the end of the context
+            self.decoder.commit_without_step(st.state, verdict.emitted)
+        st.step = None
+
+
+@dataclass
+class _SeqLookahead:
+    state: LookaheadState
+    step: LookaheadStep | None = None

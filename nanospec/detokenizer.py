@@ -1,0 +1,101 @@
+"""Streaming text: token ids become text as they arrive, and stop strings end a request.
+
+`IncrementalDetokenizer` turns a growing list of ids into text deltas, never cutting a multi-byte character in
+half. `TextStream` is one request's output text on top of it: it ends the request at a stop string (the text
+stops just before it, and so do the tokens: the token that completed it is the last one), and it holds back
+from streaming any tail that could still grow into a stop string, so the streamed deltas always add up to
+the final text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from nanospec.tokenizer import Tokenizer
+
+REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+
+
+class IncrementalDetokenizer:
+    """Streams text for a growing sequence of token ids, without re-decoding the whole sequence each time.
+
+    The technique of vLLM and TGI: keep two offsets into the ids. Text up to `read_offset` has been emitted. Each
+    call decodes the short window from `prefix_offset` twice, without and with the new ids, and emits the
+    difference. Decoding a few tokens of context in front keeps the spacing right (e.g. SentencePiece drops the
+    leading space of the first token it decodes). If the new text ends in U+FFFD, the last token ended in the middle
+    of a multi-byte character: nothing is emitted and the offsets stay, so the next call decodes it whole.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, context_tokens: int = 5):
+        self.tokenizer = tokenizer
+        self.token_ids = list(prompt_ids or [])
+        self.read_offset = len(self.token_ids)
+        self.prefix_offset = max(self.read_offset - context_tokens, 0)
+        self.text = ""
+
+    def add(self, token_ids: Sequence[int]) -> str:
+        """Append `token_ids`; return the text they complete (possibly empty)."""
+        self.token_ids.extend(token_ids)
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.text += delta
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a sequence: return held-back text (an unfinished character decodes as U+FFFD)."""
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
+
+class TextStream:
+    """One request's output text, fed a token at a time."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str]):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.stop = stop
+        self.text = ""
+        self.num_streamed = 0  # characters of ``text`` already handed out
+
+    def add(self, token_id: int) -> bool:
+        """Append one token's text; True if a stop string now appears (the text then ends just before it)."""
+        return self._extend(self.detokenizer.add([token_id]))
+
+    def finish(self) -> bool:
+        """At the end of the request: release text held back for an unfinished character; True if that
+        completes a stop string."""
+        return self._extend(self.detokenizer.flush())
+
+    def _extend(self, delta: str) -> bool:
+        previous = len(self.text)
+        self.text += delta
+        # a stop string may straddle the previous text: search from just before the delta; the earliest wins
+        found = [i for stop in self.stop if (i := self.text.find(stop, max(0, previous - len(stop) + 1))) >= 0]
+        if found:
+            self.text = self.text[:min(found)]
+        return bool(found)
+
+    def take_delta(self, finished: bool) -> str:
+        """The text not streamed yet, less (while the request runs) a tail that could start a stop string."""
+        streamable = len(self.text) if finished else len(self.text) - _stop_prefix_len(self.text, self.stop)
+        delta = self.text[self.num_streamed:streamable]
+        self.num_streamed = max(self.num_streamed, streamable)
+        return delta
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest end of ``text`` that is the beginning of a stop string (held back)."""
+    longest = 0
+    for stop in stops:
+        for n in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:n]):
+                longest = n
+                break
+    return longest

@@ -1,1 +1,0 @@
-"""Speculative decoding: proposers (n-gram, draft model) and their configuration."""

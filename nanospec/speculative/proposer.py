@@ -1,0 +1,42 @@
+"""What the speculator asks of a proposer (n-gram, lookahead, draft model, ...).
+
+Per speculating sequence: ``start`` when it is added; ``propose`` each decode step (batched, with
+the number of guesses ``ks`` the step will verify per sequence: a proposer whose guesses cost a
+forward each makes that many; one whose guesses are free may return more, and the speculator keeps
+what it verifies and checks the first left-over guess against the outcome); ``commit`` after the
+sequence grew by the tokens its verdict emitted (not called for a sequence that finished);
+``preempt`` when its KV is dropped for recompute; ``free`` when it finishes. Hooks a proposer has no
+use for keep these do-nothing defaults.
+"""
+
+from __future__ import annotations
+
+import abc
+
+from nanospec.sequence import Sequence
+from nanospec.speculative.proposal import Proposal, Verdict
+
+
+class Proposer(abc.ABC):
+    max_tokens_per_step: int  # the most nodes one proposal holds: KV slots to reserve beyond the root
+    adaptive_k = True  # chains: the speculator may verify fewer guesses than proposed (nanospec.speculative.policy)
+
+    @abc.abstractmethod
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        """One proposal per sequence."""
+
+    def measure_cost(self) -> float:
+        """Seconds one guess costs (a draft forward); 0 for proposers that need no model."""
+        return 0.0
+
+    def start(self, seq: Sequence) -> None:
+        return None
+
+    def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
+        return None
+
+    def preempt(self, seq: Sequence) -> None:
+        return None
+
+    def free(self, seq: Sequence) -> None:
+        seq.spec_state = None

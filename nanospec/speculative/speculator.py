@@ -1,0 +1,144 @@
+"""The Speculator owns everything speculative about an engine step, in the order the engine asks:
+
+    propose   which sequences guess and how deep (the goodput policy, the context, max_tokens), and the
+              proposer's token tree for each (a chain is a tree)
+    verify    one pass over the target's logits: each sequence's accepted path and the token after it
+              (plain sampling for a sequence that does not speculate); the accepted path's K/V is
+              then moved next to the root, so the sequence's K/V is contiguous again
+    commit    the outcome goes back to the proposer (its own state, draft K/V rollback) and into the
+              sequence's acceptance estimate
+
+Without a proposer the same seam proposes nothing and verify is plain sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanospec.cache.block_manager import BlockManager, slots_of
+from nanospec.cache.kv_cache import KVCache
+from nanospec.kernels.kv_store import copy_kv_slots
+from nanospec.model.llama import Llama
+from nanospec.sequence import Sequence
+from nanospec.speculative.cost import time_forwards
+from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy
+from nanospec.speculative.proposal import Proposal, Verdict
+from nanospec.speculative.proposer import Proposer
+from nanospec.speculative.verify import verify
+
+
+class Speculator:
+    def __init__(self, proposer: Proposer | None, model: Llama, kv_cache: KVCache, block_manager: BlockManager, *,
+                 max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, adaptive: bool = True):
+        self.proposer = proposer
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_manager.block_size
+        self.max_model_len = max_model_len
+        self.max_tokens_per_step = proposer.max_tokens_per_step if proposer is not None else 0
+        self.policy: GoodputPolicy | None = None
+        if proposer is None:
+            return
+        if block_manager.blocks_for(self.max_tokens_per_step + 2) > block_manager.num_blocks:
+            raise ValueError(f"the KV pool ({block_manager.num_blocks} blocks of {self.block_size} tokens) cannot "
+                             f"hold one speculative step ({self.max_tokens_per_step + 2} tokens); raise num_blocks "
+                             f"/ block_size or lower num_speculative_tokens")
+        if adaptive and proposer.adaptive_k:
+            self.policy = self._calibrated_policy(block_manager, max_num_seqs, max_num_batched_tokens)
+
+    def _calibrated_policy(self, block_manager: BlockManager, max_num_seqs: int,
+                           max_num_batched_tokens: int) -> GoodputPolicy:
+        """Time the target over 1..k+1 tokens (one sequence's verify) and, sparser, over the token counts
+        of the batches this engine can run; time one guess of the proposer."""
+        k = self.max_tokens_per_step
+        larger: list[int] = []
+        while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
+                                                            self.max_model_len // 2):
+            larger.append(m)
+        costs = time_forwards(self.model, self.kv_cache, block_manager, list(range(1, k + 2)) + larger,
+                              max_len=self.max_model_len)
+        return GoodputPolicy(k, costs[:k + 1], self.proposer.measure_cost(),
+                             larger_forwards=dict(zip(larger, costs[k + 1:])))
+
+    # ---------------------------------------------------------------- a sequence's life
+    def speculates(self, seq: Sequence) -> bool:
+        return self.proposer is not None and seq.params.speculate
+
+    def start(self, seq: Sequence) -> None:
+        if self.speculates(seq):
+            self.proposer.start(seq)
+            seq.acceptance = AcceptanceEstimate()
+
+    def num_lookahead_slots(self, seq: Sequence) -> int:
+        """KV slots a sequence needs this step beyond its own tokens: room for a proposal when it is in decode."""
+        in_decode = seq.num_tokens - seq.num_cached_tokens == 1
+        return self.max_tokens_per_step if in_decode and self.speculates(seq) else 0
+
+    def preempt(self, seq: Sequence) -> None:
+        if self.speculates(seq):
+            self.proposer.preempt(seq)
+
+    def free(self, seq: Sequence) -> None:
+        if self.speculates(seq):
+            self.proposer.free(seq)
+
+    # ---------------------------------------------------------------- the step
+    def propose(self, seqs: list[Sequence]) -> list[Proposal]:
+        """One proposal per sequence (empty for those that do not guess this step). A proposal is cut to the
+        depth that pays (goodput policy), that the context has room for, and that max_tokens can still emit
+        (one token always comes from the target)."""
+        proposals = [Proposal() for _ in seqs]
+        guessing = [i for i, s in enumerate(seqs) if self.num_lookahead_slots(s) > 0]
+        if not guessing:
+            return proposals
+        ks = self._choose_ks(seqs, guessing)
+        for j, i in enumerate(guessing):
+            seq = seqs[i]
+            ks[j] = max(0, min(ks[j], self.max_model_len - seq.num_tokens - 1,
+                               seq.params.max_tokens - seq.num_output_tokens - 1))
+        for i, k, proposal in zip(guessing, ks, self.proposer.propose([seqs[i] for i in guessing], ks)):
+            room = max(self.max_model_len - seqs[i].num_tokens - 1, 0)
+            proposals[i] = proposal.truncated(k, room)
+            if proposals[i].num_candidates == 0 and proposal.num_candidates > 0:
+                proposals[i].unverified_guess = proposal.token_ids[0]
+        return proposals
+
+    def _choose_ks(self, seqs: list[Sequence], guessing: list[int]) -> list[int]:
+        """How deep each guessing sequence ``seqs[i]``, ``i`` in ``guessing``, guesses, given the whole batch."""
+        if self.policy is None:
+            return [self.max_tokens_per_step] * len(guessing)
+        num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+        return self.policy.choose_ks([seqs[i].acceptance for i in guessing], num_tokens, len(seqs))
+
+    def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[Verdict]:
+        """Each sequence's verdict; an accepted path off the chain has its K/V moved next to the root."""
+        verdicts = verify(seqs, proposals, logits, [self.speculates(s) for s in seqs])
+        self._compact_accepted_paths(seqs, verdicts)
+        return verdicts
+
+    def _compact_accepted_paths(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
+        """Node i's K/V sits at root + 1 + i; the accepted path's moves to root + 1 .. root + depth."""
+        src, dst = [], []
+        for seq, verdict in zip(seqs, verdicts):
+            root = seq.num_tokens - 1
+            moves = [(root + 1 + node, root + 1 + depth) for depth, node in enumerate(verdict.path) if node != depth]
+            src += slots_of(seq.block_table, self.block_size, [a for a, _ in moves])
+            dst += slots_of(seq.block_table, self.block_size, [b for _, b in moves])
+        if not src:
+            return
+        device = self.model.device
+        src_slots = torch.tensor(src, dtype=torch.int64, device=device)
+        dst_slots = torch.tensor(dst, dtype=torch.int64, device=device)
+        for layer in range(self.model.config.num_hidden_layers):
+            copy_kv_slots(*self.kv_cache.layer(layer), src_slots, dst_slots)
+
+    def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
+        """After ``seq`` grew by ``verdict.emitted`` (and did not finish): tell the proposer and the estimate."""
+        if not self.speculates(seq):
+            return
+        self.proposer.commit(seq, proposal, verdict)
+        decay = self.policy.decay if self.policy is not None else 1.0
+        if proposal.num_candidates:
+            seq.acceptance.observe(proposal.max_depth(), verdict.num_accepted, decay)
+        elif proposal.unverified_guess is not None:
+            seq.acceptance.observe(1, int(proposal.unverified_guess == verdict.emitted[0]), decay)
