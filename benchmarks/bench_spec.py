@@ -52,7 +52,8 @@ from nanospec.device import resolve_device, resolve_dtype  # noqa: E402
 from nanospec.model.embedded import embedded_model_path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead")  # the last three: nanospec only
+# the first three have a transformers counterpart; the others are nanospec only
+METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead", "draft_coupled")
 HF_LABELS = {"plain": "plain", "ngram": "prompt-lookup", "draft": "assisted"}
 DEFAULT_K = {"ngram": 5, "draft": 4}
 # the issue's targets for ngram: speedup over plain per category (others: 0.9x), and faster than prompt lookup
@@ -120,6 +121,9 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
     if method == "ngram_tree":  # same verified-token budget as the ngram chain: k nodes
         return {"method": "ngram", "num_speculative_tokens": args.k["ngram"], "max_candidates": args.max_candidates,
                 "tree_budget": args.k["ngram"], "prompt_lookup_max": args.prompt_lookup_max}
+    if method == "draft_coupled":  # the draft samples with the target's own random numbers
+        return {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"],
+                "adaptive": not args.no_adaptive, "acceptance": "coupled"}
     if method == "draft_tree":  # same verified-token budget as the draft chain: k nodes
         return {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"], "tree_top_k": 2,
                 "tree_budget": args.k["draft"]}
@@ -135,12 +139,15 @@ def share_time(seconds: float, token_ids: list[list[int]]) -> list[float]:
     return [seconds * len(t) / total if total else seconds / len(token_ids) for t in token_ids]
 
 
-def nanospec_runner(llm: LLM, method: str, prompt_ids, max_tokens: int, device):
-    """A function that generates a batch of prompts with this engine and times it."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+def nanospec_runner(llm: LLM, method: str, prompt_ids, max_tokens: int, device, temperature: float = 0.0,
+                    top_p: float = 1.0):
+    """A function that generates a batch of prompts with this engine and times it (sampling: seed = the prompt's
+    line in the prompt file)."""
     llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
 
     def run(batch: list[tuple[int, str, list[int]]]) -> list[Result]:
+        params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=index)
+                  for index, _, _ in batch]
         sync(device)
         start = time.perf_counter()
         outs = llm.generate([ids for _, _, ids in batch], params)
@@ -233,12 +240,13 @@ def summarize(results: list[Result], plain_tokens: dict) -> dict:
     }
 
 
-def find_mismatches(results: list[Result], plain_tokens: dict) -> list[dict]:
-    """Every result whose tokens differ from its engine's plain tokens for the same prompt, printed loudly."""
+def find_mismatches(results: list[Result], plain_tokens: dict, may_differ: set[str] = frozenset()) -> list[dict]:
+    """Every result whose tokens differ from its engine's plain tokens for the same prompt, printed loudly
+    (methods in ``may_differ`` are not expected to match: a draft in rejection mode, sampling)."""
     mismatches = []
     for r in results:
         ref = plain_tokens.get((r.engine, "plain", r.prompt_index))
-        if r.method == "plain" or ref is None or ref == r.token_ids:
+        if r.method == "plain" or r.method in may_differ or ref is None or ref == r.token_ids:
             continue
         at = next((i for i, (a, b) in enumerate(zip(ref, r.token_ids)) if a != b), min(len(ref), len(r.token_ids)))
         mismatches.append({"engine": r.engine, "method": r.method, "prompt_index": r.prompt_index, "first_diff": at})
@@ -301,6 +309,9 @@ def main():
     p.add_argument("--limit", type=int, default=None, help="prompts per category")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--batch", type=int, default=1, help="requests per generate call (transformers: plain only)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="> 0: seeded sampling (seed = prompt line), nanospec only; greedy by default")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--draft", default=None, help="draft model path (default: the target's first --draft-layers layers)")
     p.add_argument("--draft-layers", type=int, default=4)
     p.add_argument("--num-speculative-tokens", type=int, default=None,
@@ -328,10 +339,15 @@ def main():
     if not prompts:
         raise SystemExit("no prompts selected")
     draft = None
-    if "draft" in args.methods or "draft_tree" in args.methods:
+    if args.temperature > 0 and not args.no_transformers:
+        print("sampling: transformers' random numbers are its own, so it is not run (--no-transformers)")
+        args.no_transformers = True
+    if {"draft", "draft_tree", "draft_coupled"} & set(args.methods):
         draft = Path(args.draft) if args.draft else truncated_draft(model_path, args.draft_layers)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
-          f"threads {torch.get_num_threads()}, dtype {dtype}, batch {args.batch}, greedy, max {args.max_tokens} "
+          f"threads {torch.get_num_threads()}, dtype {dtype}, batch {args.batch}, "
+          f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature} top_p {args.top_p}'}, "
+          f"max {args.max_tokens} "
           f"new tokens, "
           f"{len(prompts)} prompts")
     print(f"target {model_path.name}; ngram k={args.k['ngram']} n-gram<={args.prompt_lookup_max}"
@@ -352,7 +368,8 @@ def main():
             prompt_ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": text}]))
                           for _, _, text in prompts]
             eos_ids = list(tok.eos_token_ids)
-        runners.append(nanospec_runner(llm, method, prompt_ids, args.max_tokens, device))
+        runners.append(nanospec_runner(llm, method, prompt_ids, args.max_tokens, device, args.temperature,
+                                       args.top_p))
     if not args.no_transformers:
         print("transformers: loading the target ...", flush=True)
         model = load_transformers(model_path, dtype, device)
@@ -370,7 +387,7 @@ def main():
             results += run(batch)
 
     plain_tokens = {(r.engine, "plain", r.prompt_index): r.token_ids for r in results if r.method == "plain"}
-    mismatches = find_mismatches(results, plain_tokens)
+    mismatches = find_mismatches(results, plain_tokens, {"draft"} if args.temperature > 0 else set())
     groups: dict[str, dict] = defaultdict(lambda: defaultdict(list))
     for r in results:
         groups[r.category][(r.engine, r.method)].append(r)
@@ -395,6 +412,8 @@ def main():
         print("\nplain was not run: outputs not checked against it")
     elif mismatches:
         print(f"\n!!! {len(mismatches)} MISMATCH(ES) against plain, listed above")
+    elif args.temperature > 0:
+        print("\nevery seeded output (but the rejection-mode draft's) matches plain seeded sampling token for token")
     else:
         print("\nevery greedy output matches its engine's plain output token for token")
 

@@ -64,9 +64,14 @@ class TextStream:
         self.text = ""
         self.num_streamed = 0  # characters of ``text`` already handed out
 
-    def add(self, token_id: int) -> bool:
-        """Append one token's text; True if a stop string now appears (the text then ends just before it)."""
-        return self._extend(self.detokenizer.add([token_id]))
+    def add(self, token_id: int, check_stop: bool = True) -> bool:
+        """Append one token's text; True if a stop string now appears (the text then ends just before it).
+        With ``check_stop`` False (before ``min_tokens``) stop strings are not looked for in this token's text."""
+        delta = self.detokenizer.add([token_id])
+        if not check_stop:
+            self.text += delta
+            return False
+        return self._extend(delta)
 
     def finish(self) -> bool:
         """At the end of the request: release text held back for an unfinished character; True if that

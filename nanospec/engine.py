@@ -79,8 +79,10 @@ class Engine:
         """Validate and queue a request; returns its id. Raises ValueError before any work."""
         self.validate_prompt(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        seq = Sequence(self._next_id, prompt_token_ids, params, seed,
-                       TextStream(self.tokenizer, prompt_token_ids, params.stop_list))
+        eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
+        seq = Sequence(self._next_id, prompt_token_ids, params, _as_int64(seed),
+                       TextStream(self.tokenizer, prompt_token_ids, params.stop_list),
+                       list(dict.fromkeys([*eos, *params.stop_token_ids])))
         self.speculator.start(seq)
         self._next_id += 1
         self.sequences[seq.seq_id] = seq
@@ -96,6 +98,9 @@ class Engine:
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is out of the vocabulary [0, {vocab})")
+        for t in params.stop_token_ids:
+            if t >= vocab:
+                raise ValueError(f"stop_token_ids: token id {t} is out of the vocabulary [0, {vocab})")
         max_len = self.config.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "
@@ -107,10 +112,14 @@ class Engine:
                              f"{self.config.block_size} tokens ({lifetime} tokens) but the pool has "
                              f"{self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory or lower max_tokens")
 
-    def abort(self, request_id: int) -> None:
+    def abort(self, request_id: int) -> RequestOutput | None:
+        """End a request now (finish reason "abort") and free its KV blocks; its final output, or None if it
+        is unknown or already finished."""
         seq = self.sequences.pop(request_id, None)
-        if seq is not None and not seq.is_finished:
-            self._finish(seq, "abort")
+        if seq is None or seq.is_finished:
+            return None
+        self._finish(seq, "abort")
+        return self._output(seq, seq.text_stream.take_delta(finished=True))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -123,41 +132,62 @@ class Engine:
         """schedule -> propose -> build the batch -> ONE target forward -> verify -> commit."""
         start = time.perf_counter()
         seqs = self.scheduler.schedule()
-        if not seqs:
-            return []
-        proposals = self.speculator.propose(seqs)
-        batch = build_step_batch(seqs, proposals, self.config.block_size, self.model.device)
-        forward_start = time.perf_counter()
-        logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
-        self.stats.forward_seconds += time.perf_counter() - forward_start
-        verdicts = self.speculator.verify(seqs, proposals, logits)
-        outputs = [self._commit(seq, proposal, verdict) for seq, proposal, verdict in zip(seqs, proposals, verdicts)]
-        self.stats.num_steps += 1
+        outputs = self._step(seqs) if seqs else []
         self.stats.step_seconds += time.perf_counter() - start
         return outputs
 
+    def _step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        try:
+            proposals = self.speculator.propose(seqs)
+            batch = build_step_batch(seqs, proposals, self.config.block_size, self.model.device)
+            forward_start = time.perf_counter()
+            logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+            self.stats.forward_seconds += time.perf_counter() - forward_start
+            verdicts = self.speculator.verify(seqs, proposals, logits)
+        except Exception as error:  # nothing is committed yet: only the requests that fail alone fail
+            return self._isolate(seqs, error)
+        self.stats.num_steps += 1
+        return [self._commit(seq, proposal, verdict) for seq, proposal, verdict in zip(seqs, proposals, verdicts)]
+
+    def _isolate(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
+        """After a failed step: drop what the step may have advanced of each sequence's speculative state, then
+        fail the sequence if it was alone, else run each alone."""
+        for seq in seqs:
+            self.speculator.preempt(seq)
+        if len(seqs) == 1:
+            return [self._fail(seqs[0], error)]
+        return [output for seq in seqs for output in self._step([seq])]
+
+    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+        seq.error = f"{type(error).__name__}: {error}"
+        self._finish(seq, "error")
+        return self._output(seq, seq.text_stream.take_delta(finished=True))
+
     def _commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> RequestOutput:
         """Bookkeeping, then either the speculator's feedback and the KV rollback, or the end of the request."""
-        finish_reason = self._append(seq, proposal, verdict)
-        if finish_reason is None:
-            self.speculator.commit(seq, proposal, verdict)
-            self.block_manager.truncate(seq.block_table, seq.num_tokens)
-        else:
-            self._finish(seq, finish_reason)
+        try:
+            finish_reason = self._append(seq, proposal, verdict)
+            if finish_reason is None:
+                self.speculator.commit(seq, proposal, verdict)
+                self.block_manager.truncate(seq.block_table, seq.num_tokens)
+            else:
+                self._finish(seq, finish_reason)
+        except Exception as error:  # this request alone fails
+            return self._fail(seq, error)
         return self._output(seq, seq.text_stream.take_delta(finished=finish_reason is not None))
 
     def _append(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> str | None:
         """Append the emitted tokens, one at a time, up to the first that ends the request (a stop string in
         the text, eos, max_tokens, the context); count them. Returns why the request ended, or None."""
-        eos = () if seq.params.ignore_eos else self.tokenizer.eos_token_ids
         num_drafts = proposal.num_candidates
         num_old = seq.num_tokens
         finish_reason = None
         for token in verdict.emitted:
             seq.token_ids.append(token)
-            if seq.text_stream.add(token):
+            may_stop = seq.num_output_tokens >= seq.params.min_tokens
+            if seq.text_stream.add(token, check_stop=may_stop):
                 finish_reason = "stop"
-            elif token in eos:
+            elif token in seq.stop_token_ids and may_stop:
                 finish_reason = "stop"
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 finish_reason = "length"
@@ -178,11 +208,18 @@ class Engine:
         return finish_reason
 
     def _finish(self, seq: Sequence, reason: str) -> None:
-        self.scheduler.finish(seq, reason)
-        self.speculator.free(seq)
+        if not seq.is_finished:
+            self.scheduler.finish(seq, reason)
+            self.speculator.free(seq)
 
     def _output(self, seq: Sequence, delta: str = "") -> RequestOutput:
         return RequestOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,
-            num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta)
+            num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,
+            error=seq.error)
+
+
+def _as_int64(seed: int) -> int:
+    """Any int as a signed 64-bit seed (the same value modulo 2**64)."""
+    return (seed + 2**63) % 2**64 - 2**63

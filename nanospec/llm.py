@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import os
-from typing import Iterator, Sequence as Seq
+from collections import deque
+from typing import Sequence as Seq
 
 import torch
+from tqdm import tqdm
 
 from nanospec.cache.kv_cache import kv_bytes_per_block
 from nanospec.device import resolve_device, resolve_dtype
@@ -42,16 +44,14 @@ class LLM:
                  max_model_len: int | None = None, seed: int = 0):
         if model is not None and not isinstance(model, (str, os.PathLike, Checkpoint)):
             raise ValueError(f"model must be a path or None, got {model!r}")
-        if block_size < 1:
-            raise ValueError(f"block_size must be >= 1, got {block_size}")
-        if num_blocks is not None and num_blocks < 1:
-            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if kv_cache_memory is not None and kv_cache_memory < 1:
-            raise ValueError(f"kv_cache_memory must be a number of bytes >= 1, got {kv_cache_memory}")
-        if max_model_len is not None and max_model_len < 2:
-            raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
+        _check_int("block_size", block_size, 1, 4096)
+        _check_int("num_blocks", num_blocks, 1, optional=True)
+        _check_int("max_num_seqs", max_num_seqs, 1, 1 << 16)
+        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
+        _check_int("kv_cache_memory", kv_cache_memory, 1, optional=True, unit=" (bytes)")
+        _check_int("max_model_len", max_model_len, 2, optional=True)
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise ValueError(f"seed must be an int, got {seed!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         spec_config = parse_speculative_config(speculative_config)
@@ -66,16 +66,23 @@ class LLM:
         self.model = Llama(checkpoint.config, checkpoint.tensors, self.device, self.dtype)
         del checkpoint
         context = self.config.max_position_embeddings
+        asked_model_len = max_model_len
         if max_model_len is None:
             max_model_len = context
         elif not 1 < max_model_len <= context:
             raise ValueError(f"max_model_len must be in (1, {context}], got {max_model_len}")
         if num_blocks is None:
             num_blocks = self._blocks_from_memory(kv_cache_memory, block_size, max_model_len, max_num_seqs)
+        self._check_kv_memory(num_blocks, block_size)
         proposer = None
         if spec_config is not None:
             proposer = make_proposer(spec_config, self.config, self.tokenizer, num_blocks, block_size, self.device,
                                      self.dtype)
+            if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
+                if asked_model_len is not None:
+                    raise ValueError(f"max_model_len={asked_model_len} is longer than the draft model's context "
+                                     f"({proposer.max_model_len} tokens)")
+                max_model_len = proposer.max_model_len  # the draft guesses only within its own context
         config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
         self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer, seed=seed,
@@ -91,6 +98,19 @@ class LLM:
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         return cls(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **kwargs)
+
+    def _check_kv_memory(self, num_blocks: int, block_size: int) -> None:
+        """Refuse, before allocating, a KV pool larger than the device's memory."""
+        c = self.config
+        need = num_blocks * kv_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim,
+                                               self.dtype)
+        if self.device.type == "cuda":
+            have = torch.cuda.mem_get_info(self.device)[0]
+        else:
+            have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        if need > have:
+            raise ValueError(f"num_blocks={num_blocks} of {block_size} tokens needs {need / 2**30:.1f} GiB of KV "
+                             f"cache, more than the {have / 2**30:.1f} GiB this {self.device.type} has")
 
     def _blocks_from_memory(self, kv_cache_memory, block_size, max_model_len, max_num_seqs) -> int:
         c = self.config
@@ -172,26 +192,34 @@ class LLM:
         taken, self._outputs[request_id] = self._outputs[request_id], []
         return taken
 
+    def _release(self, request_id: int) -> None:
+        """The owner of a finished (or abandoned) request is done with it."""
+        self._outputs.pop(request_id, None)
+        self.engine.pop_finished(request_id)
+
+    def abort(self, request_id: int) -> None:
+        """End a running request now and free its KV blocks. Whoever waits on it (a stream, a generate call)
+        gets a last output with ``finish_reason == "abort"``. Unknown or finished requests are ignored."""
+        final = self.engine.abort(request_id)
+        if final is not None and request_id in self._outputs:
+            self._outputs[request_id].append(final)
+
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order."""
+        """Run every prompt to completion; outputs in prompt order. A request that fails inside a step ends
+        with ``finish_reason == "error"`` and its ``error``; the others are served as usual."""
         ids = self._add_all(prompts, params)
         for rid in ids:
             self._outputs[rid] = []
         finished: dict[int, RequestOutput] = {}
-        bar = None
-        if use_tqdm:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(ids), desc="generating")
+        bar = tqdm(total=len(ids), desc="generating") if use_tqdm else None
         try:
             while len(finished) < len(ids):
                 self._step()
                 for rid in ids:
                     for out in self._take(rid):
-                        if out.finished:
+                        if out.finished and rid not in finished:
                             finished[rid] = out
-                            self.engine.pop_finished(rid)
                             if bar is not None:
                                 bar.update(1)
         except BaseException:
@@ -200,35 +228,19 @@ class LLM:
             raise
         finally:
             for rid in ids:
-                self._outputs.pop(rid, None)
+                self._release(rid)
             if bar is not None:
                 bar.close()
         return [finished[i] for i in ids]
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Yield a RequestOutput after every step that produced tokens; ``delta_text`` is the new text.
-
-        The prompt is checked and queued here, before the first ``next()``."""
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
+        """A ``RequestStream`` of the request's outputs, one per step that produced tokens (``delta_text`` is
+        the new text). The prompt is checked and queued here, before the first ``next()``."""
         if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
             raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
         (rid,) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
         self._outputs[rid] = []
-        return self._stream(rid)
-
-    def _stream(self, rid: int) -> Iterator[RequestOutput]:
-        try:
-            while True:
-                outputs = self._take(rid)
-                if not outputs:
-                    self._step()
-                for out in outputs:
-                    yield out
-                    if out.finished:
-                        self.engine.pop_finished(rid)
-                        return
-        finally:
-            self._outputs.pop(rid, None)
-            self.engine.abort(rid)
+        return RequestStream(self, rid)
 
     def _render_chat(self, messages) -> list[int]:
         return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
@@ -238,7 +250,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         return self.generate([self._render_chat(c) for c in conversations], params)
 
-    def stream_chat(self, messages, params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream_chat(self, messages, params: SamplingParams | None = None) -> RequestStream:
         return self.stream(self._render_chat(messages), params)
 
     # ---------------------------------------------------------------- introspection
@@ -258,3 +270,54 @@ class LLM:
             "forward_seconds": s.forward_seconds,
             "step_seconds": s.step_seconds,
         }
+
+
+class RequestStream:
+    """One request's outputs as an iterator: a ``RequestOutput`` per step that produced tokens for it, the last
+    one finished (``"stop"``, ``"length"``, ``"abort"`` after ``LLM.abort``, or ``"error"``). ``close()``, or
+    dropping the stream, even before its first ``next()``, aborts the request and frees its KV blocks."""
+
+    def __init__(self, llm: LLM, request_id: int):
+        self.request_id = request_id
+        self._llm = llm
+        self._pending: deque[RequestOutput] = deque()
+        self._done = False
+
+    def __iter__(self) -> RequestStream:
+        return self
+
+    def __next__(self) -> RequestOutput:
+        while not self._pending:
+            if self._done:
+                raise StopIteration
+            self._pending.extend(self._llm._take(self.request_id))
+            if not self._pending:
+                self._llm._step()
+        out = self._pending.popleft()
+        if out.finished:
+            self._done = True
+            self._pending.clear()
+            self._llm._release(self.request_id)
+        return out
+
+    def close(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pending.clear()
+            self._llm.abort(self.request_id)
+            self._llm._release(self.request_id)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # at interpreter exit the engine may be gone already
+            pass
+
+
+def _check_int(name: str, value, minimum: int, maximum: int | None = None, *, optional: bool = False,
+               unit: str = "") -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (maximum and value > maximum):
+        bounds = f"in [{minimum}, {maximum}]" if maximum else f">= {minimum}"
+        raise ValueError(f"{name} must be an integer {bounds}{unit}, got {value!r}")

@@ -11,11 +11,12 @@ class RequestOutput:
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]            # generated tokens only
-    finish_reason: str | None       # "stop" (eos / stop string), "length", "abort", None while running
+    finish_reason: str | None       # "stop" (eos, stop token or string), "length", "abort", "error"; None: running
     num_steps: int                  # target forward passes that produced tokens for it, prefill included
     num_draft_tokens: int = 0       # speculative tokens proposed for it
     num_accepted_tokens: int = 0    # of those, accepted by the target
     delta_text: str = ""            # text added by the step that produced this output (streaming)
+    error: str | None = None        # what went wrong, when finish_reason is "error"
 
     @property
     def finished(self) -> bool:

@@ -57,12 +57,13 @@ class Scheduler:
 
         while self.waiting and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
-            num_new = seq.num_tokens - seq.num_cached_tokens
+            num_new = seq.num_tokens - seq.num_cached_tokens + self.num_lookahead_slots(seq)
+            need = seq.num_tokens + self.num_lookahead_slots(seq)  # a one-token prompt may guess at once
             if num_new > budget and scheduled:
                 break
-            if not bm.can_reserve(seq.block_table, seq.num_tokens):
+            if not bm.can_reserve(seq.block_table, need):
                 break
-            bm.reserve(seq.block_table, seq.num_tokens)
+            bm.reserve(seq.block_table, need)
             budget -= num_new
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

@@ -21,16 +21,18 @@ class Sequence:
     (the whole prompt on prefill, the last token on decode, everything again after preemption)."""
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
-                 text_stream: TextStream):
+                 text_stream: TextStream, stop_token_ids: list[int]):
         self.seq_id = seq_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.seed = seed
+        self.seed = seed  # an int64: the counters of nanospec.kernels.random take 64 bits
+        self.stop_token_ids = stop_token_ids  # the tokens that end it: eos (unless ignored) and params.stop_token_ids
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why it failed, when finish_reason is "error"
         self.text_stream = text_stream  # the output text, stop strings, what is streamed
         self.num_steps = 0
         self.num_draft_tokens = 0

@@ -6,8 +6,6 @@ from nanospec import LLM, SamplingParams
 from nanospec.cache.block_manager import slots_of
 from nanospec.model.forward_batch import build_forward_batch
 from nanospec.speculative.proposal import Proposal, build_step_batch
-from nanospec.speculative.speculator import Speculator
-from nanospec.speculative.verify import verify
 from tiny import assert_no_leak, assert_same_kv, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -84,11 +82,8 @@ def test_accepted_tree_path_kv_equals_plain_decoding(paths, device):
     engine.block_manager.reserve(seq.block_table, seq.num_tokens + 4)
     batch = build_step_batch([seq], [proposal], 4, llm.device)
     logits = llm.model.compute_logits(llm.model.forward(batch, engine.kv_cache))
-    (verdict,) = engine.speculator.verify([seq], [proposal], logits)  # no proposer: plain sampling at the root
-    # a greedy walk of the tree, whose accepted path is then compacted next to the root
-    walk = verify([seq], [proposal], logits, [True])[0]
-    assert walk.path == [1, 3] and walk.emitted[:2] == [a, b] and verdict.emitted == [a]
-    Speculator._compact_accepted_paths(engine.speculator, [seq], [walk])
+    (verdict,) = engine.speculator.verify([seq], [proposal], logits)  # walks the tree, compacts the accepted path
+    assert verdict.path == [1, 3] and verdict.emitted[:2] == [a, b]
     n = root + 3  # root, a, b now contiguous
     # a fresh prefill of the same tokens in other blocks
     table: list[int] = []

@@ -353,3 +353,21 @@ def test_one_hot_target_reduces_to_greedy(device, verify, with_draft_probs):
     for seed in (0, 1):
         seeds = torch.arange(batch, device=device) + seed
         _assert_same(verify(*args, seeds=seeds, offsets=torch.zeros_like(seeds)), expected)
+
+
+@BOTH_MODES
+def test_out_of_vocabulary_candidates_are_rejected_without_reading_outside(device, with_draft_probs):
+    """Guesses outside [0, V) (negative, V, far beyond) are never accepted, and every load is masked: the
+    kernel (interpreted on CPU) and the reference agree, with no out-of-bounds read."""
+    target, tokens, parents, draft_probs = _random_tree_problem(8, 7, 13, with_draft_probs, 11)
+    tokens[:, 1::2] = torch.tensor([13, -1, 10**9])  # odd nodes: outside the vocabulary
+    args = _to(device, target, tokens, parents, torch.full((8,), 7), draft_probs)
+    seeds, offsets = torch.arange(8, device=device), torch.zeros(8, dtype=torch.int64, device=device)
+    expected = tree_rejection_sample_ref(*args, seeds=seeds, offsets=offsets)
+    _assert_same(tree_rejection_sample_triton(*args, seeds=seeds, offsets=offsets), expected)
+    path, emitted = expected
+    assert not ((path >= 0) & (path % 2 == 1)).any()  # no odd node on any accepted path
+    assert ((emitted >= 0) & (emitted < 13) | (emitted == -1)).all()
+    greedy = (greedy_tree_verify_ref(target.argmax(-1).to(device), *args[1:4]),
+              greedy_tree_verify_triton(target.argmax(-1).to(device), *args[1:4]))
+    _assert_same(*greedy)

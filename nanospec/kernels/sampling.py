@@ -23,21 +23,20 @@ tiles counting tokens, or summing their mass, at or above the midpoint). The tor
 ``torch.topk``. Top-p decisions compare float sums, so the two backends can differ only when the
 mass at a candidate threshold equals ``top_p * mass`` to within rounding.
 
-``sample_from_probs`` draws one token per row by inverse CDF on exact integers, from the single
-uniform ``u = uniform(seed, offset, 0)`` of :mod:`nanospec.kernels.random`:
+``sample_from_probs`` draws one token per row by an exponential race over the row, with the numbers
+``uniform(seed, offset, v)`` of :mod:`nanospec.kernels.random` (one per vocabulary entry ``v``):
 
-    s   = 2**(30 - floor(log2 max_v p_v))          (at most 2**127): max weight in [2**30, 2**31)
-    w_v = floor(max(p_v, 0) * s)                    int64, exact (multiplying by 2**n is exact)
-    C_v = w_0 + ... + w_v,  W = C_{V-1}              exact integer prefix sums
-    r   = floor(u * W)                               exact: u * 2**24 is an odd integer
-    token = #{v : C_v <= r}                          the v with C_{v-1} <= r < C_v, so w_v > 0
+    E_v   = -log(uniform(seed, offset, v))           independent Exp(1), the float64 log rounded to float32
+    token = argmax_v max(p_v, 0) / E_v               ties to the lowest id
 
-Every step after reading ``p_v`` is exact, so Triton and torch return the same token for the same
-``(probs, seed, offset)``, bit for bit. (``sample`` from logits inherits the backends' ulp-level
-differences in ``exp``: its tokens differ only if ``r`` falls within rounding of a CDF step.)
-``probs`` need not be normalised, zeros are never drawn, and a one-hot row always gives its token.
-Each token's probability is ``p_v / sum p`` up to the 2**-23 grid
-of ``u`` and a relative ``V * 2**-30`` from flooring the weights. A row with no positive entry gives 0.
+so ``P(token = v) = p_v / sum p`` (the minimum of independent exponentials ``E_v / p_v`` is the one of rate
+``p_v`` with that probability). ``probs`` need not be normalised, zeros are never drawn, a one-hot row
+always gives its token and a row with no positive entry gives 0. The same race, at the same
+``(seed, offset)``, is what speculative verification compares its guesses with (a guess is accepted iff it
+is the token this draw would give), so a seeded request samples the same tokens with or without
+speculation. The division rounds to nearest in both backends, so Triton and torch return the same token
+for the same ``(probs, seed, offset)``, bit for bit. (``sample`` from logits inherits the backends'
+ulp-level differences in ``exp``: its tokens can differ only when two scores are within rounding.)
 
 ``sample`` is ``probs_from_logits`` followed by ``sample_from_probs``; ``greedy`` is a row-wise argmax
 (the first index on ties). Shapes: logits ``[N, V]`` (fp32/bf16/fp16), temperature and top_p ``[N]``
@@ -51,7 +50,7 @@ import triton
 import triton.language as tl
 
 from nanospec.kernels.backend import use_triton
-from nanospec.kernels.random import uniform, uniform_ref
+from nanospec.kernels.exponential_race import race, race_ref
 
 _MAX_BLOCK_V = 1024
 _INT32_MIN = -(2**31)
@@ -169,12 +168,6 @@ def _probs_from_logits_kernel(
 
 
 @triton.jit
-def _weights(p, scale):
-    """Fixed-point weights floor(max(p, 0) * scale) as int64; ``scale`` is a power of two."""
-    return (tl.maximum(p, 0.0) * scale).to(tl.int64)
-
-
-@triton.jit
 def _sample_from_probs_kernel(
     probs_ptr,
     seeds_ptr,
@@ -185,37 +178,9 @@ def _sample_from_probs_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    row_probs = probs_ptr + row * probs_row_stride
-
-    largest = tl.full((), 0.0, tl.float32)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        p = tl.load(row_probs + cols, mask=cols < vocab_size, other=0.0)
-        largest = tl.maximum(largest, tl.max(p, axis=0))
-    # 2**(157 - biased exponent of `largest`) puts it in [2**30, 2**31); built from its float32 bits.
-    exponent = (largest.to(tl.int32, bitcast=True) >> 23) & 0xFF
-    scale = ((tl.minimum(157 - exponent, 127) + 127) << 23).to(tl.float32, bitcast=True)
-
-    total = tl.full((), 0, tl.int64)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        p = tl.load(row_probs + cols, mask=cols < vocab_size, other=0.0)
-        total += tl.sum(_weights(p, scale), axis=0)
-
-    # r = floor(u * total) = floor(total * odd / 2**24), with total split at bit 24 to stay in int64.
-    odd = (uniform(tl.load(seeds_ptr + row), tl.load(offsets_ptr + row), 0) * 16777216.0).to(tl.int64)
-    r = (total >> 24) * odd + (((total & 0xFFFFFF) * odd) >> 24)
-
-    below = tl.full((), 0, tl.int64)  # tokens whose cumulative weight is still <= r
-    carry = tl.full((), 0, tl.int64)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < vocab_size
-        w = _weights(tl.load(row_probs + cols, mask=mask, other=0.0), scale)
-        cumulative = carry + tl.cumsum(w, axis=0)
-        below += tl.sum((mask & (cumulative <= r)).to(tl.int64), axis=0)
-        carry += tl.sum(w, axis=0)
-    tl.store(samples_ptr + row, tl.where(total > 0, below, 0))
+    token = race(probs_ptr + row * probs_row_stride, tl.load(seeds_ptr + row), tl.load(offsets_ptr + row),
+                 vocab_size, BLOCK_V)
+    tl.store(samples_ptr + row, token)
 
 
 @triton.jit
@@ -284,22 +249,10 @@ def probs_from_logits_ref(
     return torch.where(greedy_rows[:, None], one_hot, probs)
 
 
-def _power_of_two_scale_ref(largest: torch.Tensor) -> torch.Tensor:
-    exponent = (largest.contiguous().view(torch.int32) >> 23) & 0xFF
-    return ((torch.clamp(157 - exponent, max=127) + 127) << 23).to(torch.int32).view(torch.float32)
-
-
 def sample_from_probs_ref(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     if probs.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=probs.device)
-    p = probs.float().clamp_min(0.0)
-    scale = _power_of_two_scale_ref(p.amax(dim=1))
-    cumulative = (p * scale[:, None]).to(torch.int64).cumsum(dim=1)
-    total = cumulative[:, -1]
-    odd = (uniform_ref(seeds, offsets, 0) * 16777216.0).to(torch.int64)
-    r = (total >> 24) * odd + (((total & 0xFFFFFF) * odd) >> 24)
-    below = (cumulative <= r[:, None]).sum(dim=1)
-    return torch.where(total > 0, below, 0)
+    return race_ref(probs, seeds, offsets)
 
 
 def sample_ref(logits, temperature, top_k, top_p, seeds, offsets) -> torch.Tensor:

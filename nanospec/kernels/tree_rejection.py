@@ -172,10 +172,11 @@ def _tree_rejection_sample_kernel(
         accepted = tl.full((), 0, tl.int1)
         while (child < BLOCK_N) & (accepted == 0):
             token = tl.sum(tl.where(nodes == child, tokens, 0), axis=0)
-            p_token = tl.load(p_ptr + token).to(tl.float32)
+            in_vocab = (token >= 0) & (token < V)  # a token outside the vocabulary has p = q = 0: rejected
+            p_token = tl.load(p_ptr + token, mask=in_vocab, other=0.0).to(tl.float32)
             u = uniform(seed, offset + depth, V + num_tried)
             if HAS_DRAFT_PROBS:
-                q_token = tl.load(q_ptr + token).to(tl.float32)
+                q_token = tl.load(q_ptr + token, mask=in_vocab, other=0.0).to(tl.float32)
                 residual_token = tl.maximum(
                     tl.math.div_rn(p_token, p_sum) - coef * tl.math.div_rn(q_token, q_sum), 0.0
                 )
@@ -320,10 +321,12 @@ def tree_rejection_sample_ref(
                 break
             child = child.clamp(max=max_nodes - 1)
             token = tokens[rows, child]
-            p_token = p[rows, cur, token]
+            in_vocab = (token >= 0) & (token < vocab_size)  # a token outside the vocabulary has p = q = 0
+            safe_token = token.clamp(0, vocab_size - 1)
+            p_token = torch.where(in_vocab, p[rows, cur, safe_token], 0.0)
             u = uniform_ref(seeds, offsets + level, vocab_size + j)
             if q is not None:
-                q_token = q[rows, q_row, token]
+                q_token = torch.where(in_vocab, q[rows, q_row, safe_token], 0.0)
                 residual_token = (p_token / p_sum - coef * (q_token / q_sum)).clamp_min(0.0)
                 weight = p_token if j == 0 else residual_token
                 accept = trying & (u * q_token * mass < weight * q_sum)
@@ -361,7 +364,8 @@ def tree_rejection_sample_ref(
         residual = (p_stop / p_sum[:, None] - coef[:, None] * (q_stop / q_sum[:, None])).clamp_min(0.0)
     else:
         zeroed = torch.zeros(batch, vocab_size + 1, dtype=torch.bool, device=device)
-        zeroed.scatter_(-1, torch.where(rejected_tokens >= 0, rejected_tokens, vocab_size), True)
+        in_vocab = (rejected_tokens >= 0) & (rejected_tokens < vocab_size)
+        zeroed.scatter_(-1, torch.where(in_vocab, rejected_tokens, vocab_size), True)
         residual = (p_stop / p_sum[:, None]).masked_fill(zeroed[:, :vocab_size], 0.0)
     residual_score = residual / exponential
     residual_token = residual_score.argmax(-1)

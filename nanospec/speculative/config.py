@@ -5,6 +5,7 @@
     {"method": "ngram", "num_speculative_tokens": 5, "max_candidates": 4}          # a token tree
     {"method": "draft", "model": PATH, "num_speculative_tokens": 4, "tree_top_k": 2, "tree_budget": 12}
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
+    {"method": "draft", "model": PATH, "acceptance": "coupled"}     # outputs equal plain seeded sampling
 
 ``num_speculative_tokens`` is the most guesses verified per step. With ``"adaptive": True`` (the
 default) each step verifies only as many as pay off on this machine (``nanospec.speculative.policy``);
@@ -13,6 +14,7 @@ default) each step verifies only as many as pay off on this machine (``nanospec.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from nanospec.speculative.proposer import Proposer
 _KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive",
               "max_candidates", "tree_budget"},
-    "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive", "tree_top_k", "tree_budget"},
+    "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive", "tree_top_k", "tree_budget",
+              "acceptance"},
     "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
 }
 
@@ -44,12 +47,18 @@ class SpeculativeConfig:
     window_size: int = 5
     ngram_size: int = 4
     guess_set_size: int = 5
+    acceptance: str = "rejection"
+
+
+# The largest value each size may take: beyond these a step would feed hundreds of guesses per sequence.
+_MAXIMA = {"num_speculative_tokens": 64, "prompt_lookup_min": 64, "prompt_lookup_max": 64, "max_candidates": 64,
+           "tree_budget": 256, "tree_top_k": 64, "window_size": 64, "ngram_size": 16, "guess_set_size": 64}
 
 
 def _positive_int(config: dict, key: str, default: int) -> int:
     value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"speculative_config[{key!r}] must be an integer >= 1, got {value!r}")
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= _MAXIMA[key]:
+        raise ValueError(f"speculative_config[{key!r}] must be an integer in [1, {_MAXIMA[key]}], got {value!r}")
     return value
 
 
@@ -80,13 +89,21 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
         return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
                                  max_candidates=_positive_int(config, "max_candidates", 1), tree_budget=tree_budget)
-    if not config.get("model"):
-        raise ValueError("speculative_config for method 'draft' needs 'model': the path of a small Llama")
+    model = config.get("model")
+    if not model or not isinstance(model, (str, os.PathLike)):
+        raise ValueError(f"speculative_config for method 'draft' needs 'model': the path of a small Llama, "
+                         f"got {model!r}")
     tree_top_k = _positive_int(config, "tree_top_k", 1)
-    if not Path(config["model"]).exists():
-        raise FileNotFoundError(f"speculative_config['model']: the draft model path does not exist: {config['model']}")
-    return SpeculativeConfig(method, k, model=str(config["model"]), dtype=config.get("dtype"), adaptive=adaptive,
-                             tree_top_k=tree_top_k, tree_budget=tree_budget or k * tree_top_k)
+    acceptance = config.get("acceptance", "rejection")
+    if acceptance not in ("rejection", "coupled"):
+        raise ValueError(f"speculative_config['acceptance'] must be 'rejection' or 'coupled', got {acceptance!r}")
+    dtype = config.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        raise ValueError(f"speculative_config['dtype'] must be a dtype name such as 'float32', got {dtype!r}")
+    if not Path(model).exists():
+        raise FileNotFoundError(f"speculative_config['model']: the draft model path does not exist: {model}")
+    return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
+                             tree_budget=tree_budget or k * tree_top_k, acceptance=acceptance)
 
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,

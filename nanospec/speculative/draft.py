@@ -6,8 +6,16 @@ time, the one new token after a rejection, and ``[d_k, bonus]`` after all k draf
 (the draft never ran on its own last guess ``d_k``: **backfill**). Then k-1 one-token forwards
 follow, each feeding the previous guess. Guess ``d_j`` is the argmax of the draft's distribution
 ``q_j`` for greedy requests, otherwise a sample from ``q_j`` (same temperature / top-k / top-p as
-the target, uniforms from the request seed on a stream of its own); ``q_j`` goes to the rejection
-sampler. After verification the draft KV of rejected guesses is rolled back with the target's.
+the target). Two ways to sample, ``speculative_config["acceptance"]``:
+
+* ``"rejection"`` (default): uniforms from the request seed on a stream of its own; ``q_j`` goes to the
+  rejection sampler. The highest acceptance; the output follows the target distribution exactly, but
+  which tokens a seed gives depends on the draft and on k.
+* ``"coupled"``: the exponential race with the target's own numbers at that position
+  (``argmax_v q_j(v) / E_v``); verification accepts a guess iff it is the token the target draws there.
+  Lower acceptance; the output is exactly plain seeded sampling's, whatever the draft.
+
+After verification the draft KV of rejected guesses is rolled back with the target's.
 
 **Trees** (``tree_top_k > 1``): from the root, every frontier node branches on its ``tree_top_k``
 most probable next tokens; of all those children the ``tree_budget`` most probable (by cumulative
@@ -51,6 +59,7 @@ class DraftProposer(Proposer):
                  device: torch.device, dtype: torch.dtype):
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
+        self.coupled = config.acceptance == "coupled"
         if config.dtype is not None:
             dtype = resolve_dtype(config.dtype, device)
         checkpoint = load_checkpoint(config.model, dtype)
@@ -64,6 +73,7 @@ class DraftProposer(Proposer):
         self.model = Llama(checkpoint.config, checkpoint.tensors, device, dtype)
         del checkpoint
         c = self.model.config
+        self.max_model_len = c.max_position_embeddings
         self.k = config.num_speculative_tokens
         self.max_tokens_per_step = self.k if self.tree_top_k == 1 else self.tree_budget
         self.adaptive_k = self.tree_top_k == 1
@@ -77,7 +87,11 @@ class DraftProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         if self.tree_top_k > 1:
-            return self._propose_trees(seqs)
+            trees = [i for i, k in enumerate(ks) if k > 0]
+            proposals = [Proposal() for _ in seqs]
+            for i, proposal in zip(trees, self._propose_trees([seqs[i] for i in trees], [ks[i] for i in trees])):
+                proposals[i] = proposal
+            return proposals
         tokens: list[list[int]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
@@ -95,7 +109,7 @@ class DraftProposer(Proposer):
             guesses, q = self._draw([seqs[i] for i in rows], logits, j)
             for r, (i, t) in enumerate(zip(rows, guesses)):
                 tokens[i].append(t)
-                if q is not None:
+                if q is not None and not seqs[i].params.greedy:
                     probs[i].append(q[r])
                 starts[i] += len(feed[i])
                 feed[i] = [t]
@@ -104,7 +118,10 @@ class DraftProposer(Proposer):
             states[i].num_reusable = ks[i] - 1  # d_1 .. d_{k-1} were fed, d_k was not
         return [Proposal.chain(t, torch.stack(probs[i]) if probs.get(i) else None) for i, t in enumerate(tokens)]
 
-    def _propose_trees(self, seqs: list[Sequence]) -> list[Proposal]:
+    def _propose_trees(self, seqs: list[Sequence], max_depths: list[int]) -> list[Proposal]:
+        """A tree per sequence, at most ``max_depths[i]`` deep (> 0)."""
+        if not seqs:
+            return []
         states: list[DraftState] = [s.spec_state for s in seqs]
         for seq, st in zip(seqs, states):
             self.block_manager.reserve(st.block_table, seq.num_tokens + self.tree_budget)
@@ -123,6 +140,9 @@ class DraftProposer(Proposer):
         for depth in range(1, self.k + 1):
             grown = []
             for i in range(len(seqs)):
+                if depth > max_depths[i]:
+                    frontier[i] = []
+                    continue
                 children = []
                 for node, score, row in frontier[i]:
                     top = torch.topk(row, self.tree_top_k)
@@ -134,7 +154,7 @@ class DraftProposer(Proposer):
                     parents[i].append(node)
                     depths[i].append(depth)
                     frontier[i].append((len(tokens[i]) - 1, score, None))
-                if frontier[i]:
+                if frontier[i] and depth < max_depths[i]:
                     grown.append(i)
             if depth == self.k or not grown:
                 break
@@ -154,9 +174,13 @@ class DraftProposer(Proposer):
         return time_forwards(self.model, self.kv_cache, self.block_manager, [1])[0]
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int):
-        """Guess j for every sequence and, if any samples, the draft distributions ``q`` ``[S, V]``."""
+        """Guess j for every sequence and, in rejection mode when any samples, the draft distributions ``q``
+        ``[S, V]``. Coupled: the exponential race at the guess's own position with the request's own seed,
+        the very numbers the target's token there is drawn with (then verified by matching)."""
         if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1).tolist(), None
+        if self.coupled:
+            return SamplingTensors.of(seqs, logits.device, offset=j).sample(logits).tolist(), None
         t = SamplingTensors.of(seqs, logits.device, offset=j, seed_salt=DRAFT_SEED_SALT)
         q = t.probs(logits)
         return sample_from_probs(q, t.seeds, t.offsets).tolist(), q

@@ -20,6 +20,7 @@ from nanospec.speculative.proposal import Proposal, Verdict
 class Proposer(abc.ABC):
     max_tokens_per_step: int  # the most nodes one proposal holds: KV slots to reserve beyond the root
     adaptive_k = True  # chains: the speculator may verify fewer guesses than proposed (nanospec.speculative.policy)
+    max_model_len: int | None = None  # the longest sequence it can guess for (a draft model's context); None: any
 
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:

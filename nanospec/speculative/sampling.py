@@ -1,9 +1,11 @@
 """A batch's sampling settings on the device, made once per use from its sequences' ``SamplingParams``.
 
-``temperature``, ``top_k`` and ``top_p`` have one entry per logits row (``repeat`` rows per sequence);
-``seeds`` and ``offsets`` one per sequence: the request's seed (xor a salt, for a stream of its own) and
-the position of the first token drawn (``num_tokens + offset``), the counters of
-:mod:`nanospec.kernels.random`.
+One entry per logits row: by default one row per sequence, drawn at the position of its next token
+(``num_tokens + offset``); with ``depths``, ``len(depths[i])`` rows for sequence ``i``, the row at depth
+``d`` drawn at ``num_tokens + d`` (a token tree: the root's row is depth 0). ``seeds`` are the requests'
+seeds (xor a salt, for a stream of their own) and ``offsets`` the positions: the counters of
+:mod:`nanospec.kernels.random`. A ``top_k`` too large for int32 keeps every token, as any ``top_k`` at or
+above the vocabulary does.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ from dataclasses import dataclass
 
 import torch
 
-from nanospec.kernels.sampling import probs_from_logits
+from nanospec.kernels.sampling import probs_from_logits, sample
 from nanospec.sequence import Sequence
+
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass
@@ -21,23 +25,28 @@ class SamplingTensors:
     temperature: torch.Tensor  # [rows] float32
     top_k: torch.Tensor        # [rows] int32
     top_p: torch.Tensor        # [rows] float32
-    seeds: torch.Tensor        # [seqs] int64
-    offsets: torch.Tensor      # [seqs] int64
+    seeds: torch.Tensor        # [rows] int64
+    offsets: torch.Tensor      # [rows] int64
 
     @classmethod
-    def of(cls, seqs: list[Sequence], device: torch.device, *, repeat: int = 1, offset: int = 0,
-           seed_salt: int = 0) -> SamplingTensors:
-        params = [s.params for s in seqs]
+    def of(cls, seqs: list[Sequence], device: torch.device, *, depths: list[list[int]] | None = None,
+           offset: int = 0, seed_salt: int = 0) -> SamplingTensors:
+        depths = depths if depths is not None else [[offset]] * len(seqs)
+        rows = [(s, s.num_tokens + d) for s, ds in zip(seqs, depths) for d in ds]
 
-        def per_row(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=device).repeat_interleave(repeat)
+        def tensor(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
 
-        return cls(per_row([p.temperature for p in params], torch.float32),
-                   per_row([p.top_k for p in params], torch.int32),
-                   per_row([p.top_p for p in params], torch.float32),
-                   torch.tensor([s.seed ^ seed_salt for s in seqs], dtype=torch.int64, device=device),
-                   torch.tensor([s.num_tokens + offset for s in seqs], dtype=torch.int64, device=device))
+        return cls(tensor([s.params.temperature for s, _ in rows], torch.float32),
+                   tensor([min(s.params.top_k, _INT32_MAX) for s, _ in rows], torch.int32),
+                   tensor([s.params.top_p for s, _ in rows], torch.float32),
+                   tensor([s.seed ^ seed_salt for s, _ in rows], torch.int64),
+                   tensor([position for _, position in rows], torch.int64))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution each row samples from (temperature, top-k, top-p applied)."""
         return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row: plain sampling, the exponential race at the row's (seed, position)."""
+        return sample(logits, self.temperature, self.top_k, self.top_p, self.seeds, self.offsets)

@@ -97,11 +97,19 @@ class Speculator:
             ks[j] = max(0, min(ks[j], self.max_model_len - seq.num_tokens - 1,
                                seq.params.max_tokens - seq.num_output_tokens - 1))
         for i, k, proposal in zip(guessing, ks, self.proposer.propose([seqs[i] for i in guessing], ks)):
+            self._check_vocabulary(proposal)
             room = max(self.max_model_len - seqs[i].num_tokens - 1, 0)
             proposals[i] = proposal.truncated(k, room)
             if proposals[i].num_candidates == 0 and proposal.num_candidates > 0:
                 proposals[i].unverified_guess = proposal.token_ids[0]
         return proposals
+
+    def _check_vocabulary(self, proposal: Proposal) -> None:
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in proposal.token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"{type(self.proposer).__name__} proposed token id {bad}, outside the vocabulary "
+                             f"[0, {vocab})")
 
     def _choose_ks(self, seqs: list[Sequence], guessing: list[int]) -> list[int]:
         """How deep each guessing sequence ``seqs[i]``, ``i`` in ``guessing``, guesses, given the whole batch."""
@@ -112,7 +120,7 @@ class Speculator:
 
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[Verdict]:
         """Each sequence's verdict; an accepted path off the chain has its K/V moved next to the root."""
-        verdicts = verify(seqs, proposals, logits, [self.speculates(s) for s in seqs])
+        verdicts = verify(seqs, proposals, logits)
         self._compact_accepted_paths(seqs, verdicts)
         return verdicts
 

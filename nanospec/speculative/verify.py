@@ -1,98 +1,126 @@
 """Verification for a whole batch: what each sequence emits this step.
 
-Every proposal is a token tree under the sequence's root (a chain is a tree). The target forward gave
-logits at the root and at every node; the distribution after node ``c`` is ``p_c`` (the root's is
-``p_0``). The tree is walked from the root:
+Every proposal is a token tree under the sequence's root (a chain is a tree; no proposal is a tree of one
+node). The target forward gave logits at the root and at every node; ``p_c`` is the target's distribution
+after node ``c`` (temperature, top-k, top-p applied), at position ``num_tokens + depth(c)``.
 
-* greedy (temperature 0): move to the child whose token is ``argmax p_cur``; when there is none, emit
-  ``argmax p_cur`` and stop. For a chain ``d_1..d_k``: accept while ``d_i == argmax p_{i-1}``, then emit
-  the target's token (the correction, or the bonus after all k).
-* sampling: try the children of ``cur`` in turn, accepting ``t`` with probability
-  ``min(1, p(t) / q(t))`` and replacing ``p`` by the residual ``norm(max(p - q, 0))`` after each
-  rejection (``q`` one-hot at ``t`` for guesses that were not sampled: accept with ``p(t)``, then zero
-  ``t`` and renormalise); move on at an acceptance, and when every child is rejected emit a token
-  drawn from the residual (from ``p_cur`` itself at a leaf: the bonus token). The output is
-  distributed exactly as ``p`` (Leviathan et al. 2023, Chen et al. 2023 for a chain; SpecInfer's
-  multi-candidate rule for trees).
+**Matched verification** (guesses made without sampling: n-gram, lookahead, draft trees, a coupled draft).
+At every node the target draws its own token exactly as plain sampling would at that position: the
+exponential race ``s_c = argmax_v p_c(v) / E_v`` with ``E_v = -log(uniform(seed, position, v))`` (the
+argmax when greedy). The walk starts at the root and moves to the child whose token is ``s_cur``; when no
+child matches it emits ``s_cur`` and stops. Every emitted token is the token plain seeded sampling draws
+at its position, whatever was guessed, so the output is exactly plain decoding's, for any k, tree or batch.
+A guess ``d`` is accepted with probability ``p(d)``, and a node's children together with their mass: what
+rejection sampling with one-hot guesses gives.
 
-Each is one kernel launch for the batch (:mod:`nanospec.kernels.tree_rejection`). Sequences that do not
-speculate take the plain sampler. Random numbers are drawn at (request seed, position of the token),
-so a seeded request gives the same tokens whatever else is in the batch. Fed-only nodes (lookahead's
-window) are not verified: their argmax goes back to the proposer.
+**Rejection sampling** (a draft model that sampled its guesses from ``q``): try the children of ``cur`` in
+turn, accepting ``t`` with probability ``min(1, p(t) / q(t))`` and replacing ``p`` by the residual
+``norm(max(p - q, 0))`` after each rejection; at an acceptance move on; when every child is rejected, emit
+a token drawn from the residual (from ``p_cur`` itself at a leaf: the bonus token). Each emitted token is
+distributed exactly as ``p`` (Leviathan et al. 2023, Chen et al. 2023; SpecInfer for trees), with higher
+acceptance than matching, but the tokens depend on the guesses (:mod:`nanospec.kernels.tree_rejection`).
+
+``min_tokens``: a row whose token would be output token number ``< min_tokens`` cannot end the request,
+so its stop tokens get probability 0 before anything is drawn, row by row (speculation stays lossless).
+
+One launch draws every node's token, one walks every tree, one more rejection-samples the draft rows, and
+everything comes back to the host in one read. Fed-only nodes (lookahead's window) are not verified: their
+argmax goes back to the proposer.
 """
 
 from __future__ import annotations
 
 import torch
 
-from nanospec.kernels.sampling import greedy, sample
 from nanospec.kernels.tree_rejection import greedy_tree_verify, tree_rejection_sample
 from nanospec.sequence import Sequence
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.sampling import SamplingTensors
 
 
-def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
-           speculating: list[bool]) -> list[Verdict]:
-    """One verdict per sequence. ``logits`` rows: per sequence its root's, then one per node."""
+def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[Verdict]:
+    """One verdict per sequence. ``logits`` rows: per sequence its root's, then one per node (modified in place:
+    stop tokens banned before ``min_tokens``)."""
+    device = logits.device
     starts = [0]
     for p in proposals:
         starts.append(starts[-1] + 1 + len(p.token_ids))
-    verdicts: list[Verdict | None] = [None] * len(seqs)
+    sizes = [1 + p.num_candidates for p in proposals]  # the root and the candidates
+    depths = [[0] + p.depths[: p.num_candidates] for p in proposals]
+    flat_rows = [start + j for start, n in zip(starts, sizes) for j in range(n)]
+    _ban_stop_tokens_before_min_tokens(logits, seqs, depths, flat_rows, sizes)
 
-    plain = [i for i, spec in enumerate(speculating) if not spec]
-    if plain:
-        rows = torch.tensor([starts[i] for i in plain], device=logits.device)
-        for i, token in zip(plain, sample_tokens([seqs[i] for i in plain], logits[rows])):
-            verdicts[i] = Verdict([token])
-    for is_greedy in (True, False):
-        group = [i for i, spec in enumerate(speculating) if spec and seqs[i].params.greedy == is_greedy]
-        if group:
-            for i, verdict in zip(group, _walk_trees(seqs, proposals, logits, starts, group, is_greedy)):
-                verdicts[i] = verdict
+    # the target's own token at the root and at every candidate: plain sampling at that node's position
+    target_logits = logits[torch.tensor(flat_rows, device=device)]
+    if all(s.params.greedy for s in seqs):
+        target_tokens = target_logits.argmax(dim=-1)
+    else:
+        target_tokens = SamplingTensors.of(seqs, device, depths=depths).sample(target_logits)
 
-    for i, p in enumerate(proposals):
+    n_max = max(sizes)
+    first = [sum(sizes[:b]) for b in range(len(seqs))]
+    pad = torch.tensor([[f + min(j, n - 1) for j in range(n_max)] for f, n in zip(first, sizes)], device=device)
+    node_tokens = torch.tensor([[0] + p.token_ids[: p.num_candidates] + [0] * (n_max - n)
+                                for p, n in zip(proposals, sizes)], dtype=torch.int64, device=device)
+    parents = torch.tensor([[-1] + [q + 1 for q in p.parents[: p.num_candidates]] + [0] * (n_max - n)
+                            for p, n in zip(proposals, sizes)], dtype=torch.int64, device=device)
+    num_nodes = torch.tensor(sizes, dtype=torch.int64, device=device)
+    path, emitted = greedy_tree_verify(target_tokens[pad], node_tokens, parents, num_nodes)
+
+    sampled = [b for b, p in enumerate(proposals) if p.draft_probs is not None]
+    if sampled:
+        _rejection_sample(seqs, proposals, logits, starts, sizes, sampled, node_tokens, parents, num_nodes,
+                          path, emitted)
+
+    extra_rows = [r for p, start, end in zip(proposals, starts, starts[1:])
+                  for r in range(start + 1 + p.num_candidates, end)]
+    extra = logits[torch.tensor(extra_rows, dtype=torch.int64, device=device)].argmax(dim=-1)
+    host = torch.cat([path.flatten(), emitted.flatten(), extra]).tolist()  # the step's one device read
+    paths, emits, extras = host[: path.numel()], host[path.numel(): 2 * path.numel()], host[2 * path.numel():]
+    verdicts = []
+    for b, p in enumerate(proposals):
+        row = slice(b * n_max, (b + 1) * n_max)
+        verdict = Verdict([t for t in emits[row] if t >= 0], [n - 1 for n in paths[row] if n >= 0])
         if p.num_candidates < len(p.token_ids):
-            first = starts[i] + 1 + p.num_candidates
-            verdicts[i].extra_argmax = logits[first:starts[i + 1]].argmax(dim=-1).tolist()
+            count = len(p.token_ids) - p.num_candidates
+            verdict.extra_argmax, extras = extras[:count], extras[count:]
+        verdicts.append(verdict)
     return verdicts
 
 
-def sample_tokens(seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
-    """Plain sampling: one token per row of ``logits`` (row r belongs to ``seqs[r]``, drawn at its length)."""
-    if all(s.params.greedy for s in seqs):
-        return greedy(logits).tolist()
-    t = SamplingTensors.of(seqs, logits.device)
-    return sample(logits, t.temperature, t.top_k, t.top_p, t.seeds, t.offsets).tolist()
-
-
-def _walk_trees(seqs, proposals, logits, starts, group, is_greedy: bool) -> list[Verdict]:
-    """Tree node 0 is the root, node n > 0 is the proposal's candidate n - 1."""
+def _rejection_sample(seqs, proposals, logits, starts, sizes, sampled, node_tokens, parents, num_nodes, path,
+                      emitted) -> None:
+    """Overwrite the walks of the ``sampled`` rows (guesses drawn from a draft's ``q``) with rejection sampling."""
     device = logits.device
-    sizes = [1 + proposals[i].num_candidates for i in group]
-    n_max = max(sizes)
-    rows = torch.tensor([[starts[i] + min(j, n - 1) for j in range(n_max)] for i, n in zip(group, sizes)],
-                        device=device)
-    node_tokens, parents = [], []
-    for i, n in zip(group, sizes):
-        p = proposals[i]
-        node_tokens.append([0] + p.token_ids[: n - 1] + [0] * (n_max - n))
-        parents.append([-1] + [q + 1 for q in p.parents[: n - 1]] + [0] * (n_max - n))
-    node_tokens = torch.tensor(node_tokens, dtype=torch.int64, device=device)
-    parents = torch.tensor(parents, dtype=torch.int64, device=device)
-    num_nodes = torch.tensor(sizes, dtype=torch.int64, device=device)
-    if is_greedy:
-        path, emitted = greedy_tree_verify(logits.argmax(dim=-1)[rows], node_tokens, parents, num_nodes)
-    else:
-        draft_probs = None
-        if any(proposals[i].draft_probs is not None for i in group):
-            draft_probs = torch.zeros((len(group), n_max, logits.shape[-1]), dtype=torch.float32, device=device)
-            for b, (i, n) in enumerate(zip(group, sizes)):
-                if proposals[i].draft_probs is not None and n > 1:
-                    draft_probs[b, 1:n] = proposals[i].draft_probs
-        t = SamplingTensors.of([seqs[i] for i in group], device, repeat=n_max)
-        probs = t.probs(logits[rows.flatten()]).view(len(group), n_max, -1)
-        path, emitted = tree_rejection_sample(probs, node_tokens, parents, num_nodes, draft_probs,
-                                              seeds=t.seeds, offsets=t.offsets)
-    return [Verdict([t for t in e if t >= 0], path=[n - 1 for n in pth if n >= 0])
-            for pth, e in zip(path.tolist(), emitted.tolist())]
+    n_max = max(sizes[b] for b in sampled)
+    rows = torch.tensor([[starts[b] + min(j, sizes[b] - 1) for j in range(n_max)] for b in sampled], device=device)
+    t = SamplingTensors.of([seqs[b] for b in sampled], device, depths=[[0] * n_max] * len(sampled))
+    probs = t.probs(logits[rows.flatten()]).view(len(sampled), n_max, -1)
+    draft_probs = torch.zeros_like(probs)
+    for i, b in enumerate(sampled):
+        draft_probs[i, 1:sizes[b]] = proposals[b].draft_probs
+    index = torch.tensor(sampled, device=device)
+    sampled_path, sampled_emitted = tree_rejection_sample(
+        probs, node_tokens[index, :n_max], parents[index, :n_max], num_nodes[index], draft_probs,
+        seeds=t.seeds.view(len(sampled), n_max)[:, 0], offsets=t.offsets.view(len(sampled), n_max)[:, 0])
+    path[index] = -1
+    emitted[index] = -1
+    path[index, :n_max] = sampled_path
+    emitted[index, :n_max] = sampled_emitted
+
+
+def _ban_stop_tokens_before_min_tokens(logits, seqs, depths, flat_rows, sizes) -> None:
+    """Rows whose token would be output token number < min_tokens: their stop tokens get -inf."""
+    rows, cols = [], []
+    row_iter = iter(flat_rows)
+    for seq, node_depths, n in zip(seqs, depths, sizes):
+        seq_rows = [next(row_iter) for _ in range(n)]
+        missing = seq.params.min_tokens - seq.num_output_tokens
+        if missing <= 0 or not seq.stop_token_ids:
+            continue
+        for row, depth in zip(seq_rows, node_depths):
+            if depth < missing:
+                rows += [row] * len(seq.stop_token_ids)
+                cols += seq.stop_token_ids
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")

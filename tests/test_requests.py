@@ -1,0 +1,238 @@
+"""A request's life as a user drives it: abort, streams closed or dropped, a request that fails inside a step
+without taking the others down, odd but valid inputs, bad inputs refused before any work; and, whatever the mix,
+every KV block back in the pool."""
+
+import gc
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nanospec import LLM, SamplingParams
+from tiny import assert_no_leak, make_tiny_llama
+
+PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 3]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+BAD = 13  # a prompt starting with this token makes the proposer raise (see _inject_failure)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    target = tmp_path_factory.mktemp("requests_target")
+    make_tiny_llama(target, seed=1, tie=True, layers=2, max_pos=256)
+    short_draft = tmp_path_factory.mktemp("requests_short_draft")
+    make_tiny_llama(short_draft, seed=2, layers=1, num_heads=2, num_kv_heads=1, hidden=32, max_pos=40)
+    return target, short_draft
+
+
+@pytest.fixture(scope="module")
+def plain(paths):
+    return LLM(str(paths[0]), num_blocks=128, block_size=4)
+
+
+@pytest.fixture
+def llm(paths):
+    """n-gram speculation, with a proposer that raises for requests whose prompt starts with BAD."""
+    llm = LLM(str(paths[0]), num_blocks=128, block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    _inject_failure(llm)
+    return llm
+
+
+def _inject_failure(llm):
+    proposer = llm.engine.speculator.proposer
+    propose = proposer.propose
+
+    def failing(seqs, ks):
+        if any(s.prompt_token_ids[0] == BAD for s in seqs):
+            raise RuntimeError("injected failure")
+        return propose(seqs, ks)
+
+    proposer.propose = failing
+
+
+def test_abort_a_streamed_request(llm):
+    stream = llm.stream(PROMPTS[0], GREEDY)
+    first = next(stream)
+    assert not first.finished
+    llm.abort(stream.request_id)
+    last = next(stream)
+    assert last.finished and last.finish_reason == "abort" and last.token_ids[: len(first.token_ids)] == \
+        first.token_ids
+    with pytest.raises(StopIteration):
+        next(stream)
+    llm.abort(stream.request_id)  # finished: ignored
+    assert_no_leak(llm)
+
+
+def test_close_and_drop_streams(llm):
+    started = llm.stream(PROMPTS[1], GREEDY)
+    next(started)
+    started.close()
+    with pytest.raises(StopIteration):
+        next(started)
+    unstarted = llm.stream(PROMPTS[2], GREEDY)
+    assert llm.engine.scheduler.waiting  # queued when stream() was called
+    del unstarted
+    gc.collect()
+    assert_no_leak(llm)
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].finish_reason == "length"  # the engine still serves
+
+
+def test_a_failing_request_fails_alone(llm, plain):
+    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    stream = llm.stream(PROMPTS[3], GREEDY)  # an open stream beside the failing batch
+    next(stream)
+    outs = llm.generate([PROMPTS[0], [BAD, 5, 9, 5, 9], PROMPTS[1], PROMPTS[2]], GREEDY)
+    assert [o.token_ids for o in outs[:1] + outs[2:]] == [expected[0], expected[1], expected[2]]
+    assert outs[1].finish_reason == "error" and "injected failure" in outs[1].error
+    rest = list(stream)
+    assert rest[-1].finish_reason == "length" and rest[-1].token_ids == expected[3]
+    assert_no_leak(llm)
+
+
+def test_out_of_vocabulary_guesses_fail_their_request_clearly(llm, plain):
+    proposer = llm.engine.speculator.proposer
+    proposer.chain = lambda index, k=None: [llm.config.vocab_size + 3]
+    outs = llm.generate(PROMPTS[:2], GREEDY)
+    assert all(o.finish_reason == "error" and "outside the vocabulary" in o.error for o in outs)
+    assert_no_leak(llm)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(st.tuples(st.sampled_from(["generate", "open", "next", "close", "drop", "abort", "fail"]),
+                              st.integers(0, 3)), min_size=1, max_size=10))
+def test_no_block_is_lost_whatever_the_mix(llm, ops):
+    streams = []
+    for op, n in ops:
+        params = SamplingParams(temperature=0, max_tokens=2 + 3 * n, ignore_eos=True)
+        if op == "generate":
+            outs = llm.generate(PROMPTS[: n + 1], params)
+            assert all(o.finished for o in outs)
+        elif op == "open":
+            streams.append(llm.stream(PROMPTS[n], params))
+        elif op == "next" and streams:
+            next(streams[n % len(streams)], None)
+        elif op == "close" and streams:
+            streams.pop(n % len(streams)).close()
+        elif op == "drop" and streams:
+            streams.pop(n % len(streams))
+            gc.collect()
+        elif op == "abort" and streams:
+            llm.abort(streams[n % len(streams)].request_id)
+        elif op == "fail":
+            out = llm.generate([[BAD, 1 + n, 2, 3]], params)[0]
+            assert out.finish_reason in ("error", "length")  # a 2-token answer may end before it guesses
+    for stream in streams:
+        last = None
+        for last in stream:
+            pass
+        assert last is None or last.finished
+    streams.clear()
+    gc.collect()
+    assert_no_leak(llm)
+
+
+# ---------------------------------------------------------------- odd but valid inputs
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2},
+    {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
+    {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5},
+], ids=["ngram", "lookahead", "draft", "draft_tree"])
+def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config):
+    if config["method"] == "draft":
+        config = {**config, "model": str(paths[0])}
+    llm = LLM(str(paths[0]), num_blocks=128, block_size=4, max_model_len=24, speculative_config=config)
+    short = LLM(str(paths[0]), num_blocks=128, block_size=4, max_model_len=24)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # runs into the context's end
+    prompts = [[42], [7, 8], PROMPTS[0]]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in short.generate(prompts, params)]
+    assert all(o.finish_reason == "length" and len(p) + len(o.token_ids) == 24 for p, o in zip(prompts, outs))
+    assert_no_leak(llm)
+
+
+def test_a_draft_with_a_shorter_context_caps_or_is_refused(paths):
+    config = {"method": "draft", "model": str(paths[1]), "num_speculative_tokens": 2}
+    capped = LLM(str(paths[0]), num_blocks=64, block_size=4, speculative_config=config)
+    assert capped.engine.config.max_model_len == 40
+    out = capped.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+    assert len(PROMPTS[0]) + len(out.token_ids) == 40 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="draft model's context"):
+        LLM(str(paths[0]), num_blocks=64, block_size=4, max_model_len=100, speculative_config=config)
+
+
+def test_adaptive_speculation_with_a_small_pool(paths, plain):
+    llm = LLM(str(paths[0]), num_blocks=6, block_size=4, speculative_config={"method": "ngram"})
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    assert llm.generate([PROMPTS[0][:6]], params)[0].token_ids == plain.generate([PROMPTS[0][:6]], params)[0].token_ids
+
+
+def test_huge_top_k_and_seeds_of_any_size(plain):
+    base = dict(temperature=0.9, max_tokens=10, ignore_eos=True)
+    whole = plain.generate(PROMPTS[:2], SamplingParams(**base, seed=5))
+    assert [o.token_ids for o in plain.generate(PROMPTS[:2], SamplingParams(**base, seed=5, top_k=2**40))] == \
+        [o.token_ids for o in whole]
+    assert [o.token_ids for o in plain.generate(PROMPTS[:2], SamplingParams(**base, seed=5 + 2**64))] == \
+        [o.token_ids for o in whole]  # seeds are taken modulo 2**64
+    for seed in (2**63, -(2**80), 2**200):
+        assert len(plain.generate(PROMPTS[:1], SamplingParams(**base, seed=seed))[0].token_ids) == 10
+
+
+# ---------------------------------------------------------------- bad inputs, refused before any work
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(temperature=True), "temperature"),
+    (dict(temperature="0.5"), "temperature"),
+    (dict(temperature=float("nan")), "temperature"),
+    (dict(top_p=False), "top_p"),
+    (dict(top_k=True), "top_k"),
+    (dict(top_k=2.0), "top_k"),
+    (dict(max_tokens=True), "max_tokens"),
+    (dict(max_tokens="8"), "max_tokens"),
+    (dict(min_tokens=-1), "min_tokens"),
+    (dict(seed=True), "seed"),
+    (dict(seed=1.5), "seed"),
+    (dict(stop=[""]), "stop"),
+    (dict(stop=5), "stop"),
+    (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(stop_token_ids=[-1]), "stop_token_ids"),
+    (dict(stop_token_ids=3), "stop_token_ids"),
+    (dict(ignore_eos=1), "ignore_eos"),
+    (dict(speculate="yes"), "speculate"),
+])
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(block_size=True), "block_size"),
+    (dict(block_size="16"), "block_size"),
+    (dict(num_blocks=0), "num_blocks"),
+    (dict(num_blocks=2**40), "GiB"),
+    (dict(max_num_seqs=1.0), "max_num_seqs"),
+    (dict(max_num_batched_tokens=0), "max_num_batched_tokens"),
+    (dict(max_model_len=True), "max_model_len"),
+    (dict(seed="0"), "seed"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": True}), "num_speculative_tokens"),
+    (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 10**6}), "num_speculative_tokens"),
+    (dict(speculative_config={"method": "ngram", "adaptive": 1}), "adaptive"),
+    (dict(speculative_config={"method": "lookahead", "window_size": "5"}), "window_size"),
+    (dict(speculative_config={"method": "draft", "model": 5}), "model"),
+    (dict(speculative_config={"method": "draft", "model": ".", "acceptance": "maybe"}), "acceptance"),
+    (dict(speculative_config={"method": "draft", "model": ".", "dtype": 16}), "dtype"),
+    (dict(speculative_config=["ngram"]), "speculative_config"),
+])
+def test_bad_llm_arguments(paths, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(str(paths[0]), **{"num_blocks": 64, **kwargs})
+
+
+def test_bad_stop_token_ids_for_this_vocabulary(plain):
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        plain.generate([PROMPTS[0]], SamplingParams(stop_token_ids=[plain.config.vocab_size]))

@@ -1,0 +1,94 @@
+"""Stop strings, stop_token_ids and min_tokens: what plain decoding returns, and the same text, token ids and
+finish reason with every speculative method (several tokens arrive in one step, the request still ends at the
+first token that finishes it)."""
+
+import pytest
+
+from nanospec import LLM, SamplingParams
+from tiny import assert_no_leak, make_tiny_llama
+
+PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9]
+METHODS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3},
+    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3},
+    "self_draft": {"method": "draft", "num_speculative_tokens": 4, "adaptive": False},  # accepts (nearly) all
+}
+GREEDY = dict(temperature=0, max_tokens=40, ignore_eos=True)
+SAMPLED = dict(temperature=0.7, max_tokens=40, seed=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stops_target")
+    make_tiny_llama(path, seed=1, tie=True, layers=2, max_pos=256)
+    return path
+
+
+@pytest.fixture(scope="module")
+def llms(target):
+    out = {}
+    for name, config in METHODS.items():
+        if config is not None and config["method"] == "draft":
+            config = {**config, "model": str(target), "acceptance": "coupled"}
+        out[name] = LLM(str(target), num_blocks=256, block_size=4, speculative_config=config)
+    return out
+
+
+@pytest.fixture(scope="module")
+def free_runs(llms):
+    """Plain outputs without any stop, to choose stops from."""
+    return {kind: llms["plain"].generate(PROMPTS, SamplingParams(**kind_params))
+            for kind, kind_params in (("greedy", GREEDY), ("sampled", SAMPLED))}
+
+
+def _same_everywhere(llms, params_list):
+    results = {name: [(o.text, o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, params_list)]
+               for name, llm in llms.items()}
+    for name, result in results.items():
+        assert result == results["plain"], name
+        assert_no_leak(llms[name])
+    return results["plain"]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_stop_strings(llms, free_runs, kind):
+    base = GREEDY if kind == "greedy" else SAMPLED
+    params_list = []
+    for out in free_runs[kind]:
+        stop = out.text[10:13]  # a string the free run produces in the middle of its text
+        params_list.append(SamplingParams(**base, stop=[stop, "never appears \x00"]))
+    for (text, token_ids, reason), out, params in zip(_same_everywhere(llms, params_list), free_runs[kind],
+                                                      params_list):
+        assert reason == "stop" and text == out.text[: out.text.index(params.stop_list[0])]
+        assert len(token_ids) < len(out.token_ids)  # the tokens end with the one that completed the stop string
+        assert token_ids == out.token_ids[: len(token_ids)]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_stop_token_ids_and_min_tokens(llms, free_runs, kind):
+    base = GREEDY if kind == "greedy" else SAMPLED
+    stops = [out.token_ids[6] for out in free_runs[kind]]
+    # stop at the first occurrence of the token (kept in the output, like eos)
+    results = _same_everywhere(llms, [SamplingParams(**base, stop_token_ids=[t]) for t in stops])
+    for (_, token_ids, reason), out, t in zip(results, free_runs[kind], stops):
+        first = out.token_ids.index(t)
+        assert reason == "stop" and token_ids == out.token_ids[: first + 1]
+    # min_tokens: the stop token cannot be drawn before min_tokens tokens (its probability is zeroed), nor end it
+    results = _same_everywhere(llms, [SamplingParams(**base, stop_token_ids=[t], min_tokens=20) for t in stops])
+    for (_, token_ids, _), t in zip(results, stops):
+        assert len(token_ids) >= 20 and t not in token_ids[:19]
+
+
+def test_min_tokens_holds_back_eos(target):
+    """Without ignore_eos, eos cannot come before min_tokens (a model that says eos at once still writes)."""
+    llm = LLM(str(target), num_blocks=256, block_size=4)
+    eos = llm.tokenizer.eos_token_ids
+    free = llm.generate(PROMPTS, SamplingParams(**{**GREEDY, "ignore_eos": False}))
+    forced = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[o.token_ids[0]], min_tokens=5)
+              for o in free]
+    for out in llm.generate(PROMPTS, forced):
+        assert len(out.token_ids) >= 5 and not set(out.token_ids[:4]) & set(eos)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(max_tokens=3, min_tokens=4)
