@@ -1,25 +1,47 @@
-"""Chat with a model in the terminal: ``python -m nanospec.chat``.
+"""Chat with a model in the terminal: python -m nanospec.chat
 
-Streams tokens as they are accepted. Commands: ``/reset`` (forget the conversation), ``/stats``
-(tokens/s, steps, speculation acceptance and tau of the last turn and the session), ``/quit``.
+Streams tokens as they are accepted. Commands: /reset (forget the conversation), /stats (tokens/s,
+steps, speculation acceptance and tau of the last turn and the session), /quit.
 When stdin is not a terminal each input line is one user turn and the program exits at EOF:
-``echo "What is the capital of France?" | python -m nanospec.chat``.
+  echo "What is the capital of France?" | python -m nanospec.chat
+
+Sampling defaults to temperature 0.2 and top-p 0.9, the settings SmolLM2's model card suggests;
+--greedy always takes the likeliest token. Input is read as UTF-8: bytes that are not valid UTF-8,
+piped or typed, become U+FFFD. The line "loading MODEL ..." goes to stderr while the model loads.
+
+Ctrl-C during an answer stops it as soon as the engine step in flight has produced its tokens (a step
+is never cut half-way) and returns to the prompt; that unfinished turn, the question and the partial
+answer, is dropped from the conversation. A second Ctrl-C before the answer stops quits.
+
+Exit status:
+  0    normal end: end of input (EOF, Ctrl-D) or /quit
+  2    bad arguments, or a model that cannot be loaded (one line on stderr says why)
+  130  Ctrl-C while the model loads, at the prompt, or twice during one answer
 """
 
 from __future__ import annotations
 
 import argparse
+import io
+import signal
 import sys
 import time
 
+EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nanospec.chat", description=__doc__.splitlines()[0])
+    intro, _, exit_status = __doc__.partition("Exit status:\n")
+    p = argparse.ArgumentParser(prog="python -m nanospec.chat", description=intro,
+                                epilog="exit status:\n" + exit_status,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--max-tokens", type=int, default=256)
+    temperature = p.add_mutually_exclusive_group()
+    temperature.add_argument("--temperature", type=float, default=0.2, help="default 0.2; 0 = greedy")
+    temperature.add_argument("--greedy", action="store_true", help="always take the likeliest token (temperature 0)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens (default -1: all)")
+    p.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens (default 256)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--spec", default=None,
@@ -29,25 +51,59 @@ def parse_args(argv=None):
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
     p.add_argument("--device", default=None)
     p.add_argument("--stats", action="store_true", help="print stats after every answer")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.greedy:
+        args.temperature = 0.0
+    return args
 
 
 def spec_config_from_arg(spec: str | None, k: int | None) -> dict | None:
+    """The speculative_config for --spec and -k; ValueError (one line) for a bad combination."""
     if spec is None:
         return None
     if k is not None and k < 1:
-        raise SystemExit(f"-k {k}: the number of speculative tokens must be >= 1")
+        raise ValueError(f"-k {k}: the number of speculative tokens must be >= 1")
     if spec == "ngram":
         config = {"method": "ngram", "num_speculative_tokens": 5 if k is None else k}
     elif spec.startswith("draft:"):
         config = {"method": "draft", "model": spec[len("draft:"):], "num_speculative_tokens": 4 if k is None else k}
     elif spec == "lookahead":
         if k is not None:
-            raise SystemExit("-k does not apply to --spec lookahead (its window sizes set how much it guesses)")
+            raise ValueError("-k does not apply to --spec lookahead (its window sizes set how much it guesses)")
         config = {"method": "lookahead"}
     else:
-        raise SystemExit(f"--spec {spec!r}: use 'ngram', 'draft:PATH' or 'lookahead'")
+        raise ValueError(f"--spec {spec!r}: use 'ngram', 'draft:PATH' or 'lookahead'")
     return config
+
+
+def replace_undecodable_input() -> None:
+    """Decode stdin as UTF-8 with invalid bytes replaced by U+FFFD, and let stdout replace what its encoding
+    cannot write. input() decodes a typed terminal line with stdin's encoding and errors too, so this covers
+    piped and typed input alike. Streams that are not plain text files (or were already read) are left alone."""
+    settings = {"stdin": {"encoding": "utf-8", "errors": "replace"}, "stdout": {"errors": "replace"}}
+    for name, changes in settings.items():
+        stream = getattr(sys, name)
+        if isinstance(stream, io.TextIOWrapper):
+            try:
+                stream.reconfigure(**changes)
+            except io.UnsupportedOperation:
+                pass
+
+
+def load(args):
+    """(LLM, SamplingParams) from the arguments. Checks the sampling and speculation arguments first, then
+    prints "loading MODEL ..." to stderr and loads. ValueError / OSError: bad arguments or an unloadable model."""
+    from nanospec import LLM, SamplingParams
+    from nanospec.model.embedded import EMBEDDED_MODEL_FILE
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    spec_config = spec_config_from_arg(args.spec, args.num_speculative_tokens)
+    name = args.model if args.model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)"
+    draft = f" with the draft {spec_config['model']}" if spec_config and spec_config["method"] == "draft" else ""
+    print(f"loading {name}{draft} ...", file=sys.stderr, flush=True)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config)
+    return llm, params
 
 
 class TurnStats:
@@ -76,38 +132,67 @@ class TurnStats:
         return text
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from nanospec import LLM, SamplingParams
+class CtrlC:
+    """While active, the first SIGINT only sets ``pressed`` (the answer stops between engine steps, so the
+    engine is never left half-way through one); a second raises KeyboardInterrupt as usual."""
 
-    try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed)
-        llm = LLM(args.model, dtype=args.dtype, device=args.device,
-                  speculative_config=spec_config_from_arg(args.spec, args.num_speculative_tokens))
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    def __init__(self):
+        self.pressed = False
+        self._previous = None
 
+    def _handle(self, signum, frame):
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __enter__(self):
+        try:
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        except ValueError:  # not the main thread: signals are not ours to handle
+            pass
+        return self
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def stream_answer(llm, messages, params):
+    """Print the answer as it streams; returns (text, last RequestOutput or None, interrupted)."""
+    text, out = "", None
+    with CtrlC() as ctrl_c:
+        stream = llm.stream_chat(messages, params)
+        try:
+            for out in stream:
+                text += out.delta_text
+                print(out.delta_text, end="", flush=True)
+                if ctrl_c.pressed:
+                    break
+        finally:
+            stream.close()  # aborts the request if it is not finished
+    return text, out, ctrl_c.pressed and not (out is not None and out.finished)
+
+
+def repl(llm, params, args) -> None:
+    """Answer turns until EOF or /quit. KeyboardInterrupt at the prompt (or a second Ctrl-C during an
+    answer) propagates to the caller."""
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     session, last = TurnStats(), TurnStats()
     if interactive:
-        print("nanospec chat: /reset clears the conversation, /stats shows speed, /quit exits.")
+        print("nanospec chat: /reset clears the conversation, /stats shows speed, /quit exits; "
+              "Ctrl-C stops an answer.")
     while True:
         try:
             line = input("> " if interactive else "")
         except EOFError:
-            break
-        except KeyboardInterrupt:
-            print()
-            break
+            return
         line = line.strip()
         if not line:
             continue
         if line in ("/quit", "/exit"):
-            break
+            return
         if line == "/reset":
             history.clear()
             print("(conversation cleared)")
@@ -116,28 +201,43 @@ def main(argv=None) -> int:
             print(last.line("last turn"))
             print(session.line("session"))
             continue
-        history.append({"role": "user", "content": line})
+        turn = {"role": "user", "content": line}
         start = time.perf_counter()
-        answer, out = "", None
         try:
-            for out in llm.stream_chat(system + history, params):
-                answer += out.delta_text
-                print(out.delta_text, end="", flush=True)
+            answer, out, interrupted = stream_answer(llm, system + history + [turn], params)
         except ValueError as e:  # e.g. the conversation outgrew the context
             print(f"\nerror: {e}", file=sys.stderr)
-            history.pop()
             continue
-        except KeyboardInterrupt:
-            print("\n(interrupted)")
         print()
-        history.append({"role": "assistant", "content": answer})
+        if interrupted:
+            print("(interrupted: this question and the partial answer are dropped from the conversation)")
+        else:
+            history += [turn, {"role": "assistant", "content": answer}]
         if out is not None:
             last = TurnStats()
             last.add(out, time.perf_counter() - start)
             session.add(out, time.perf_counter() - start)
             if args.stats:
                 print(last.line("stats"))
-    return 0
+
+
+def main(argv=None) -> int:
+    """Run the chat; returns the exit status (see the module docstring). Argument syntax errors exit 2
+    through argparse."""
+    args = parse_args(argv)
+    replace_undecodable_input()
+    try:
+        try:
+            llm, params = load(args)
+        except (ValueError, OSError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        repl(llm, params, args)
+    except KeyboardInterrupt:
+        if sys.stderr.isatty():
+            print(file=sys.stderr)  # the shell prompt starts on a line of its own
+        return EXIT_INTERRUPTED
+    return EXIT_OK
 
 
 if __name__ == "__main__":

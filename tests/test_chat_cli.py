@@ -1,10 +1,26 @@
-"""The chat CLI on a tiny model: piped input answers each line and exits at EOF; /stats reports speculation."""
+"""The chat CLI: piped input answers each line and exits at EOF; /stats reports speculation; input that is not
+UTF-8 is replaced; Ctrl-C while loading exits 130 quietly, during an answer drops that turn and goes on; the
+sampling defaults; exit statuses.
 
+Most tests drive ``main(argv)`` in this process with a scripted stand-in for ``LLM`` (fast, and the Ctrl-C
+timing is exact); the rest run ``python -m nanospec.chat`` on a tiny random model, and two use the real
+embedded SmolLM2 (loaded once for the module).
+"""
+
+import io
+import os
+import pty
+import select
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
+import nanospec
+from nanospec import chat
+from nanospec.outputs import RequestOutput
 from tiny import make_tiny_llama
 
 
@@ -15,21 +31,245 @@ def tiny_path(tmp_path_factory):
     return path
 
 
-def run_chat(args, stdin):
-    return subprocess.run([sys.executable, "-m", "nanospec.chat", *args], input=stdin, capture_output=True,
-                          text=True, timeout=300)
+def run_chat(args, stdin: bytes, **kwargs):
+    """``python -m nanospec.chat ARGS`` with STDIN piped; stdout and stderr decoded (invalid bytes replaced)."""
+    result = subprocess.run([sys.executable, "-m", "nanospec.chat", *args], input=stdin, capture_output=True,
+                            timeout=300, **kwargs)
+    result.stdout = result.stdout.decode("utf-8", "replace")
+    result.stderr = result.stderr.decode("utf-8", "replace")
+    return result
 
 
+# ---------------------------------------------------------------- a scripted LLM, in this process
+class ScriptedLLM:
+    """Stands in for ``LLM``: each answer streams PIECES; ``ctrl_c`` maps a call number to how many SIGINTs
+    this process sends itself after the second piece of that answer. Records what every call received."""
+
+    PIECES = ["Paris ", "is ", "the ", "capital."]
+
+    def __init__(self, ctrl_c=None):
+        self.ctrl_c = ctrl_c or {}
+        self.calls: list[tuple[list[dict], object]] = []
+        self.closed: list[bool] = []  # per call: whether the stream was closed (finished or aborted)
+
+    def stream_chat(self, messages, params):
+        self.calls.append((list(messages), params))
+        self.closed.append(False)
+        return self._stream(len(self.calls) - 1)
+
+    def _stream(self, call):
+        try:
+            for i, piece in enumerate(self.PIECES):
+                last = i == len(self.PIECES) - 1
+                yield RequestOutput(request_id=call, prompt_token_ids=[1], text="", token_ids=list(range(i + 1)),
+                                    finish_reason="stop" if last else None, num_steps=i + 1, delta_text=piece)
+                if i == 1:
+                    for _ in range(self.ctrl_c.get(call, 0)):
+                        signal.raise_signal(signal.SIGINT)
+        finally:
+            self.closed[call] = True
+
+
+@pytest.fixture
+def use_llm(monkeypatch):
+    """use_llm(obj): ``main`` loads obj (an LLM-like object, or an exception to raise) instead of a model."""
+    def install(obj):
+        def load(model=None, **kwargs):
+            if isinstance(obj, BaseException):
+                raise obj
+            return obj
+        monkeypatch.setattr(nanospec, "LLM", load)
+        return obj
+    return install
+
+
+def main_with_stdin(monkeypatch, argv, stdin: bytes) -> int:
+    """``main(argv)`` reading STDIN from a strict UTF-8 text stream, as a pipe gives it."""
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(stdin), encoding="utf-8"))
+    return chat.main(argv)
+
+
+def test_piped_input_that_is_not_utf8_is_replaced(monkeypatch, use_llm, capsys):
+    llm = use_llm(ScriptedLLM())
+    assert main_with_stdin(monkeypatch, [], b"caf\xe9 \xff\xfeok\n") == 0
+    assert llm.calls[0][0][-1]["content"] == "caf\ufffd \ufffd\ufffdok"
+    assert "Paris is the capital." in capsys.readouterr().out
+
+
+def test_output_the_terminal_cannot_encode_is_replaced(monkeypatch, use_llm):
+    use_llm(ScriptedLLM()).PIECES = ["caf\u00e9"]
+    out = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(out, encoding="ascii"))
+    assert main_with_stdin(monkeypatch, [], b"hi\n") == 0
+    sys.stdout.flush()
+    assert b"caf?" in out.getvalue()
+
+
+def test_sampling_defaults_are_smollm2s_and_greedy_is_one_flag(monkeypatch, use_llm):
+    llm = use_llm(ScriptedLLM())
+    for argv, expected in [([], (0.2, 0.9, -1)), (["--greedy"], (0.0, 0.9, -1)),
+                           (["--temperature", "0.7", "--top-p", "0.5", "--top-k", "40"], (0.7, 0.5, 40))]:
+        assert main_with_stdin(monkeypatch, argv, b"hi\n") == 0
+        params = llm.calls[-1][1]
+        assert (params.temperature, params.top_p, params.top_k) == expected, argv
+    with pytest.raises(SystemExit) as exit_info:  # one or the other
+        chat.main(["--greedy", "--temperature", "0.5"])
+    assert exit_info.value.code == 2
+
+
+def test_ctrl_c_during_an_answer_drops_that_turn_and_the_repl_goes_on(monkeypatch, use_llm, capsys):
+    llm = use_llm(ScriptedLLM(ctrl_c={1: 1}))
+    assert main_with_stdin(monkeypatch, [], b"first\nsecond\nthird\n") == 0
+    out = capsys.readouterr().out
+    assert "Paris is the \n(interrupted: this question and the partial answer are dropped" in out
+    assert out.count("Paris is the capital.") == 2  # the first and third answers are whole
+    assert llm.closed == [True, True, True]  # the interrupted stream was closed, so its request aborted
+    third_messages = llm.calls[2][0]
+    assert [m["content"] for m in third_messages] == ["first", "Paris is the capital.", "third"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_second_ctrl_c_during_one_answer_quits_with_130(monkeypatch, use_llm, capsys):
+    llm = use_llm(ScriptedLLM(ctrl_c={0: 2}))
+    assert main_with_stdin(monkeypatch, [], b"first\nsecond\n") == 130
+    assert len(llm.calls) == 1 and llm.closed == [True]
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_ctrl_c_at_the_prompt_exits_130(monkeypatch, use_llm):
+    class InterruptedStdin:
+        def isatty(self):
+            return False
+
+        def readline(self):
+            raise KeyboardInterrupt
+
+    use_llm(ScriptedLLM())
+    monkeypatch.setattr(sys, "stdin", InterruptedStdin())
+    assert chat.main([]) == 130
+
+
+def test_ctrl_c_while_loading_exits_130_in_process(monkeypatch, use_llm, capsys):
+    use_llm(KeyboardInterrupt())
+    assert main_with_stdin(monkeypatch, [], b"hi\n") == 130
+    err = capsys.readouterr().err
+    assert err.startswith("loading SmolLM2-135M-Instruct") and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--top-p", "2"], "top_p must be in (0, 1]"),
+    (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
+    (["--spec", "bogus"], "--spec 'bogus'"),
+    (["--spec", "ngram", "-k", "0"], "must be >= 1"),
+    (["--spec", "lookahead", "-k", "2"], "-k does not apply"),
+])
+def test_bad_arguments_exit_2_with_one_line_before_loading(monkeypatch, use_llm, capsys, argv, message):
+    use_llm(AssertionError("nothing is loaded for bad arguments"))
+    assert main_with_stdin(monkeypatch, argv, b"hi\n") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["--dtype", "float8"], ["--device", "tpu"]])
+def test_bad_dtype_or_device_exit_2(monkeypatch, capsys, argv):
+    assert main_with_stdin(monkeypatch, argv, b"hi\n") == 2  # the real LLM refuses these before reading weights
+    err = capsys.readouterr().err
+    assert "error: " in err and "Traceback" not in err
+
+
+def test_unknown_option_exits_2():
+    with pytest.raises(SystemExit) as exit_info:
+        chat.main(["--no-such-option"])
+    assert exit_info.value.code == 2
+
+
+def test_help_documents_exit_statuses_interrupts_and_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        chat.main(["--help"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    epilog = out[out.index("exit status:"):]
+    for code in ("0 ", "2 ", "130 "):
+        assert f"\n  {code}" in epilog
+    assert "dropped from the" in out and "temperature 0.2 and top-p 0.9" in out
+    for section in ("Exit status:", "dropped from the", "temperature 0.2 and top-p 0.9"):
+        assert section in chat.__doc__
+
+
+# ---------------------------------------------------------------- the program, on a tiny random model
 def test_piped_lines_are_answered_and_stats_shown(tiny_path):
     result = run_chat(["--model", str(tiny_path), "--max-tokens", "8", "--spec", "ngram"],
-                      "hello there\n/stats\nsecond question\n/reset\n")
+                      b"hello there\n/stats\nsecond question\n/reset\n")
     assert result.returncode == 0, result.stderr
     assert "tok/s" in result.stdout and "target steps" in result.stdout
     assert "(conversation cleared)" in result.stdout
+    assert f"loading {tiny_path} ...\n" in result.stderr
+
+
+def test_piped_bytes_that_are_not_utf8_are_not_fatal(tiny_path):
+    result = run_chat(["--model", str(tiny_path), "--max-tokens", "4"], b"caf\xe9\n\xff\xfe\x80\n")
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_typed_bytes_that_are_not_utf8_are_not_fatal(tiny_path):
+    """stdin and stdout on a terminal (a pty), so input() reads the line as typed."""
+    controller, terminal = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "nanospec.chat", "--model", str(tiny_path), "--max-tokens", "4"],
+                            stdin=terminal, stdout=terminal, stderr=subprocess.PIPE)
+    os.close(terminal)
+    screen, typed = b"", False
+    deadline = time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline:
+            if select.select([controller], [], [], 0.2)[0]:
+                try:
+                    screen += os.read(controller, 4096)
+                except OSError:  # the program ended and closed the terminal
+                    break
+            if not typed and b"Ctrl-C stops an answer." in screen:  # the banner; input() prompts on stderr
+                os.write(controller, b"caf\xe9 \xff\n/quit\n")
+                typed = True
+            if proc.poll() is not None and not select.select([controller], [], [], 0)[0]:
+                break
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+        os.close(controller)
+    assert typed and b"Traceback" not in proc.stderr.read()
 
 
 def test_bad_model_path_is_a_clear_error(tmp_path):
-    result = run_chat(["--model", str(tmp_path / "missing")], "hi\n")
+    result = run_chat(["--model", str(tmp_path / "missing")], b"hi\n")
     assert result.returncode == 2
     assert "error:" in result.stderr and "missing" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# ---------------------------------------------------------------- the real SmolLM2
+@pytest.fixture(scope="module")
+def smollm2():
+    return nanospec.LLM(dtype="float32", device="cpu")
+
+
+def test_default_sampling_gives_sensible_text(monkeypatch, use_llm, smollm2, capsys):
+    use_llm(smollm2)
+    assert main_with_stdin(monkeypatch, ["--max-tokens", "12", "--seed", "0"],
+                           b"What is the capital of France?\n") == 0
+    assert "Paris" in capsys.readouterr().out
+
+
+def test_sigint_while_loading_exits_130_without_a_traceback():
+    """The real program and model: SIGINT once "loading ..." is printed, while the weights are read."""
+    proc = subprocess.Popen([sys.executable, "-m", "nanospec.chat"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    before = ""
+    for line in proc.stderr:
+        before += line
+        if line.startswith("loading "):
+            break
+    proc.send_signal(signal.SIGINT)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert before.endswith("loading SmolLM2-135M-Instruct.Q4_1.gguf (embedded) ...\n"), before + stderr
+    assert proc.returncode == 130, stderr
+    assert "Traceback" not in before + stderr and stdout == ""

@@ -5,7 +5,8 @@
 Ops: rms_norm (plain and with the fused residual add), apply_rope, silu_and_mul, store_kv and
 copy_kv_slots, at SmolLM2-135M and Llama-3.2-1B shapes, for decode-sized to prefill-sized token
 counts. Prints microseconds per call (triton.testing.do_bench, median) and the bandwidth the Triton
-kernel reaches (bytes it must read and write / time). Needs a CUDA GPU.
+kernel reaches (bytes it must read and write / time). Needs a CUDA GPU: without one it exits with
+status 2.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import argparse
 import sys
 
 import torch
+
+from common import require_cuda
 
 MODELS = {
     # name: (hidden, q heads, kv heads, head dim, ffn)
@@ -77,9 +80,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_elementwise: needs a CUDA GPU (Triton kernels are only interpreted on CPU); skipping.")
-        return 0
+    require_cuda("bench_elementwise")
 
     from triton.testing import do_bench
 

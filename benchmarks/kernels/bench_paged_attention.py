@@ -5,6 +5,7 @@
 Cases: decode (q_len 1), speculative verify (q_len 6, causal and tree-masked), prefill, at SmolLM2-135M
 (9 q heads / 3 kv heads, head_dim 64) and Llama-3.2-1B (32 / 8, head_dim 64) shapes, bf16, block size 16.
 For decode and verify the K/V read dominates, so the Triton column also reports K/V bytes / time.
+Needs a CUDA GPU: without one it exits with status 2.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import math
 import torch
 import triton
 
+from common import require_cuda
 from nanospec.kernels.attention_mask import concat_masks, tree_mask_from_parents
 from nanospec.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 
@@ -57,9 +59,7 @@ def two_branch_tree_mask(num_seqs, q_len, device):
 
 
 def main() -> None:
-    if not torch.cuda.is_available():
-        print("bench_paged_attention: needs a CUDA GPU; skipping.")
-        return
+    require_cuda("bench_paged_attention")
     dtype = torch.bfloat16
     print(f"{torch.cuda.get_device_name()}  dtype={dtype}  block_size={BLOCK_SIZE}")
     print(f"{'model':<13} {'case':<12} {'seqs':>4} {'q_len':>5} {'ctx':>5} "

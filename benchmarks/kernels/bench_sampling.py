@@ -6,7 +6,8 @@ Ops: greedy, probs_from_logits (temperature only, top-k, top-p, both), sample_fr
 whole of sample, for 1 to 64 rows at the vocabularies of SmolLM2-135M (49152) and Llama-3.2-1B
 (128256). Prints microseconds per call (triton.testing.do_bench, median). The Triton top-k / top-p
 kernel makes 32 passes over a row per threshold it searches, so those columns show what the
-sort-free bisection costs against torch's sort-based reference. Needs a CUDA GPU.
+sort-free bisection costs against torch's sort-based reference. Needs a CUDA GPU: without one it
+exits with status 2.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import sys
 
 import torch
+
+from common import require_cuda
 
 VOCABS = {"SmolLM2-135M": 49152, "Llama-3.2-1B": 128256}
 ROW_COUNTS = [1, 8, 64]
@@ -68,9 +71,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        print("bench_sampling: needs a CUDA GPU (Triton kernels are only interpreted on CPU); skipping.")
-        return 0
+    require_cuda("bench_sampling")
 
     from triton.testing import do_bench
 

@@ -9,7 +9,7 @@ after each of them). The target and draft rows are softmaxes of random logits sh
 other, so a realistic share of candidates is accepted. Prints microseconds per call
 (triton.testing.do_bench, median), the speedup, the mean number of tokens emitted per row, and how many
 rows differ between the kernel and the reference (they are meant to agree token for token).
-Needs a CUDA GPU.
+Needs a CUDA GPU: without one it exits with status 2.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from __future__ import annotations
 import sys
 
 import torch
+
+from common import require_cuda
 
 VOCABS = {"SmolLM2-135M": 49152, "Llama-3.2-1B": 128256}
 BATCHES = [1, 8, 64]
@@ -42,9 +44,7 @@ def problem(batch: int, parents: list[int], vocab_size: int, device: str = "cuda
 
 
 def main():
-    if not torch.cuda.is_available():
-        print("bench_tree_rejection: needs a CUDA GPU (Triton kernels are only interpreted on CPU); skipping.")
-        return 0
+    require_cuda("bench_tree_rejection")
 
     from triton.testing import do_bench
 
