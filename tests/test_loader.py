@@ -1,12 +1,21 @@
 """Loading checkpoints: LlamaConfig <-> config.json, Hugging Face directories (single file, sharded, tied, untied),
-GGUF files (a small one written here, and the embedded SmolLM2), and the errors for bad inputs.
+GGUF files (a small one written here, and the embedded SmolLM2), and the errors for bad inputs: corrupt, truncated
+or absurd files are refused quickly (before any weight is read), by a ValueError naming the file and the field or
+tensor at fault.
 
 transformers is the oracle for the HF layout; the comparison of the real GGUF with transformers' own GGUF loader
 lives in test_convert.py (it shares one slow transformers load with the conversion checks).
 """
 
+import contextlib
+import io
 import json
 import os
+import re
+import shutil
+import signal
+import struct
+import sys
 
 import gguf
 import numpy as np
@@ -15,12 +24,13 @@ import tokenizers
 import torch
 from safetensors.torch import load_file, save_file
 
-from nanospec.model import embedded
-from nanospec.model.config import LlamaConfig
+from nanospec.model import embedded, gguf_file, loader
+from nanospec.model.config import LIMITS, LlamaConfig
 from nanospec.model.embedded import INSTALL_COMMAND, embedded_model_path
 from nanospec.model.gguf_file import read_gguf
 from nanospec.model.loader import load_checkpoint
 from nanospec.tokenizer import Tokenizer
+from tiny import make_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 
@@ -133,29 +143,56 @@ def llama_cpp_permute(weight, num_heads):
     return weight.reshape(num_heads, 2, rows // num_heads // 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
-def write_tiny_gguf(path, state, architecture="llama", skip=(), extra_tensors=None, float16=False):
-    """A small GGUF as llama.cpp writes one: llama metadata, a byte-level BPE vocabulary, permuted q/k rows."""
-    c = TINY
-    writer = gguf.GGUFWriter(str(path), architecture)
-    writer.add_block_count(c["num_hidden_layers"])
-    writer.add_context_length(c["max_position_embeddings"])
-    writer.add_embedding_length(c["hidden_size"])
-    writer.add_feed_forward_length(c["intermediate_size"])
-    writer.add_head_count(c["num_attention_heads"])
-    writer.add_head_count_kv(c["num_key_value_heads"])
-    writer.add_rope_freq_base(c["rope_theta"])
-    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    writer.add_vocab_size(c["vocab_size"])
+def tiny_gguf_metadata(architecture="llama"):
+    """The metadata llama.cpp writes for TINY, with a byte-level BPE vocabulary (general.architecture aside)."""
+    c, arch = TINY, architecture
     tokens = ["<|endoftext|>", "<s>", "</s>"] + [chr(ord("a") + i) for i in range(26)] + ["Ġ", "he", "Ġhe"]
     tokens += [f"<extra_{i}>" for i in range(c["vocab_size"] - len(tokens))]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3, 3, 3] + [1] * (len(tokens) - 3))
-    writer.add_token_merges(["h e", "Ġ he"])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_add_bos_token(True)
-    writer.add_chat_template("{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}")
+    return {
+        f"{arch}.block_count": c["num_hidden_layers"],
+        f"{arch}.context_length": c["max_position_embeddings"],
+        f"{arch}.embedding_length": c["hidden_size"],
+        f"{arch}.feed_forward_length": c["intermediate_size"],
+        f"{arch}.attention.head_count": c["num_attention_heads"],
+        f"{arch}.attention.head_count_kv": c["num_key_value_heads"],
+        f"{arch}.rope.freq_base": c["rope_theta"],
+        f"{arch}.attention.layer_norm_rms_epsilon": c["rms_norm_eps"],
+        f"{arch}.vocab_size": c["vocab_size"],
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [3, 3, 3] + [1] * (len(tokens) - 3),
+        "tokenizer.ggml.merges": ["h e", "Ġ he"],
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": True,
+        "tokenizer.chat_template": "{% for m in messages %}<s>{{ m['content'] }}</s>{% endfor %}",
+    }
+
+
+def gguf_type(value):
+    """The GGUF type llama.cpp would write `value` as (integers as UINT32 when they fit)."""
+    if isinstance(value, bool):
+        return gguf.GGUFValueType.BOOL
+    if isinstance(value, int):
+        if 0 <= value < 1 << 32:
+            return gguf.GGUFValueType.UINT32
+        return gguf.GGUFValueType.UINT64 if value > 0 else gguf.GGUFValueType.INT64
+    if isinstance(value, float):
+        return gguf.GGUFValueType.FLOAT32
+    if isinstance(value, str):
+        return gguf.GGUFValueType.STRING
+    return gguf.GGUFValueType.ARRAY
+
+
+def write_tiny_gguf(path, state, architecture="llama", skip=(), extra_tensors=None, float16=False, metadata=None):
+    """A small GGUF as llama.cpp writes one: llama metadata, a byte-level BPE vocabulary, permuted q/k rows.
+    `metadata` changes keys of tiny_gguf_metadata (a value of None drops the key); `skip` leaves tensors out."""
+    c = TINY
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for key, value in {**tiny_gguf_metadata(architecture), **(metadata or {})}.items():
+        if value is not None:
+            sub_type = gguf_type(value[0]) if isinstance(value, list) else None
+            writer.add_key_value(key, value, gguf_type(value), sub_type)
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "lm_head.weight": "output.weight"}
     layer_names = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -293,13 +330,16 @@ def test_truncated_gguf(tmp_path):
         load_checkpoint(path, torch.float32)
 
 
-def test_truncated_tiny_gguf_data(tmp_path, tiny_state):
-    """Cut inside the tensor data, past all metadata: caught before dequantizing."""
+def test_truncated_tiny_gguf_data(tmp_path, tiny_state, monkeypatch):
+    """Cut inside the tensor data, past all metadata: caught before dequantizing, naming the tensor cut short (the
+    last one written, lm_head)."""
     write_tiny_gguf(tmp_path / "whole.gguf", tiny_state)
     data = (tmp_path / "whole.gguf").read_bytes()
     path = tmp_path / "truncated.gguf"
     path.write_bytes(data[:-1000])
-    with pytest.raises(ValueError, match=f"not a valid GGUF file: {path}"):
+    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantizing"))
+    with pytest.raises(ValueError, match=f"not a valid GGUF file: {re.escape(str(path))} "
+                                         r"\(tensor output\.weight is cut short"):
         load_checkpoint(path, torch.float32)
 
 
@@ -314,8 +354,13 @@ def test_junk_safetensors(tmp_path):
 def test_truncated_safetensors(tmp_path):
     save_tiny_llama(tmp_path)
     path = tmp_path / "model.safetensors"
-    path.write_bytes(path.read_bytes()[:-100])
-    with pytest.raises(ValueError, match=f"not a valid safetensors file: {path}"):
+    data = path.read_bytes()
+    (header_size,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + header_size])
+    last = max((name for name in header if name != "__metadata__"), key=lambda name: header[name]["data_offsets"][1])
+    path.write_bytes(data[:-100])
+    with pytest.raises(ValueError, match=f"not a valid safetensors file: {re.escape(str(path))} "
+                                         f"\\(tensor {re.escape(last)} is cut short"):
         load_checkpoint(path.parent, torch.float32)
 
 
@@ -353,3 +398,315 @@ def test_not_a_llama(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="gpt2"):
         load_checkpoint(tmp_path, torch.float32)
+
+
+# ---------------------------------------------------------------- corrupt and absurd files: refused quickly and clearly
+
+
+def forbidden(what):
+    """A stand-in for a function the loader must not reach (it fails the test if called)."""
+    def fail(*args, **kwargs):
+        raise AssertionError(f"the loader went on to {what} a file it should have refused")
+    return fail
+
+
+@contextlib.contextmanager
+def within(seconds):
+    """Fail the test if its block takes longer than `seconds`: an alarm interrupts a hang instead of waiting it out."""
+    def too_slow(signum, frame):
+        raise TimeoutError(f"took longer than {seconds} s")
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def refused(path, *named):
+    """Load `path` (within 10 s) and return the ValueError's message, checked to name every string in `named`."""
+    with within(10), pytest.raises(ValueError) as error:
+        load_checkpoint(path, torch.float32)
+    message = str(error.value)
+    for name in named:
+        assert str(name) in message, f"{name!r} not named in: {message}"
+    return message
+
+
+@pytest.fixture(scope="module")
+def tiny_hf(tmp_path_factory):
+    """A tiny HF directory (tests/tiny.py), copied by each test that corrupts it."""
+    directory = tmp_path_factory.mktemp("tiny_hf")
+    make_tiny_llama(directory, vocab=320, layers=2)
+    return directory
+
+
+def corrupt_copy(tiny_hf, tmp_path, **changes):
+    """A copy of tiny_hf whose config.json has `changes` (a value of None drops the key). Returns the config's path."""
+    directory = tmp_path / "model"
+    shutil.copytree(tiny_hf, directory)
+    config_file = directory / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(changes)
+    config = {key: value for key, value in config.items() if value is not None}
+    config_file.write_text(json.dumps(config))
+    return config_file
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_hidden_layers", "32"),  # a string
+    ("num_hidden_layers", True),  # a bool is not an int
+    ("num_hidden_layers", -1),
+    ("num_hidden_layers", 10**9),
+    ("max_position_embeddings", 1 << 40),
+    ("vocab_size", 0),
+    ("hidden_size", 1 << 20),
+    ("intermediate_size", 2.5),
+    ("num_attention_heads", 0),
+    ("num_key_value_heads", 3),  # does not divide the 4 query heads
+    ("head_dim", 7),  # odd: rotary embeddings rotate pairs
+    ("head_dim", 1 << 16),
+    ("rms_norm_eps", -1e-5),
+    ("rope_theta", "10000"),
+    ("eos_token_id", 320),  # the vocabulary is 0..319
+    ("eos_token_id", [2, -1]),
+    ("bos_token_id", 1 << 31),
+    ("bos_token_id", [1, 2]),  # one id, not a list
+    ("tie_word_embeddings", "false"),
+    ("rope_scaling", {"rope_type": "linear", "factor": -2.0}),
+    ("rope_scaling", {"rope_type": "llama3", "factor": 8.0}),  # lacks low_freq_factor, ...
+])
+def test_config_json_with_bad_value_refused(tiny_hf, tmp_path, monkeypatch, field, value):
+    config_file = corrupt_copy(tiny_hf, tmp_path, **{field: value})
+    monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))
+    message = refused(config_file.parent, config_file, field)
+    bad = value if not isinstance(value, (list, dict)) else {"eos_token_id": -1, "bos_token_id": [1, 2]}.get(field)
+    if bad is not None:
+        assert f"got {bad!r}" in message
+
+
+def test_config_json_lacking_a_required_field_refused(tiny_hf, tmp_path, monkeypatch):
+    config_file = corrupt_copy(tiny_hf, tmp_path, num_hidden_layers=None)
+    monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))
+    refused(config_file.parent, config_file, "'num_hidden_layers' is missing")
+
+
+def test_config_json_with_heads_not_dividing_hidden_refused(tiny_hf, tmp_path):
+    config_file = corrupt_copy(tiny_hf, tmp_path, head_dim=None, num_attention_heads=3, num_key_value_heads=3)
+    refused(config_file.parent, config_file, "hidden_size must be a multiple of num_attention_heads (3)", "got 64")
+
+
+@pytest.mark.parametrize("text", ["{not json", "[64, 2]"], ids=["not-json", "not-an-object"])
+def test_config_json_that_is_not_a_json_object_refused(tiny_hf, tmp_path, text):
+    config_file = corrupt_copy(tiny_hf, tmp_path)
+    config_file.write_text(text)
+    refused(config_file.parent, f"not a valid JSON file: {config_file}")
+
+
+def test_limits_are_sane():
+    """The bounds admit every real Llama (these are Llama 3.1 405B's numbers, and a 10M-token context) and refuse
+    what only a corrupt file holds."""
+    real = dict(num_hidden_layers=126, hidden_size=16384, intermediate_size=53248, num_attention_heads=128,
+                vocab_size=128256, head_dim=128, max_position_embeddings=10_000_000, num_key_value_heads=8)
+    for field, value in real.items():
+        low, high = LIMITS[field]
+        assert low <= value <= high, field
+    LlamaConfig(**real)
+    with pytest.raises(ValueError, match="num_hidden_layers must be an integer from 1 to 1024, got 1025"):
+        LlamaConfig(num_hidden_layers=1025)
+
+
+def test_generation_config_with_eos_outside_vocabulary_refused(tiny_hf, tmp_path):
+    config_file = corrupt_copy(tiny_hf, tmp_path)
+    generation_file = config_file.parent / "generation_config.json"
+    generation_file.write_text(json.dumps({"eos_token_id": [2, 5000]}))
+    refused(config_file.parent, generation_file, "eos_token_id", "got 5000")
+
+
+@pytest.mark.parametrize("file_name", ["tokenizer.json", "tokenizer_config.json"])
+def test_tokenizer_file_that_is_not_json_refused(tiny_hf, tmp_path, file_name):
+    config_file = corrupt_copy(tiny_hf, tmp_path)
+    (config_file.parent / file_name).write_text("{not json")
+    refused(config_file.parent, config_file.parent / file_name)
+
+
+def test_shard_index_with_bad_weight_map_refused(tiny_hf, tmp_path):
+    config_file = corrupt_copy(tiny_hf, tmp_path)
+    index = config_file.parent / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": ["model.safetensors"]}))
+    refused(config_file.parent, index, "weight_map")
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_safetensors_weight_with_nan_or_inf_refused(tiny_hf, tmp_path, bad, dtype):
+    config_file = corrupt_copy(tiny_hf, tmp_path)
+    path = config_file.parent / "model.safetensors"
+    tensors = {name: tensor.to(dtype) for name, tensor in load_file(path).items()}
+    tensors["model.layers.1.mlp.down_proj.weight"][5, 7] = bad
+    save_file(tensors, path, metadata={"format": "pt"})
+    refused(config_file.parent, "tensor model.layers.1.mlp.down_proj.weight", path, "NaN or infinite")
+
+
+def test_safetensors_weight_with_integer_dtype_refused(tiny_hf, tmp_path, monkeypatch):
+    config_file = corrupt_copy(tiny_hf, tmp_path)
+    path = config_file.parent / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.norm.weight"] = tensors["model.norm.weight"].to(torch.int32)
+    save_file(tensors, path, metadata={"format": "pt"})
+    refused(config_file.parent, "tensor model.norm.weight", path, "dtype I32")
+
+
+# GGUF
+
+
+def patch_gguf(path, key, value, fmt="<I", array_count=False):
+    """Overwrite, in place, the scalar value of metadata `key` (struct format `fmt`), or the count of the array it
+    holds: the bytes after the key's name are its type (u32), then the value, or for an array its item type (u32) and
+    count (u64)."""
+    data = bytearray(path.read_bytes())
+    name = struct.pack("<Q", len(key)) + key.encode()
+    at = data.index(name) + len(name) + 4
+    if array_count:
+        at, fmt = at + 4, "<Q"
+    struct.pack_into(fmt, data, at, value)
+    path.write_bytes(data)
+
+
+@pytest.mark.parametrize("key, value, named", [
+    ("llama.block_count", 1 << 31, "llama.block_count must be an integer from 1 to 1024, got 2147483648"),
+    ("llama.block_count", "2", "llama.block_count must be an integer from 1 to 1024, got '2'"),
+    ("llama.block_count", True, "llama.block_count must be an integer from 1 to 1024, got True"),
+    ("llama.block_count", None, "lacks the metadata key 'llama.block_count'"),
+    ("llama.context_length", 1 << 40, "llama.context_length must be an integer from 1 to 16777216, got 1099511627776"),
+    ("llama.context_length", None, "lacks the metadata key 'llama.context_length'"),
+    ("llama.vocab_size", 1 << 30, "llama.vocab_size must be an integer from 1 to 4194304, got 1073741824"),
+    ("llama.embedding_length", 0, "llama.embedding_length must be an integer from 1 to 65536, got 0"),
+    ("llama.feed_forward_length", -48, "llama.feed_forward_length must be an integer from 1 to 262144, got -48"),
+    ("llama.attention.head_count", 6, "llama.embedding_length must be a multiple of num_attention_heads (6)"),
+    ("llama.attention.head_count_kv", 3, "llama.attention.head_count_kv must be a divisor of num_attention_heads (4)"),
+    ("llama.attention.key_length", 7, "llama.attention.key_length must be even"),
+    ("llama.rope.freq_base", float("nan"), "llama.rope.freq_base must be a number above 1 and at most 1e+12, got nan"),
+    ("llama.attention.layer_norm_rms_epsilon", -1.0, "llama.attention.layer_norm_rms_epsilon must be a number above 0"),
+    ("tokenizer.ggml.eos_token_id", 64, "tokenizer.ggml.eos_token_id must be a token id from 0 to 63"),
+    ("tokenizer.ggml.eot_token_id", 1000, "tokenizer.ggml.eot_token_id must be a token id from 0 to 63"),
+    ("tokenizer.ggml.bos_token_id", [1, 2], "tokenizer.ggml.bos_token_id must be a token id"),
+])
+def test_gguf_with_bad_metadata_refused(tmp_path, tiny_state, monkeypatch, key, value, named):
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path, tiny_state, metadata={key: value})
+    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    refused(path, path, named)
+
+
+@pytest.mark.parametrize("key", ["llama.block_count", "llama.context_length"])
+def test_real_gguf_with_huge_header_value_refused_at_once(tmp_path, monkeypatch, key):
+    """The embedded SmolLM2 with one header field flipped to 2**32 - 1: this used to allocate gigabytes (a dict of
+    ~40 billion weight shapes) for minutes before a MemoryError."""
+    path = tmp_path / "flipped.gguf"
+    shutil.copyfile(embedded_model_path(), path)
+    patch_gguf(path, key, (1 << 32) - 1)
+    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    refused(path, path, f"{key} must be an integer from 1 to", "got 4294967295")
+
+
+@pytest.mark.parametrize("key, named", [
+    ("tokenizer.ggml.token_type", "tokenizer.ggml.token_type (1099511627776 values)"),
+    ("tokenizer.ggml.tokens", "tokenizer.ggml.tokens (1099511627776 values)"),
+])
+def test_gguf_with_huge_array_count_refused_at_once(tmp_path, tiny_state, key, named):
+    """gguf's own reader loops once per claimed item (minutes for 2**26 of them, and it allocates as it goes)."""
+    path = tmp_path / "flipped.gguf"
+    write_tiny_gguf(path, tiny_state)
+    patch_gguf(path, key, 1 << 40, array_count=True)
+    refused(path, f"not a valid GGUF file: {path}", named, "the file ends at byte")
+
+
+@pytest.mark.parametrize("offset, fmt, value, named", [
+    (4, "<I", 7, "version 7"),
+    (8, "<Q", 1 << 40, "the tensor list (1099511627776 tensors)"),
+    (16, "<Q", 1 << 40, "the metadata (1099511627776 keys)"),
+])
+def test_gguf_with_bad_numbers_in_its_first_bytes_refused(tmp_path, tiny_state, offset, fmt, value, named):
+    """The first 24 bytes: "GGUF", the version (u32), the tensor count and the key count (u64 each)."""
+    path = tmp_path / "flipped.gguf"
+    write_tiny_gguf(path, tiny_state)
+    data = bytearray(path.read_bytes())
+    struct.pack_into(fmt, data, offset, value)
+    path.write_bytes(data)
+    refused(path, f"not a valid GGUF file: {path}", named)
+
+
+def test_gguf_tensor_shape_disagreeing_with_header_refused(tmp_path, tiny_state, monkeypatch):
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path, {**tiny_state, "model.layers.1.mlp.up_proj.weight": torch.zeros(47, 32)})
+    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    refused(path, f"tensor blk.1.ffn_up.weight in {path} has shape (47, 32), but its metadata implies (48, 32)")
+
+
+def test_gguf_tensor_of_integer_type_refused(tmp_path, tiny_state, monkeypatch):
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path, tiny_state, skip={"model.norm.weight"},
+                    extra_tensors={"output_norm.weight": np.ones(32, dtype=np.int32)})
+    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    refused(path, f"tensor output_norm.weight in {path} has type I32")
+
+
+@pytest.mark.parametrize("float16", [False, True], ids=["f32", "f16"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_gguf_tensor_with_nan_or_inf_refused(tmp_path, tiny_state, float16, bad):
+    weight = tiny_state["model.layers.0.self_attn.v_proj.weight"].clone()
+    weight[3, 4] = bad
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path, {**tiny_state, "model.layers.0.self_attn.v_proj.weight": weight}, float16=float16)
+    refused(path, f"tensor blk.0.attn_v.weight in {path} holds NaN or infinite values")
+
+
+@pytest.mark.parametrize("metadata, named", [
+    ({"tokenizer.ggml.model": None}, "lacks the metadata key 'tokenizer.ggml.model'"),
+    ({"tokenizer.ggml.tokens": None}, "lacks the metadata key 'tokenizer.ggml.tokens'"),
+    ({"tokenizer.ggml.merges": None}, "lacks the metadata key 'tokenizer.ggml.merges'"),
+    ({"tokenizer.ggml.tokens": [1, 2, 3]}, "tokenizer.ggml.tokens must be an array of strings, got [1, 2, 3]"),
+    ({"tokenizer.ggml.merges": ["h e", "abc"]}, "tokenizer.ggml.merges holds 'abc'"),
+    ({"tokenizer.ggml.merges": ["h e", "x zz"]}, "tokenizer.ggml.tokens and tokenizer.ggml.merges do not make"),
+    ({"tokenizer.ggml.token_type": [1, 1]}, "tokenizer.ggml.token_type has 2 entries for 64 tokens"),
+    ({"tokenizer.ggml.unknown_token_id": 64}, "tokenizer.ggml.unknown_token_id must be a token id from 0 to 63"),
+    ({"tokenizer.ggml.add_bos_token": "yes"}, "tokenizer.ggml.add_bos_token must be a boolean, got 'yes'"),
+    ({"llama.vocab_size": None, "tokenizer.ggml.tokens": None}, "lacks the metadata key 'tokenizer.ggml.tokens'"),
+])
+def test_gguf_with_missing_or_bad_tokenizer_metadata_refused(tmp_path, tiny_state, monkeypatch, metadata, named):
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path, tiny_state, metadata=metadata)
+    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    refused(path, path, named)
+
+
+def test_gguf_with_more_tokens_than_its_vocabulary_refused(tmp_path, tiny_state):
+    path = tmp_path / "bad.gguf"
+    tokens = tiny_gguf_metadata()["tokenizer.ggml.tokens"] + ["<one_too_many>"]
+    write_tiny_gguf(path, tiny_state, metadata={"tokenizer.ggml.tokens": tokens,
+                                                "tokenizer.ggml.token_type": [1] * len(tokens)})
+    refused(path, path, "tokenizer.ggml.tokens has 65 tokens, more than the model's vocabulary (64)")
+
+
+# progress bars
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_loading_shows_progress_bars_on_a_terminal_only(tmp_path, tiny_state, capsys, monkeypatch):
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state)
+    save_tiny_llama(tmp_path / "tiny_hf")
+    capsys.readouterr()
+    for path in (tmp_path / "tiny.gguf", tmp_path / "tiny_hf"):
+        load_checkpoint(path, None)  # stderr is captured, not a terminal: no bar
+        assert capsys.readouterr().err == ""
+        terminal = FakeTerminal()
+        with monkeypatch.context() as patch:
+            patch.setattr(sys, "stderr", terminal)
+            load_checkpoint(path, None)
+        assert f"Loading {path.name}" in terminal.getvalue() and f"/{len(tiny_state)} " in terminal.getvalue()

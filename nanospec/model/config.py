@@ -1,15 +1,68 @@
-"""The hyper-parameters of a Llama model, read from and written to Hugging Face's config.json."""
+"""The hyper-parameters of a Llama model, read from and written to Hugging Face's config.json.
+
+A LlamaConfig checks itself when it is made (whichever loader made it): every field has the right type and a sane
+value (see LIMITS), so an absurd header or config.json is refused before anything is allocated from its numbers.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
+# The sane range of each integer field, (smallest, largest): far beyond any real Llama (Llama 3.1 405B has 126 layers,
+# 16384 hidden, 53248 intermediate, 128 heads, a 128k vocabulary and a 128k context), far below absurd.
+LIMITS = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (1, 1 << 18),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 1024),  # and even: rotary embeddings rotate pairs
+    "max_position_embeddings": (1, 1 << 24),
+}
+# The range of each float field, (exclusive lower bound, inclusive upper bound).
+FLOAT_LIMITS = {
+    "rms_norm_eps": (0.0, 1.0),
+    "rope_theta": (1.0, 1e12),
+}
+# What rope_scaling must hold for each kind, besides "rope_type"; every number in it must be finite and positive.
+ROPE_SCALING_KEYS = {
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+}
+_ROPE_SCALING_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+# What a checkpoint's config.json must state: defaulting its shape (transformers' defaults are Llama-2-7B's) would
+# only turn a missing field into a puzzling shape mismatch later.
+REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+class ConfigError(ValueError):
+    """A field of a model config with a bad type or value. `field` names it (as LlamaConfig does), `value` is the bad
+    value and `requirement` what it must be; `describe` words the error for another name of the field (a GGUF key)."""
+
+    def __init__(self, field: str, value, requirement: str):
+        self.field, self.value, self.requirement = field, value, requirement
+        super().__init__(self.describe(field))
+
+    def describe(self, name: str) -> str:
+        return f"{name} must be {self.requirement}, got {short_repr(self.value)}"
+
 
 @dataclass
 class LlamaConfig:
-    """What nanospec needs to build a Llama model. Defaults are those of transformers' LlamaConfig."""
+    """What nanospec needs to build a Llama model. Defaults are those of transformers' LlamaConfig.
+
+    Making one checks every field (ConfigError, a ValueError, naming the field and the value): integers are ints (not
+    bools, not strings) within LIMITS, floats are finite numbers within FLOAT_LIMITS, num_key_value_heads divides
+    num_attention_heads, hidden_size is a multiple of num_attention_heads when head_dim is not given, head_dim is
+    even, the bos and eos ids are inside the vocabulary, and rope_scaling holds what its kind needs."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -28,35 +81,64 @@ class LlamaConfig:
     architectures: list[str] = field(default_factory=lambda: [LLAMA_ARCHITECTURE])
 
     def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "max_position_embeddings"):
+            setattr(self, name, _checked_int(name, getattr(self, name)))
+        for name in FLOAT_LIMITS:
+            setattr(self, name, _checked_float(name, getattr(self, name)))
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise ConfigError("tie_word_embeddings", self.tie_word_embeddings, "true or false")
+
+        heads = self.num_attention_heads
         if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
+            self.num_key_value_heads = heads
+        self.num_key_value_heads = _checked_int("num_key_value_heads", self.num_key_value_heads)
+        if heads % self.num_key_value_heads != 0:
+            raise ConfigError("num_key_value_heads", self.num_key_value_heads,
+                              f"a divisor of num_attention_heads ({heads})")
         if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        self.eos_token_id = _as_id_list(self.eos_token_id)
-        if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
+            if self.hidden_size % heads != 0:
+                raise ConfigError("hidden_size", self.hidden_size,
+                                  f"a multiple of num_attention_heads ({heads}) when head_dim is not given")
+            self.head_dim = self.hidden_size // heads
+        self.head_dim = _checked_int("head_dim", self.head_dim)
+        if self.head_dim % 2 != 0:
+            raise ConfigError("head_dim", self.head_dim, "even (rotary embeddings rotate pairs of dimensions)")
+
+        if self.bos_token_id is not None:
+            self.bos_token_id = _checked_id("bos_token_id", self.bos_token_id, self.vocab_size)
+        self.eos_token_id = token_ids("eos_token_id", self.eos_token_id, self.vocab_size)
+        self.rope_scaling = _checked_rope_scaling(self.rope_scaling)
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> LlamaConfig:
-        """Read a transformers config.json (4.x or 5.x layout). Raises ValueError for a model that is not a Llama."""
+    def from_hf_dict(cls, d: dict, require: tuple[str, ...] = ()) -> LlamaConfig:
+        """Read a transformers config.json (4.x or 5.x layout); the keys in `require` must be present (a missing one is
+        otherwise given transformers' default). Raises ValueError for a missing required key or a model that is not a
+        Llama, and ConfigError (a ValueError) for a field with a bad type or value."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a config must be a JSON object, got {short_repr(d)}")
+        missing = [key for key in require if key not in d]
+        if missing:
+            raise ValueError(f"the required field {missing[0]!r} is missing")
         model_type = d.get("model_type", "llama")
         if model_type != "llama":
-            raise ValueError(f"unsupported model_type {model_type!r}: nanospec runs Llama models only "
+            raise ValueError(f"unsupported model_type {short_repr(model_type)}: nanospec runs Llama models only "
                              "(model_type 'llama')")
-        architectures = list(d.get("architectures") or [LLAMA_ARCHITECTURE])
+        architectures = d.get("architectures") or [LLAMA_ARCHITECTURE]
         if architectures != [LLAMA_ARCHITECTURE]:
-            raise ValueError(f"unsupported architectures {architectures!r}: nanospec runs {LLAMA_ARCHITECTURE} only")
+            raise ValueError(f"unsupported architectures {short_repr(architectures)}: nanospec runs "
+                             f"{LLAMA_ARCHITECTURE} only")
         if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}: nanospec's Llama MLP uses 'silu'")
+            raise ValueError(f"unsupported hidden_act {short_repr(d['hidden_act'])}: nanospec's Llama MLP uses 'silu'")
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag, False):
-                raise ValueError(f"unsupported {flag}=True: nanospec's Llama layers have no biases")
+                raise ValueError(f"unsupported {flag}={d[flag]!r}: nanospec's Llama layers have no biases")
 
         # transformers 5 keeps rope_theta and the scaling together in `rope_parameters`; 4.x keeps them apart.
-        rope_parameters = dict(d.get("rope_parameters") or {})
+        rope_parameters = d.get("rope_parameters") or {}
+        if not isinstance(rope_parameters, dict):
+            raise ConfigError("rope_parameters", rope_parameters, "an object")
+        rope_parameters = dict(rope_parameters)
         rope_theta = d.get("rope_theta", rope_parameters.pop("rope_theta", 10000.0))
         rope_scaling = _normalize_rope_scaling(d.get("rope_scaling") or rope_parameters or None)
 
@@ -67,16 +149,16 @@ class LlamaConfig:
             intermediate_size=d.get("intermediate_size", 11008),
             num_hidden_layers=d.get("num_hidden_layers", 32),
             num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            num_key_value_heads=d.get("num_key_value_heads"),  # None: as many as the query heads
             head_dim=d.get("head_dim"),
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(rope_theta),
+            rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id", 1),
-            eos_token_id=_as_id_list(d.get("eos_token_id", 2)),
-            architectures=architectures,
+            eos_token_id=d.get("eos_token_id", 2),
+            architectures=list(architectures),
         )
 
     def to_hf_dict(self) -> dict:
@@ -129,19 +211,72 @@ class LlamaConfig:
         return shapes
 
 
-def _as_id_list(ids) -> list[int]:
-    if ids is None:
-        return []
-    if isinstance(ids, int):
-        return [ids]
-    return [int(i) for i in ids]
+
+def token_ids(name: str, value, vocab_size: int) -> list[int]:
+    """`value` (a token id, a list of them, or None for none) as a list, each id checked to be inside the vocabulary
+    (ConfigError naming `name` otherwise)."""
+    ids = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
+    return [_checked_id(name, i, vocab_size) for i in ids]
 
 
-def _normalize_rope_scaling(scaling: dict | None) -> dict | None:
+def short_repr(value, limit: int = 60) -> str:
+    """repr(value), cut to about `limit` characters (a corrupt file can hold a huge value)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _checked_id(name: str, value, vocab_size: int) -> int:
+    if not _is_int(value) or not 0 <= value < vocab_size:
+        raise ConfigError(name, value, f"a token id from 0 to {vocab_size - 1} (inside the vocabulary)")
+    return int(value)
+
+
+def _checked_int(name: str, value) -> int:
+    low, high = LIMITS[name]
+    if not _is_int(value) or not low <= value <= high:
+        raise ConfigError(name, value, f"an integer from {low} to {high}")
+    return int(value)
+
+
+def _checked_float(name: str, value) -> float:
+    low, high = FLOAT_LIMITS[name]
+    if not _is_number(value) or not low < value <= high:  # NaN fails the comparison too
+        raise ConfigError(name, value, f"a number above {low:g} and at most {high:g}")
+    return float(value)
+
+
+def _checked_rope_scaling(scaling) -> dict | None:
+    if scaling is None:
+        return None
+    if not isinstance(scaling, dict):
+        raise ConfigError("rope_scaling", scaling, "an object or null")
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if not isinstance(rope_type, str):
+        raise ConfigError("rope_scaling.rope_type", rope_type, "a string")
+    required = ROPE_SCALING_KEYS.get(rope_type, ())
+    for key in _ROPE_SCALING_NUMBERS:
+        if key in scaling or key in required:
+            value = scaling.get(key)
+            if not _is_number(value) or not 0 < value < math.inf:
+                raise ConfigError(f"rope_scaling.{key}", value, f"a finite number above 0 (rope_type {rope_type!r})")
+    return scaling
+
+
+def _normalize_rope_scaling(scaling) -> dict | None:
     """Spell the scaling kind as "rope_type" (older configs say "type"); plain RoPE is None. rope_theta, which
     transformers 5 keeps among these, is a field of its own."""
     if not scaling:
         return None
+    if not isinstance(scaling, dict):
+        raise ConfigError("rope_scaling", scaling, "an object or null")
     scaling = dict(scaling)
     scaling.pop("rope_theta", None)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"

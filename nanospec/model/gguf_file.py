@@ -7,23 +7,31 @@ Three things differ from a Hugging Face checkpoint:
   Viewing a head as (2, d / 2) in HF order and (d / 2, 2) in GGUF order, the inverse is a transpose of those two axes;
 - the tokenizer is metadata (tokens, merges, token types), from which we build a `tokenizers` JSON.
 Quantized tensors (Q4_1, Q8_0, K-quants, ...) are dequantized to fp32 with `gguf.quants.dequantize`.
+
+The header (metadata and tensor list) is read here rather than by gguf's GGUFReader, which trusts every length and
+count in the file (an array whose count is corrupt sends it into a loop of billions of steps): each one is checked
+against the bytes left in the file, and every tensor's data against the file's end. The model's shape is then checked
+(LlamaConfig) and every tensor's name, shape and type compared with it, all before any tensor data is read.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 from tqdm import tqdm
 
-from nanospec.model.config import LlamaConfig
+from nanospec.model.config import ConfigError, LlamaConfig, short_repr
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -53,6 +61,36 @@ _PRE_TOKENIZER_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", 
 _CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4  # tokenizer.ggml.token_type values
 
 
+# The metadata keys of the LlamaConfig fields. Without llama.vocab_size the vocabulary is tokenizer.ggml.tokens.
+_CONFIG_KEYS = {
+    "vocab_size": "llama.vocab_size",
+    "hidden_size": "llama.embedding_length",
+    "intermediate_size": "llama.feed_forward_length",
+    "num_hidden_layers": "llama.block_count",
+    "num_attention_heads": "llama.attention.head_count",
+    "num_key_value_heads": "llama.attention.head_count_kv",
+    "head_dim": "llama.attention.key_length",
+    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "rope_theta": "llama.rope.freq_base",
+    "max_position_embeddings": "llama.context_length",
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+}
+_REQUIRED_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                           "max_position_embeddings")  # llama.cpp requires these keys too
+_CONFIG_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": None}
+_EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+_ROPE_SCALING_KEYS = {
+    "rope_scaling.factor": "llama.rope.scaling.factor",
+    "rope_scaling.original_max_position_embeddings": "llama.rope.scaling.original_context_length",
+}
+
+# Expected types of tokenizer metadata: (test, description).
+_STRING = (lambda v: isinstance(v, str), "a string")
+_BOOL = (lambda v: isinstance(v, bool), "a boolean")
+_STRINGS = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "an array of strings")
+_INTEGERS = (lambda v: isinstance(v, list) and all(type(x) is int for x in v), "an array of integers")
+
+
 @dataclass
 class GGUFModel:
     config: LlamaConfig
@@ -61,93 +99,219 @@ class GGUFModel:
     tokenizer_config: dict  # tokenizer_config.json: chat_template, bos_token, eos_token, add_bos_token, ...
 
 
+@dataclass
+class _Tensor:
+    """One tensor of a GGUF file, as its header describes it."""
+    name: str
+    shape: tuple[int, ...]  # outermost first, as in PyTorch (GGUF lists dimensions innermost first)
+    type: GGMLQuantizationType
+    data: np.ndarray  # its bytes (uint8), a view of the file's memory map
+
+
 def read_gguf(path: str | os.PathLike) -> GGUFModel:
-    """Read a GGUF file of a Llama model. Raises FileNotFoundError, or ValueError for a file that is not a valid
-    GGUF of a Llama model (checked before any tensor is dequantized)."""
+    """Read a GGUF file of a Llama model. Raises FileNotFoundError, or ValueError naming the file and the key or tensor
+    at fault for a file that is not a valid GGUF of a Llama model: a corrupt or truncated header or tensor, missing or
+    absurd metadata (LlamaConfig's checks), a tensor whose name, shape or type does not fit the metadata (all these
+    before any tensor is dequantized), and a tensor that holds NaN or infinite values once dequantized."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {path}")
-    try:
-        reader = GGUFReader(path)
-    except Exception as error:  # the reader fails in many ways on junk (bad magic, short reads, bad reshapes)
-        raise ValueError(f"not a valid GGUF file: {path} (corrupt or truncated; the reader said "
-                         f"{type(error).__name__}: {error})") from None
+    values, header_tensors = _read_header(path)
 
-    metadata = _Metadata(reader, path)
+    metadata = _Metadata(values, path)
     architecture = metadata.get("general.architecture")
     if architecture != "llama":
-        raise ValueError(f"unsupported GGUF architecture {architecture!r} in {path}: nanospec runs 'llama' only")
-
-    gguf_tensors = {t.name: t for t in reader.tensors}
-    config = _config_from_metadata(metadata, tied=("output.weight" not in gguf_tensors))
-    tokenizer_json, tokenizer_config = _tokenizer_from_metadata(metadata)
-
-    hf_names = {name: _hf_name(name, path) for name in gguf_tensors}
-    expected_shapes = config.weight_shapes()
-    missing = sorted(set(expected_shapes) - set(hf_names.values()))
-    if missing:
-        raise ValueError(f"GGUF file {path} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for name, tensor in gguf_tensors.items():
-        if hf_names[name] not in expected_shapes:
-            raise ValueError(f"unexpected tensor {name!r} in GGUF file {path} (the config has "
-                             f"{config.num_hidden_layers} layers)")
-        shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dimensions innermost first
-        if shape != expected_shapes[hf_names[name]]:
-            raise ValueError(f"tensor {name} in {path} has shape {shape}, expected {expected_shapes[hf_names[name]]}")
-        if tensor.data.nbytes != tensor.n_bytes:
-            raise ValueError(f"not a valid GGUF file: {path} (tensor {name} is cut short: the file is truncated)")
+        raise ValueError(f"unsupported GGUF architecture {short_repr(architecture)} in {path}: nanospec runs 'llama' "
+                         "only")
+    config = _config_from_metadata(metadata, tied=not any(t.name == "output.weight" for t in header_tensors))
+    tokenizer_json, tokenizer_config = _tokenizer_from_metadata(metadata, config.vocab_size)
+    hf_names = _check_tensors(header_tensors, config, path)
 
     tensors = {}
-    progress = tqdm(gguf_tensors.items(), desc=f"Reading {path.name}", unit="tensor", leave=False, disable=None)
-    for name, tensor in progress:
+    for tensor in tqdm(header_tensors, desc=f"Loading {path.name}", unit="tensor", leave=False, disable=None):
         weight = _dequantize(tensor)
-        if name.endswith("attn_q.weight"):
+        if not all_finite(weight):
+            raise ValueError(f"tensor {tensor.name} in {path} holds NaN or infinite values")
+        if tensor.name.endswith("attn_q.weight"):
             weight = _unpermute_rotary_rows(weight, config.num_attention_heads)
-        elif name.endswith("attn_k.weight"):
+        elif tensor.name.endswith("attn_k.weight"):
             weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
-        tensors[hf_names[name]] = weight
+        tensors[hf_names[tensor.name]] = weight
     return GGUFModel(config, tensors, tokenizer_json, tokenizer_config)
 
 
+# ---------------------------------------------------------------- the header
+
+
+_SCALAR_FORMATS = {  # struct formats of GGUF's scalar value types
+    GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H", GGUFValueType.INT16: "h",
+    GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i", GGUFValueType.UINT64: "Q", GGUFValueType.INT64: "q",
+    GGUFValueType.FLOAT32: "f", GGUFValueType.FLOAT64: "d", GGUFValueType.BOOL: "?",
+}
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+
+
+class _Corrupt(Exception):
+    """Raised while reading a header; read_gguf words it as a ValueError naming the file."""
+
+
+class _HeaderParser:
+    """Reads GGUF values (little-endian) from the bytes of a file, refusing any length or count that runs past its
+    end before reading, allocating or looping over it."""
+
+    def __init__(self, data: memoryview):
+        self.data, self.offset = data, 0
+
+    def need(self, size: int, what: str) -> None:
+        if size > len(self.data) - self.offset:
+            raise _Corrupt(f"{what} at byte {self.offset} needs {size} bytes, but the file ends at byte "
+                           f"{len(self.data)}")
+
+    def scalar(self, fmt: str, what: str):
+        size = struct.calcsize(fmt)
+        self.need(size, what)
+        (value,) = struct.unpack_from("<" + fmt, self.data, self.offset)
+        self.offset += size
+        return value
+
+    def string(self, what: str) -> str:
+        size = self.scalar("Q", what)
+        self.need(size, what)
+        try:
+            text = str(self.data[self.offset:self.offset + size], "utf-8")
+        except UnicodeDecodeError:
+            raise _Corrupt(f"{what} at byte {self.offset} is not UTF-8 text") from None
+        self.offset += size
+        return text
+
+    def value(self, value_type: int, what: str):
+        if value_type == GGUFValueType.STRING:
+            return self.string(what)
+        if value_type in _SCALAR_FORMATS:
+            return self.scalar(_SCALAR_FORMATS[value_type], what)
+        if value_type != GGUFValueType.ARRAY:
+            raise _Corrupt(f"{what} has an unknown value type ({value_type})")
+        item_type, count = self.scalar("I", what), self.scalar("Q", what)
+        if item_type in _SCALAR_FORMATS:
+            dtype = np.dtype("<" + _SCALAR_FORMATS[item_type])
+            self.need(count * dtype.itemsize, f"{what} ({count} values)")
+            items = np.frombuffer(self.data, dtype, count, self.offset)
+            self.offset += items.nbytes
+            return items.tolist()
+        self.need(count * 8, f"{what} ({count} values)")  # a string or an array takes 8 bytes or more
+        return [self.value(item_type, what) for _ in range(count)]
+
+
+def _read_header(path: Path) -> tuple[dict, list[_Tensor]]:
+    """The metadata of a GGUF file and its tensors (views of the file's memory map, not read yet). Raises ValueError
+    for a file that is not a GGUF (version 2 or 3, little-endian) or whose header or tensor data is cut short."""
+    data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, dtype=np.uint8)
+    parser = _HeaderParser(memoryview(data))
+    try:
+        if bytes(parser.data[:4]) != b"GGUF":
+            raise _Corrupt("it does not start with 'GGUF'")
+        parser.offset = 4
+        version = parser.scalar("I", "the version")
+        if version not in (2, 3):
+            raise _Corrupt(f"version {version}; nanospec reads GGUF versions 2 and 3, little-endian")
+        tensor_count, key_count = parser.scalar("Q", "the tensor count"), parser.scalar("Q", "the key count")
+        parser.need(key_count * 13, f"the metadata ({key_count} keys)")  # a key/value takes 13 bytes or more
+        values = {}
+        for _ in range(key_count):
+            key = parser.string("a metadata key")
+            if key in values:
+                raise _Corrupt(f"the metadata key {key} appears twice")
+            values[key] = parser.value(parser.scalar("I", f"the type of {key}"), key)
+        parser.need(tensor_count * 32, f"the tensor list ({tensor_count} tensors)")  # 32 bytes or more per tensor
+        infos = {}
+        for _ in range(tensor_count):
+            name = parser.string("a tensor name")
+            if name in infos:
+                raise _Corrupt(f"the tensor {name} appears twice")
+            n_dims = parser.scalar("I", f"tensor {name}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise _Corrupt(f"tensor {name} has {n_dims} dimensions")
+            dims = [parser.scalar("Q", f"tensor {name}") for _ in range(n_dims)]  # innermost first
+            type_id = parser.scalar("I", f"tensor {name}")
+            offset = parser.scalar("Q", f"tensor {name}")  # from the start of the data, after the header
+            infos[name] = (dims, type_id, offset)
+        alignment = values.get("general.alignment", 32)
+        if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
+            raise _Corrupt(f"general.alignment is {short_repr(alignment)}, not a power of two")
+        start = -(-parser.offset // alignment) * alignment
+        return values, [_tensor(name, dims, type_id, start + offset, data)
+                        for name, (dims, type_id, offset) in infos.items()]
+    except _Corrupt as error:
+        raise ValueError(f"not a valid GGUF file: {path} ({error})") from None
+
+
+def _tensor(name: str, dims: list[int], type_id: int, begin: int, data: np.ndarray) -> _Tensor:
+    """A tensor of the header, its type known and its data (from byte `begin` of `data`) inside the file."""
+    try:
+        tensor_type = GGMLQuantizationType(type_id)
+    except ValueError:
+        raise _Corrupt(f"tensor {name} has an unknown type ({type_id})") from None
+    block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+    if dims[0] % block_size:
+        raise _Corrupt(f"tensor {name} has rows of {dims[0]} values, not a multiple of its {tensor_type.name} "
+                       f"blocks of {block_size}")
+    end = begin + math.prod(dims) // block_size * type_size
+    if end > len(data):
+        raise _Corrupt(f"tensor {name} is cut short: its data (bytes {begin} to {end}) runs past the end of the "
+                       f"file ({len(data)} bytes): the file is truncated, or its header corrupt")
+    return _Tensor(name, tuple(reversed(dims)), tensor_type, data[begin:end])
+
+
 class _Metadata:
-    """The key/value metadata of a GGUF file, read on demand."""
+    """The key/value metadata of a GGUF file, with the file's path for errors."""
 
-    def __init__(self, reader: GGUFReader, path: Path):
-        self.fields, self.path = reader.fields, path
+    def __init__(self, values: dict, path: Path):
+        self.values, self.path = values, path
 
-    def get(self, key: str, default=None):
-        field = self.fields.get(key)
-        return field.contents() if field is not None else default
+    def __contains__(self, key: str) -> bool:
+        return key in self.values
 
-    def require(self, key: str):
-        if key not in self.fields:
+    def get(self, key: str, default=None, expect: tuple | None = None):
+        """The value of `key` (`default` if absent); with `expect` (_STRING, _STRINGS, ...), checked to be of that
+        type."""
+        if key not in self.values:
+            return default
+        value = self.values[key]
+        if expect is not None and not expect[0](value):
+            raise ValueError(f"GGUF file {self.path}: {key} must be {expect[1]}, got {short_repr(value)}")
+        return value
+
+    def require(self, key: str, expect: tuple | None = None):
+        if key not in self.values:
             raise ValueError(f"GGUF file {self.path} lacks the metadata key {key!r}")
-        return self.get(key)
+        return self.get(key, expect=expect)
+
+
+# ---------------------------------------------------------------- the config and the tensors
 
 
 def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
-    hidden_size = metadata.require("llama.embedding_length")
-    num_heads = metadata.require("llama.attention.head_count")
-    eos_ids = [
-        metadata.get(f"tokenizer.ggml.{key}")
-        for key in ("eos_token_id", "eot_token_id", "eom_token_id")  # llama.cpp stops at any of them
-    ]
-    return LlamaConfig(
-        vocab_size=metadata.get("llama.vocab_size") or len(metadata.require("tokenizer.ggml.tokens")),
-        hidden_size=hidden_size,
-        intermediate_size=metadata.require("llama.feed_forward_length"),
-        num_hidden_layers=metadata.require("llama.block_count"),
-        num_attention_heads=num_heads,
-        num_key_value_heads=metadata.get("llama.attention.head_count_kv", num_heads),
-        head_dim=metadata.get("llama.attention.key_length", hidden_size // num_heads),
-        rms_norm_eps=metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
-        rope_theta=metadata.get("llama.rope.freq_base", 10000.0),
-        rope_scaling=_rope_scaling_from_metadata(metadata),
-        max_position_embeddings=metadata.get("llama.context_length", 2048),
-        tie_word_embeddings=tied,
-        bos_token_id=metadata.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=list(dict.fromkeys(i for i in eos_ids if i is not None)),
-    )
+    """The LlamaConfig of the llama.* and tokenizer.ggml.* keys, checked by LlamaConfig: a missing or bad value is a
+    ValueError naming the file and the key."""
+    for field in _REQUIRED_CONFIG_FIELDS:
+        metadata.require(_CONFIG_KEYS[field])
+    fields = dict(_CONFIG_DEFAULTS)
+    fields |= {field: metadata.get(key) for field, key in _CONFIG_KEYS.items() if key in metadata}
+    if "vocab_size" not in fields:
+        fields["vocab_size"] = len(metadata.require("tokenizer.ggml.tokens", _STRINGS))
+    eos_ids = []  # llama.cpp stops at any of them
+    for key in _EOS_KEYS:
+        if key in metadata and metadata.get(key) not in eos_ids:
+            eos_ids.append(metadata.get(key))
+    try:
+        return LlamaConfig(**fields, rope_scaling=_rope_scaling_from_metadata(metadata), tie_word_embeddings=tied,
+                           eos_token_id=eos_ids)
+    except ConfigError as error:
+        key = {**_CONFIG_KEYS, **_ROPE_SCALING_KEYS}.get(error.field)
+        if error.field == "eos_token_id":
+            key = next((key for key in _EOS_KEYS if metadata.get(key) == error.value), None)
+        raise ValueError(f"GGUF file {metadata.path}: {error.describe(key if key in metadata else error.field)}") \
+            from None
 
 
 def _rope_scaling_from_metadata(metadata: _Metadata) -> dict | None:
@@ -160,7 +324,29 @@ def _rope_scaling_from_metadata(metadata: _Metadata) -> dict | None:
     if kind == "yarn":
         original = metadata.require("llama.rope.scaling.original_context_length")
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-    raise ValueError(f"unsupported RoPE scaling {kind!r} in GGUF file {metadata.path}")
+    raise ValueError(f"unsupported RoPE scaling {short_repr(kind)} in GGUF file {metadata.path}")
+
+
+def _check_tensors(tensors: list[_Tensor], config: LlamaConfig, path: Path) -> dict[str, str]:
+    """Check, from the header alone, that the file holds every tensor the config needs and no other, each with the
+    shape the config implies and a type we can dequantize. Returns the HF name of each GGUF tensor."""
+    hf_names = {tensor.name: _hf_name(tensor.name, path) for tensor in tensors}
+    expected_shapes = config.weight_shapes()
+    missing = sorted(set(expected_shapes) - set(hf_names.values()))
+    if missing:
+        raise ValueError(f"GGUF file {path} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for tensor in tensors:
+        expected = expected_shapes.get(hf_names[tensor.name])
+        if expected is None:
+            raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file {path} (the config has "
+                             f"{config.num_hidden_layers} layers)")
+        if tensor.shape != expected:
+            raise ValueError(f"tensor {tensor.name} in {path} has shape {tensor.shape}, but its metadata implies "
+                             f"{expected}")
+        if not _can_dequantize(tensor.type):
+            raise ValueError(f"tensor {tensor.name} in {path} has type {tensor.type.name}, which nanospec cannot "
+                             "dequantize")
+    return hf_names
 
 
 def _hf_name(gguf_name: str, path: Path) -> str:
@@ -175,20 +361,41 @@ def _hf_name(gguf_name: str, path: Path) -> str:
     raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file {path}")
 
 
-def _dequantize(tensor) -> torch.Tensor:
+_FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
+                GGMLQuantizationType.F64: np.float64}
+
+
+@functools.cache
+def _can_dequantize(tensor_type: GGMLQuantizationType) -> bool:
+    """Whether _dequantize reads this type: tried on one block of zeros (gguf dequantizes most quantized types, and
+    raises NotImplementedError for the rest, integer types included)."""
+    if tensor_type in _FLOAT_TYPES or tensor_type == GGMLQuantizationType.BF16:
+        return True
+    try:
+        gguf.quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor_type][1]), dtype=np.uint8), tensor_type)
+    except NotImplementedError:
+        return False
+    return True
+
+
+def _dequantize(tensor: _Tensor) -> torch.Tensor:
     """One GGUF tensor as fp32 in (out, in) order. The data is copied out of the memory map first: `gguf`'s numpy
     dequantizers are several times slower when they index the map directly."""
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    data = np.array(tensor.data)
-    if tensor.tensor_type == GGMLQuantizationType.F32:
-        weight = torch.from_numpy(data.view(np.float32))
-    elif tensor.tensor_type == GGMLQuantizationType.F16:
-        weight = torch.from_numpy(data.view(np.float16)).float()
-    elif tensor.tensor_type == GGMLQuantizationType.BF16:
+    data = np.array(tensor.data).reshape(*tensor.shape[:-1], -1)
+    if tensor.type in _FLOAT_TYPES:
+        weight = torch.from_numpy(data.view(_FLOAT_TYPES[tensor.type])).float()
+    elif tensor.type == GGMLQuantizationType.BF16:
         weight = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float()
     else:
-        weight = torch.from_numpy(gguf.quants.dequantize(data, tensor.tensor_type))
-    return weight.reshape(shape)
+        weight = torch.from_numpy(gguf.quants.dequantize(data, tensor.type))
+    return weight.reshape(tensor.shape)
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """No NaN or infinity in `tensor`. Its smallest and largest values tell (NaN propagates through both), in one
+    pass that allocates nothing: many times faster than torch.isfinite(tensor).all()."""
+    low, high = torch.aminmax(tensor)
+    return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
 def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -197,16 +404,27 @@ def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor
     return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
 
 
-def _tokenizer_from_metadata(metadata: _Metadata) -> tuple[str, dict]:
+def _tokenizer_from_metadata(metadata: _Metadata, vocab_size: int) -> tuple[str, dict]:
     """A byte-level BPE tokenizer (GPT-2 style, `tokenizer.ggml.model` == "gpt2") as tokenizer.json text, and its
-    tokenizer_config: the same ids as transformers builds from this file."""
-    kind = metadata.require("tokenizer.ggml.model")
+    tokenizer_config: the same ids as transformers builds from this file. Missing or ill-typed tokenizer metadata, more
+    tokens than `vocab_size`, and special token ids outside the token list are ValueErrors naming the file and key."""
+    kind = metadata.require("tokenizer.ggml.model", _STRING)
     if kind != "gpt2":
         raise ValueError(f"unsupported GGUF tokenizer {kind!r} in {metadata.path}: nanospec reads byte-level BPE "
                          "('gpt2') tokenizers from GGUF; load the model's Hugging Face directory instead")
-    tokens = metadata.require("tokenizer.ggml.tokens")
-    token_types = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    merges = [tuple(merge.split(" ")) for merge in metadata.require("tokenizer.ggml.merges")]
+    tokens = metadata.require("tokenizer.ggml.tokens", _STRINGS)
+    if len(tokens) > vocab_size:
+        raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.tokens has {len(tokens)} tokens, more than the "
+                         f"model's vocabulary ({vocab_size})")
+    token_types = metadata.get("tokenizer.ggml.token_type", None, _INTEGERS) or [1] * len(tokens)
+    if len(token_types) != len(tokens):
+        raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.token_type has {len(token_types)} entries for "
+                         f"{len(tokens)} tokens")
+    merges = [tuple(merge.split(" ")) for merge in metadata.require("tokenizer.ggml.merges", _STRINGS)]
+    bad_merge = next((" ".join(merge) for merge in merges if len(merge) != 2), None)
+    if bad_merge is not None:
+        raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.merges holds {short_repr(bad_merge)}, which is "
+                         "not two tokens separated by a space")
 
     # Every byte-level BPE token is spelled in GPT-2's 256-character byte alphabet; a few files write a token in
     # plain text instead, which we respell.
@@ -217,9 +435,13 @@ def _tokenizer_from_metadata(metadata: _Metadata) -> tuple[str, dict]:
         return token if set(token) <= spelled else "".join(byte_alphabet[b] for b in token.encode("utf-8"))
 
     vocab = {respell(token): index for index, token in enumerate(tokens)}
-    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
-                                          end_of_word_suffix="", fuse_unk=False))
-    split = _PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+    try:
+        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
+                                              end_of_word_suffix="", fuse_unk=False))
+    except Exception as error:  # tokenizers' own error type: a merge of tokens that are not in the vocabulary, ...
+        raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.tokens and tokenizer.ggml.merges do not make a "
+                         f"BPE tokenizer ({error})") from None
+    split = _PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre", None, _STRING))
     if split is None:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
@@ -243,15 +465,20 @@ def _tokenizer_from_metadata(metadata: _Metadata) -> tuple[str, dict]:
 
     def token_of(key: str) -> str | None:
         index = metadata.get(f"tokenizer.ggml.{key}")
-        return tokens[index] if index is not None else None
+        if index is None:
+            return None
+        if type(index) is not int or not 0 <= index < len(tokens):
+            raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.{key} must be a token id from 0 to "
+                             f"{len(tokens) - 1} (inside tokenizer.ggml.tokens), got {short_repr(index)}")
+        return tokens[index]
 
     config = {
         "bos_token": token_of("bos_token_id"),
         "eos_token": token_of("eos_token_id"),
         "unk_token": token_of("unknown_token_id"),
         "pad_token": token_of("padding_token_id"),
-        "add_bos_token": bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-        "chat_template": metadata.get("tokenizer.chat_template"),
+        "add_bos_token": metadata.get("tokenizer.ggml.add_bos_token", False, _BOOL),
+        "chat_template": metadata.get("tokenizer.chat_template", None, _STRING),
     }
     if config["add_bos_token"] and config["bos_token"] is not None:
         # Let the tokenizer.json itself add BOS, so any reader of it (transformers included) agrees.

@@ -1,14 +1,16 @@
 """Load a Llama checkpoint — a Hugging Face directory, a GGUF file, or the embedded SmolLM2 — into one form:
 a LlamaConfig, tensors under Hugging Face names, and a Tokenizer.
 
-Everything that can be checked cheaply (files present, headers valid, every tensor present with the right shape)
-is checked before any weight is read, and each error names the file or tensor at fault.
+Everything that can be checked cheaply (files present, headers valid, the config sane, every tensor present with the
+right shape and a floating-point type) is checked before any weight is read, and each error names the file and the
+field or tensor at fault. Each weight read is checked for NaN and infinities.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import struct
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,12 +19,13 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from nanospec.model.config import LlamaConfig
+from nanospec.model.config import REQUIRED_HF_FIELDS, LlamaConfig, short_repr, token_ids
 from nanospec.model.embedded import embedded_model_path
-from nanospec.model.gguf_file import read_gguf
+from nanospec.model.gguf_file import all_finite, read_gguf
 from nanospec.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes of weights we load
 
 
 @dataclass
@@ -49,7 +52,10 @@ def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None) -
 
 def _load_gguf(path: Path, dtype: torch.dtype | None) -> Checkpoint:
     model = read_gguf(path)
-    tokenizer = Tokenizer.from_json_str(model.tokenizer_json, model.tokenizer_config, model.config.eos_token_id)
+    try:
+        tokenizer = Tokenizer.from_json_str(model.tokenizer_json, model.tokenizer_config, model.config.eos_token_id)
+    except Exception as error:  # tokenizers' and jinja's own errors
+        raise ValueError(f"cannot build the tokenizer of GGUF file {path} ({error})") from None
     tensors = model.tensors
     if dtype is not None:
         for name in list(tensors):  # one tensor at a time, so the fp32 copy of the model is freed as we go
@@ -62,10 +68,12 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None) -> Checkpoint
         gguf_files = sorted(directory.glob("*.gguf"))
         hint = f" (to load a GGUF, pass the file itself, e.g. {gguf_files[0]})" if gguf_files else ""
         raise FileNotFoundError(f"{directory} has no config.json{hint}")
+    config_file = directory / "config.json"
+    hf_config = _read_json(config_file)
     try:
-        config = LlamaConfig.from_hf_dict(_read_json(directory / "config.json"))
+        config = LlamaConfig.from_hf_dict(hf_config, require=REQUIRED_HF_FIELDS)
     except ValueError as error:
-        raise ValueError(f"{directory / 'config.json'}: {error}") from None
+        raise ValueError(f"{config_file}: {error}") from None
     tokenizer = _load_tokenizer(directory, config)
     weight_files = _weight_files(directory)
 
@@ -77,13 +85,18 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None) -> Checkpoint
         if missing:
             raise ValueError(f"checkpoint {directory} lacks tensors: {_short_list(missing)}")
         for name, shape in expected.items():
-            stored = tuple(handles[file_of[name]].get_slice(name).get_shape())
-            if stored != shape:
-                raise ValueError(f"tensor {name} in {file_of[name]} has shape {stored}, "
+            stored = handles[file_of[name]].get_slice(name)
+            if tuple(stored.get_shape()) != shape:
+                raise ValueError(f"tensor {name} in {file_of[name]} has shape {tuple(stored.get_shape())}, "
                                  f"but config.json implies {shape}")
+            if stored.get_dtype() not in FLOAT_DTYPES:
+                raise ValueError(f"tensor {name} in {file_of[name]} has dtype {stored.get_dtype()}, but weights "
+                                 f"must be floating point ({', '.join(FLOAT_DTYPES)})")
         tensors = {}
         for name in tqdm(expected, desc=f"Loading {directory.name}", unit="tensor", leave=False, disable=None):
             tensor = handles[file_of[name]].get_tensor(name)
+            if not all_finite(tensor):
+                raise ValueError(f"tensor {name} in {file_of[name]} holds NaN or infinite values")
             tensors[name] = tensor.to(dtype) if dtype is not None else tensor
     return Checkpoint(config, tensors, tokenizer, directory)
 
@@ -92,7 +105,11 @@ def _weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint: one model.safetensors, or the shards its index names."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(_read_json(index).get("weight_map", {}).values()))
+        weight_map = _read_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
+            raise ValueError(f"shard index {index}: weight_map must map tensor names to file names, got "
+                             f"{short_repr(weight_map)}")
+        shards = sorted(set(weight_map.values()))
         if not shards:
             raise ValueError(f"shard index {index} has an empty weight_map")
         missing = [shard for shard in shards if not (directory / shard).is_file()]
@@ -110,7 +127,26 @@ def _open_safetensors(file: Path):
     try:
         return safe_open(str(file), framework="pt")
     except Exception as error:  # SafetensorError: bad header, truncated data, ...
-        raise ValueError(f"not a valid safetensors file: {file} ({error})") from None
+        cut = _cut_short_tensor(file)
+        problem = f"tensor {cut} is cut short: the file is truncated" if cut else str(error)
+        raise ValueError(f"not a valid safetensors file: {file} ({problem})") from None
+
+
+def _cut_short_tensor(file: Path) -> str | None:
+    """The first tensor of a safetensors file whose data runs past the file's end, when its header can tell (the
+    header is 8 bytes of length, then JSON: {name: {"dtype", "shape", "data_offsets": [begin, end]}, ...})."""
+    try:
+        with open(file, "rb") as f:
+            (header_size,) = struct.unpack("<Q", f.read(8))
+            if header_size > 100_000_000:  # safetensors' own limit
+                return None
+            header = json.loads(f.read(header_size))
+        data_size = file.stat().st_size - 8 - header_size
+        cut = [(info["data_offsets"][1], name) for name, info in header.items()
+               if name != "__metadata__" and info["data_offsets"][1] > data_size]
+    except (OSError, struct.error, ValueError, TypeError, KeyError, IndexError, AttributeError):
+        return None  # not even a readable header: safetensors' own message says so
+    return min(cut)[1] if cut else None
 
 
 def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
@@ -126,7 +162,10 @@ def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
     generation_file = directory / "generation_config.json"
     if generation_file.is_file():
         generation_eos = _read_json(generation_file).get("eos_token_id")
-        eos_ids += [generation_eos] if isinstance(generation_eos, int) else list(generation_eos or [])
+        try:
+            eos_ids += token_ids("eos_token_id", generation_eos, config.vocab_size)
+        except ValueError as error:
+            raise ValueError(f"{generation_file}: {error}") from None
     try:
         return Tokenizer.from_file(tokenizer_json, tokenizer_config, eos_ids)
     except Exception as error:
@@ -140,10 +179,14 @@ def _require_file(path: Path) -> Path:
 
 
 def _read_json(path: Path) -> dict:
+    """A JSON file that holds an object; ValueError naming the file otherwise."""
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"not a valid JSON file: {path} ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"not a valid JSON file: {path} (it must hold an object, got {short_repr(value)})")
+    return value
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:
