@@ -63,21 +63,21 @@ class LLM:
         checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model, self.dtype)
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
-        self.model = Llama(checkpoint.config, checkpoint.tensors, self.device, self.dtype)
-        del checkpoint
         context = self.config.max_position_embeddings
         asked_model_len = max_model_len
         if max_model_len is None:
             max_model_len = context
         elif not 1 < max_model_len <= context:
             raise ValueError(f"max_model_len must be in (1, {context}], got {max_model_len}")
+        self.model = Llama(checkpoint.config, checkpoint.tensors, self.device, self.dtype, max_len=max_model_len)
+        del checkpoint
         if num_blocks is None:
             num_blocks = self._blocks_from_memory(kv_cache_memory, block_size, max_model_len, max_num_seqs)
         self._check_kv_memory(num_blocks, block_size)
         proposer = None
         if spec_config is not None:
             proposer = make_proposer(spec_config, self.config, self.tokenizer, num_blocks, block_size, self.device,
-                                     self.dtype)
+                                     self.dtype, max_model_len)
             if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
                 if asked_model_len is not None:
                     raise ValueError(f"max_model_len={asked_model_len} is longer than the draft model's context "

@@ -119,6 +119,7 @@ def test_sampling_defaults_are_smollm2s_and_greedy_is_one_flag(monkeypatch, use_
 
 def test_ctrl_c_during_an_answer_drops_that_turn_and_the_repl_goes_on(monkeypatch, use_llm, capsys):
     llm = use_llm(ScriptedLLM(ctrl_c={1: 1}))
+    handler_before = signal.getsignal(signal.SIGINT)
     assert main_with_stdin(monkeypatch, [], b"first\nsecond\nthird\n") == 0
     out = capsys.readouterr().out
     assert "Paris is the \n(interrupted: this question and the partial answer are dropped" in out
@@ -126,7 +127,7 @@ def test_ctrl_c_during_an_answer_drops_that_turn_and_the_repl_goes_on(monkeypatc
     assert llm.closed == [True, True, True]  # the interrupted stream was closed, so its request aborted
     third_messages = llm.calls[2][0]
     assert [m["content"] for m in third_messages] == ["first", "Paris is the capital.", "third"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGINT) is handler_before  # the answer's own handler is gone again
 
 
 def test_second_ctrl_c_during_one_answer_quits_with_130(monkeypatch, use_llm, capsys):
@@ -157,7 +158,7 @@ def test_ctrl_c_while_loading_exits_130_in_process(monkeypatch, use_llm, capsys)
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--top-p", "2"], "top_p must be in (0, 1]"),
+    (["--top-p", "2"], "top_p must be a number in (0, 1]"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["--spec", "bogus"], "--spec 'bogus'"),
     (["--spec", "ngram", "-k", "0"], "must be >= 1"),

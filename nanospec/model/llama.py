@@ -45,7 +45,9 @@ class LlamaLayer:
 
 class Llama:
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: torch.device | str,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, max_len: int | None = None):
+        """``max_len``: the longest sequence it will run (default: the model's context); the RoPE table covers
+        that many positions (a 10M-token context would otherwise cost gigabytes of table)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -57,8 +59,9 @@ class Llama:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.cos_sin_cache = build_rope_cache(self.head_dim, config.max_position_embeddings, config.rope_theta,
-                                              config.rope_scaling, device=self.device)
+        positions = min(config.max_position_embeddings, max_len or config.max_position_embeddings)
+        self.cos_sin_cache = build_rope_cache(self.head_dim, positions, config.rope_theta, config.rope_scaling,
+                                              device=self.device)
         self.attention = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.cos_sin_cache)
 
     @torch.inference_mode()

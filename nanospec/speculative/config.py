@@ -107,11 +107,11 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
 
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
-                  dtype) -> Proposer:
+                  dtype, max_model_len: int | None = None) -> Proposer:
     """The proposer the speculator drives (see ``nanospec.speculative.proposer.Proposer``)."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                              config.max_candidates, config.tree_budget)
     if config.method == "lookahead":
         return LookaheadProposer(config.window_size, config.ngram_size, config.guess_set_size)
-    return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype)
+    return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len)

@@ -56,7 +56,7 @@ class DraftState:
 
 class DraftProposer(Proposer):
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype):
+                 device: torch.device, dtype: torch.dtype, max_model_len: int | None = None):
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
         self.coupled = config.acceptance == "coupled"
@@ -70,7 +70,7 @@ class DraftProposer(Proposer):
         if checkpoint.tokenizer.encode(probe) != target_tokenizer.encode(probe):
             raise ValueError(f"the draft model {config.model!r} tokenizes text differently from the target: "
                              f"they must share one vocabulary")
-        self.model = Llama(checkpoint.config, checkpoint.tensors, device, dtype)
+        self.model = Llama(checkpoint.config, checkpoint.tensors, device, dtype, max_len=max_model_len)
         del checkpoint
         c = self.model.config
         self.max_model_len = c.max_position_embeddings
