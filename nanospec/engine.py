@@ -3,7 +3,7 @@
     seqs      = scheduler.schedule()                    which sequences run, KV blocks reserved
     proposals = speculator.propose(seqs)                a token tree of guesses per sequence (maybe empty)
     batch     = build_step_batch(seqs, proposals)       one ragged batch: prefill, decode and verify alike
-    logits    = model(batch)                            ONE target forward
+    logits    = runner.execute(batch)                   ONE target forward (a CUDA graph for decode / verify)
     verdicts  = speculator.verify(seqs, proposals, ...) accepted path + one token of the target's own
     commit                                              append tokens, stop checks, roll back rejected KV
 
@@ -23,6 +23,7 @@ from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
 from nanospec.detokenizer import TextStream
 from nanospec.model.llama import Llama
+from nanospec.model.runner import ModelRunner
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Scheduler
@@ -40,6 +41,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int = 8192
+    enforce_eager: bool = True  # False: decode / verify steps from static buffers (CUDA graphs on a GPU)
 
 
 @dataclass
@@ -62,7 +64,10 @@ class Engine:
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
         self.kv_cache = KVCache(mc.num_hidden_layers, config.num_blocks, config.block_size, mc.num_key_value_heads,
                                 mc.head_dim, model.dtype, model.device)
-        self.speculator = Speculator(proposer, model, self.kv_cache, self.block_manager,
+        max_query_len = 1 + (proposer.max_tokens_per_step if proposer is not None else 0)
+        self.runner = ModelRunner(model, self.kv_cache, max_num_seqs=config.max_num_seqs, max_query_len=max_query_len,
+                                  max_model_len=config.max_model_len, enforce_eager=config.enforce_eager)
+        self.speculator = Speculator(proposer, self.runner, self.block_manager,
                                      max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                                      max_num_batched_tokens=config.max_num_batched_tokens,
                                      adaptive=adaptive_speculation)
@@ -139,9 +144,9 @@ class Engine:
     def _step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         try:
             proposals = self.speculator.propose(seqs)
-            batch = build_step_batch(seqs, proposals, self.config.block_size, self.model.device)
+            batch = build_step_batch(seqs, proposals, self.config.block_size)
             forward_start = time.perf_counter()
-            logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+            logits = self.runner.execute(batch)
             self.stats.forward_seconds += time.perf_counter() - forward_start
             verdicts = self.speculator.verify(seqs, proposals, logits)
         except Exception as error:  # nothing is committed yet: only the requests that fail alone fail

@@ -35,13 +35,15 @@ class LLM:
 
     KV pool: ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes
     hold (default: 1 GiB on CPU, 40% of free memory on CUDA, never more than ``max_num_seqs``
-    full contexts). ``speculative_config``: see :mod:`nanospec.speculative.config`.
+    full contexts). ``speculative_config``: see :mod:`nanospec.speculative.config`. ``enforce_eager``
+    (vLLM's name): False runs decode and verify steps from static buffers as CUDA graphs (the default on
+    CUDA); on a CPU, False runs the same static-buffer path eagerly (the default there is True).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype=None, device=None, *,
                  speculative_config: dict | None = None, num_blocks: int | None = None, block_size: int = 16,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
-                 max_model_len: int | None = None, seed: int = 0):
+                 max_model_len: int | None = None, seed: int = 0, enforce_eager: bool | None = None):
         if model is not None and not isinstance(model, (str, os.PathLike, Checkpoint)):
             raise ValueError(f"model must be a path or None, got {model!r}")
         _check_int("block_size", block_size, 1, 4096)
@@ -52,6 +54,8 @@ class LLM:
         _check_int("max_model_len", max_model_len, 2, optional=True)
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an int, got {seed!r}")
+        if enforce_eager is not None and not isinstance(enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True, False or None, got {enforce_eager!r}")
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
         spec_config = parse_speculative_config(speculative_config)
@@ -83,8 +87,11 @@ class LLM:
                     raise ValueError(f"max_model_len={asked_model_len} is longer than the draft model's context "
                                      f"({proposer.max_model_len} tokens)")
                 max_model_len = proposer.max_model_len  # the draft guesses only within its own context
+        if enforce_eager is None:
+            enforce_eager = self.device.type != "cuda"
         config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                              enforce_eager=enforce_eager)
         self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer, seed=seed,
                              adaptive_speculation=spec_config is None or spec_config.adaptive)
         # outputs not yet taken by the call that owns their request: every engine step serves every

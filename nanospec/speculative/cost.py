@@ -9,9 +9,7 @@ from typing import Callable
 import torch
 
 from nanospec.cache.block_manager import BlockManager
-from nanospec.cache.kv_cache import KVCache
-from nanospec.model.forward_batch import build_forward_batch
-from nanospec.model.llama import Llama
+from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 
 
 def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 3) -> float:
@@ -28,26 +26,36 @@ def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 
     return best
 
 
-def time_forwards(model: Llama, kv_cache: KVCache, block_manager: BlockManager, token_counts: list[int],
-                  context: int = 64, max_len: int | None = None) -> list[float]:
-    """Seconds of one forward over each of ``token_counts`` new tokens after ``context`` cached ones (best of
-    3; of 1 above 16 tokens). Where the pool or ``max_len`` cannot hold the largest counts they are timed at
-    what fits, and without context if even that does not fit."""
+def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager: BlockManager,
+                  token_counts: list[int], *, per_seq: int, device: torch.device, batch_device: torch.device | str,
+                  max_len: int, context: int = 64) -> list[float]:
+    """Seconds of one verify-shaped forward (every row's logits) over each of ``token_counts`` new tokens after
+    ``context`` cached ones: one sequence up to ``per_seq`` tokens, a larger count as sequences of ``per_seq``
+    tokens each (a batch of verifies). Best of 3 (of 1 above 16 tokens). Where the pool cannot hold them all,
+    fewer sequences are timed (and no context if even one does not fit). ``execute`` runs a batch built on
+    ``batch_device``; ``device`` is where it computes (CUDA is synchronised around each timing)."""
     bm = block_manager
-    max_len = max_len or model.config.max_position_embeddings
-    longest = min(max(token_counts), bm.num_free_blocks * bm.block_size, max_len)
-    if bm.blocks_for(context + longest) > bm.num_free_blocks or context + longest > max_len:
+    per_seq = max(1, min(per_seq, max_len - 1))
+    if bm.blocks_for(context + per_seq) > bm.num_free_blocks or context + per_seq > max_len:
         context = 0
-    table: list[int] = []
-    bm.reserve(table, context + longest)
+    most = min(max(-(-m // per_seq) for m in token_counts), bm.num_free_blocks // bm.blocks_for(context + per_seq))
+    tables: list[list[int]] = [[] for _ in range(max(most, 1))]
+    for table in tables:
+        bm.reserve(table, context + per_seq)
 
-    def run(tokens: int, start: int) -> torch.Tensor:
-        batch = build_forward_batch([[0] * tokens], [start], [table], bm.block_size, [[tokens - 1]], model.device)
-        return model.compute_logits(model.forward(batch, kv_cache))
+    def run(num_seqs: int, tokens: int, start: int) -> torch.Tensor:
+        batch = build_forward_batch([[0] * tokens] * num_seqs, [start] * num_seqs, tables[:num_seqs], bm.block_size,
+                                    [range(tokens)] * num_seqs, batch_device)
+        return execute(batch)
 
     if context:
-        run(context, 0)
-    costs = [best_seconds(lambda: run(min(m, longest), context), model.device, repeats=3 if m <= 16 else 1)
-             for m in token_counts]
-    bm.free(table)
+        for i in range(len(tables)):
+            build = build_forward_batch([[0] * context], [0], [tables[i]], bm.block_size, [[context - 1]], batch_device)
+            execute(build)
+    costs = []
+    for m in token_counts:
+        num_seqs, tokens = (1, min(m, per_seq)) if m <= per_seq else (min(-(-m // per_seq), len(tables)), per_seq)
+        costs.append(best_seconds(lambda: run(num_seqs, tokens, context), device, repeats=3 if m <= 16 else 1))
+    for table in tables:
+        bm.free(table)
     return costs

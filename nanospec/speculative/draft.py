@@ -92,7 +92,6 @@ class DraftProposer(Proposer):
             for i, proposal in zip(trees, self._propose_trees([seqs[i] for i in trees], [ks[i] for i in trees])):
                 proposals[i] = proposal
             return proposals
-        tokens: list[list[int]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
         for i in active:  # room for the sequence and the k-1 guesses fed back
@@ -100,19 +99,31 @@ class DraftProposer(Proposer):
         feed = {i: seqs[i].token_ids[states[i].num_cached:] for i in active}
         starts = {i: states[i].num_cached for i in active}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
+        drawn: list[tuple[list[int], torch.Tensor]] = []  # per draft step: its rows and their guesses (on device)
         for j in range(max(ks, default=0)):
             rows = [i for i in active if ks[i] > j]
             batch = build_forward_batch([feed[i] for i in rows], [starts[i] for i in rows],
                                         [states[i].block_table for i in rows], self.block_size,
                                         [[len(feed[i]) - 1] for i in rows], self.model.device)
+            if j > 0:  # each row feeds its previous guess, still on the device
+                previous_rows, previous = drawn[-1]
+                where = {i: r for r, i in enumerate(previous_rows)}
+                batch.input_ids = previous[torch.tensor([where[i] for i in rows], device=previous.device)]
             logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
             guesses, q = self._draw([seqs[i] for i in rows], logits, j)
-            for r, (i, t) in enumerate(zip(rows, guesses)):
-                tokens[i].append(t)
+            drawn.append((rows, guesses))
+            for r, i in enumerate(rows):
                 if q is not None and not seqs[i].params.greedy:
                     probs[i].append(q[r])
                 starts[i] += len(feed[i])
-                feed[i] = [t]
+                feed[i] = [0]  # a placeholder: the guess itself stays on the device
+        tokens: list[list[int]] = [[] for _ in seqs]
+        if drawn:  # the guesses come to the host once, after the last draft step
+            host = torch.cat([guesses for _, guesses in drawn]).tolist()
+            for rows, _ in drawn:
+                for i, token in zip(rows, host):
+                    tokens[i].append(token)
+                host = host[len(rows):]
         for i in active:
             states[i].num_cached = seqs[i].num_tokens + ks[i] - 1
             states[i].num_reusable = ks[i] - 1  # d_1 .. d_{k-1} were fed, d_k was not
@@ -142,11 +153,18 @@ class DraftProposer(Proposer):
             for i in range(len(seqs)):
                 if depth > max_depths[i]:
                     frontier[i] = []
+            # the top tokens after every frontier node of every tree: one topk, one read for the level
+            entries = [(i, node, score) for i in range(len(seqs)) for node, score, _ in frontier[i]]
+            top = torch.topk(torch.stack([row for i in range(len(seqs)) for _, _, row in frontier[i]]), self.tree_top_k)
+            host = torch.cat([top.values.double(), top.indices.double()], dim=1).tolist()
+            children_of: dict[int, list] = {i: [] for i in range(len(seqs))}
+            for (i, node, score), values in zip(entries, host):
+                log_probs, ids = values[: self.tree_top_k], values[self.tree_top_k:]
+                children_of[i] += [(score + lp, node, int(t)) for lp, t in zip(log_probs, ids)]
+            for i in range(len(seqs)):
+                if not frontier[i]:
                     continue
-                children = []
-                for node, score, row in frontier[i]:
-                    top = torch.topk(row, self.tree_top_k)
-                    children += [(score + lp, node, t) for lp, t in zip(top.values.tolist(), top.indices.tolist())]
+                children = children_of[i]
                 children.sort(key=lambda c: -c[0])
                 frontier[i] = []
                 for score, node, token in children[: self.tree_budget - len(tokens[i])]:
@@ -171,19 +189,22 @@ class DraftProposer(Proposer):
 
     def measure_cost(self) -> float:
         """Seconds of one single-token draft forward after 64 cached tokens."""
-        return time_forwards(self.model, self.kv_cache, self.block_manager, [1])[0]
+        model = self.model
+        return time_forwards(lambda batch: model.compute_logits(model.forward(batch, self.kv_cache)),
+                             self.block_manager, [1], per_seq=1, device=model.device, batch_device=model.device,
+                             max_len=model.config.max_position_embeddings)[0]
 
-    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int):
-        """Guess j for every sequence and, in rejection mode when any samples, the draft distributions ``q``
-        ``[S, V]``. Coupled: the exponential race at the guess's own position with the request's own seed,
-        the very numbers the target's token there is drawn with (then verified by matching)."""
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Guess j for every sequence (a device tensor) and, in rejection mode when any samples, the draft
+        distributions ``q`` ``[S, V]``. Coupled: the exponential race at the guess's own position with the
+        request's own seed, the very numbers the target's token there is drawn with (then verified by matching)."""
         if all(s.params.greedy for s in seqs):
-            return logits.argmax(dim=-1).tolist(), None
+            return logits.argmax(dim=-1), None
         if self.coupled:
-            return SamplingTensors.of(seqs, logits.device, offset=j).sample(logits).tolist(), None
+            return SamplingTensors.of(seqs, logits.device, offset=j).sample(logits), None
         t = SamplingTensors.of(seqs, logits.device, offset=j, seed_salt=DRAFT_SEED_SALT)
         q = t.probs(logits)
-        return sample_from_probs(q, t.seeds, t.offsets).tolist(), q
+        return sample_from_probs(q, t.seeds, t.offsets), q
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """Drop the draft K/V of rejected guesses. Kept: the old tokens' and the accepted guesses' that were

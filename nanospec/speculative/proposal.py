@@ -134,9 +134,9 @@ class TokenTrie:
         return added
 
 
-def build_step_batch(seqs: list[Sequence], proposals: list[Proposal], block_size: int,
-                     device: torch.device) -> ForwardBatch:
-    """One ragged batch for the step: each sequence's uncached tokens, then its proposal, laid out as above."""
+def build_step_batch(seqs: list[Sequence], proposals: list[Proposal], block_size: int) -> ForwardBatch:
+    """One ragged batch for the step, on the host: each sequence's uncached tokens, then its proposal, laid out
+    as above (the model runner takes it to the device)."""
     token_lists, starts, logits_rows, positions, masks = [], [], [], [], []
     for seq, proposal in zip(seqs, proposals):
         uncached = seq.token_ids[seq.num_cached_tokens:]
@@ -151,5 +151,5 @@ def build_step_batch(seqs: list[Sequence], proposals: list[Proposal], block_size
             offsets, mask = proposal.layout()
             positions.append([seq.num_tokens - 1 + o for o in offsets])
             masks.append(mask)
-    return build_forward_batch(token_lists, starts, [s.block_table for s in seqs], block_size, logits_rows, device,
+    return build_forward_batch(token_lists, starts, [s.block_table for s in seqs], block_size, logits_rows, "cpu",
                                positions=positions, tree_masks=masks)

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 
 from nanospec.cache.block_manager import BlockManager, slots_of
-from nanospec.cache.kv_cache import KVCache
 from nanospec.kernels.kv_store import copy_kv_slots
-from nanospec.model.llama import Llama
+from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import time_forwards
 from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy
@@ -28,11 +27,12 @@ from nanospec.speculative.verify import verify
 
 
 class Speculator:
-    def __init__(self, proposer: Proposer | None, model: Llama, kv_cache: KVCache, block_manager: BlockManager, *,
+    def __init__(self, proposer: Proposer | None, runner: ModelRunner, block_manager: BlockManager, *,
                  max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int, adaptive: bool = True):
         self.proposer = proposer
-        self.model = model
-        self.kv_cache = kv_cache
+        self.runner = runner
+        self.model = runner.model
+        self.kv_cache = runner.kv_cache
         self.block_size = block_manager.block_size
         self.max_model_len = max_model_len
         self.max_tokens_per_step = proposer.max_tokens_per_step if proposer is not None else 0
@@ -49,14 +49,15 @@ class Speculator:
     def _calibrated_policy(self, block_manager: BlockManager, max_num_seqs: int,
                            max_num_batched_tokens: int) -> GoodputPolicy:
         """Time the target over 1..k+1 tokens (one sequence's verify) and, sparser, over the token counts
-        of the batches this engine can run; time one guess of the proposer."""
+        of the batches of verifies this engine can run (through the runner: graphs where the steps use them);
+        time one guess of the proposer."""
         k = self.max_tokens_per_step
         larger: list[int] = []
         while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
                                                             self.max_model_len // 2):
             larger.append(m)
-        costs = time_forwards(self.model, self.kv_cache, block_manager, list(range(1, k + 2)) + larger,
-                              max_len=self.max_model_len)
+        costs = time_forwards(self.runner.execute, block_manager, list(range(1, k + 2)) + larger, per_seq=k + 1,
+                              device=self.model.device, batch_device="cpu", max_len=self.max_model_len)
         return GoodputPolicy(k, costs[:k + 1], self.proposer.measure_cost(),
                              larger_forwards=dict(zip(larger, costs[k + 1:])))
 

@@ -1,0 +1,181 @@
+"""Runs the target model on a step's batch: eagerly, or from static buffers through a captured CUDA graph.
+
+The engine builds each step's :class:`ForwardBatch` on the host; its integer tensors reach the device in one
+copy from pinned memory, not one copy (and one synchronisation) per tensor.
+
+A decode or verify batch (every row wants logits: each sequence feeds its root and its proposal's nodes) is
+laid into **static buffers** padded to a bucket: ``S`` sequences (the next of 1, 2, 4, 8, ... at or above the
+batch's count, up to ``max_num_seqs``) times ``q`` rows each (the next of 1, 2, 4, ... at or above its
+longest sequence, up to the most a step feeds). Sequence ``s`` owns rows ``s*q .. s*q+q-1``: its real tokens
+first, then padding rows that write no K/V (slot -1) and that no real row sees (they come later: causal, and
+outside every tree mask). Its ``seq_len`` counts the padding, so real row ``j`` still sits at
+``context + j``; padding sequences own no blocks (their rows read block 0 and are thrown away). Every
+row's logits are computed and the real rows are picked out on the device.
+
+On CUDA (``enforce_eager=False``, the default there) each bucket's forward is captured once, the first time
+it is needed, as a CUDA graph (after a warm-up run that compiles the Triton kernels) and then replayed: one
+launch for the whole forward, no Python per layer. ``max_query_len`` and every kernel's grid depend only on
+the bucket, and every per-step value lives in the static buffers, so nothing that changes from step to step
+is baked into a graph. Prefills and mixed batches run eagerly. On a CPU ``enforce_eager=False`` runs the same
+static-buffer path without graphs, so the padding is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from nanospec.cache.kv_cache import KVCache
+from nanospec.kernels.attention_mask import num_words
+from nanospec.model.forward_batch import ForwardBatch
+from nanospec.model.llama import Llama
+
+_METADATA = [f.name for f in fields(ForwardBatch) if f.name != "max_query_len"]  # the integer tensors
+
+
+def buckets(limit: int) -> list[int]:
+    """1, 2, 4, ... below ``limit``, then ``limit``."""
+    sizes, size = [], 1
+    while size < limit:
+        sizes.append(size)
+        size *= 2
+    return sizes + [limit]
+
+
+@dataclass
+class _Graph:
+    batch: ForwardBatch                  # views of the static buffers, at the bucket's size
+    graph: torch.cuda.CUDAGraph | None   # None on a CPU: the static path runs eagerly
+    logits: torch.Tensor | None          # the captured output
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, kv_cache: KVCache, *, max_num_seqs: int, max_query_len: int, max_model_len: int,
+                 enforce_eager: bool):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = model.device
+        self.enforce_eager = enforce_eager
+        self.use_graphs = not enforce_eager and self.device.type == "cuda"
+        self.seq_buckets = buckets(max_num_seqs)
+        self.query_buckets = buckets(max_query_len)
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._pinned = torch.empty(0, dtype=torch.int64)
+        if enforce_eager:
+            return
+        rows = max_num_seqs * max_query_len
+        max_blocks = -(-(max_model_len + max_query_len) // kv_cache.block_size)
+
+        def zeros(*shape, dtype=torch.int64):
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        self.static = ForwardBatch(  # the largest bucket; each bucket uses the front of each buffer
+            input_ids=zeros(rows), positions=zeros(rows), slot_mapping=zeros(rows),
+            block_tables=zeros(max_num_seqs, max_blocks, dtype=torch.int32),
+            seq_lens=zeros(max_num_seqs, dtype=torch.int32), query_start_loc=zeros(max_num_seqs + 1, dtype=torch.int32),
+            max_query_len=max_query_len, logits_indices=torch.arange(rows, device=self.device),
+            tree_mask=zeros(rows, num_words(max_query_len)))
+
+    # ---------------------------------------------------------------- one step
+    def execute(self, batch: ForwardBatch) -> torch.Tensor:
+        """``[R, vocab]`` float32 logits of ``batch.logits_indices``; ``batch`` lives on the host."""
+        key = None if self.enforce_eager else self._bucket(batch)
+        if key is None:
+            return self.model.compute_logits(self.model.forward(self._to_device(batch), self.kv_cache))
+        num_seqs, q, masked = key
+        entry = self.graphs.get(key)
+        if entry is None:
+            entry = self.graphs[key] = self._prepare(num_seqs, q, masked)
+        rows = self._fill(entry.batch, batch, q)
+        if entry.graph is None:
+            return self.model.compute_logits(self.model.forward(entry.batch, self.kv_cache))[rows]
+        entry.graph.replay()
+        return entry.logits[rows]
+
+    def _bucket(self, batch: ForwardBatch) -> tuple[int, int, bool] | None:
+        """The bucket of a decode / verify batch (every row wants logits), or None: run it eagerly."""
+        num_seqs = batch.seq_lens.shape[0]
+        if batch.logits_indices.shape[0] != batch.num_tokens or num_seqs > self.seq_buckets[-1] \
+                or batch.max_query_len > self.query_buckets[-1]:
+            return None
+        return (next(b for b in self.seq_buckets if b >= num_seqs),
+                next(b for b in self.query_buckets if b >= batch.max_query_len), batch.tree_mask is not None)
+
+    def _fill(self, static: ForwardBatch, batch: ForwardBatch, q: int) -> torch.Tensor:
+        """Lay the host batch into the bucket's static buffers (built on the host, one copy); returns, on the
+        device, the static rows of the batch's tokens in the batch's order."""
+        num_seqs, real = static.seq_lens.shape[0], batch.seq_lens.shape[0]
+        counts = batch.query_start_loc.diff()
+        seq = torch.repeat_interleave(torch.arange(real), counts)  # the sequence of every real row
+        rows = seq * q + torch.arange(batch.num_tokens) - batch.query_start_loc[:-1].long()[seq]
+        values = {}
+        values["input_ids"] = torch.zeros(num_seqs * q, dtype=torch.int64).index_copy_(0, rows, batch.input_ids)
+        last = torch.zeros(num_seqs, dtype=torch.int64)  # padding rows repeat their sequence's last position
+        last[:real] = batch.positions[batch.query_start_loc[1:].long() - 1]
+        values["positions"] = last.repeat_interleave(q).index_copy_(0, rows, batch.positions)
+        values["slot_mapping"] = torch.full((num_seqs * q,), -1, dtype=torch.int64).index_copy_(0, rows,
+                                                                                               batch.slot_mapping)
+        tables = torch.zeros(static.block_tables.shape, dtype=torch.int32)
+        width = min(batch.block_tables.shape[1], tables.shape[1])
+        tables[:real, :width] = batch.block_tables[:, :width]
+        values["block_tables"] = tables
+        seq_lens = torch.full((num_seqs,), q, dtype=torch.int32)
+        seq_lens[:real] = batch.seq_lens - counts.to(torch.int32) + q
+        values["seq_lens"] = seq_lens
+        values["query_start_loc"] = torch.arange(0, num_seqs * q + 1, q, dtype=torch.int32)
+        if static.tree_mask is not None:  # a padding row sees itself only
+            own = torch.arange(num_seqs * q) % q
+            mask = torch.zeros(static.tree_mask.shape, dtype=torch.int64)
+            mask.scatter_(1, (own // 64)[:, None], (torch.ones_like(own) << (own % 64))[:, None])
+            mask[rows, : batch.tree_mask.shape[1]] = batch.tree_mask
+            values["tree_mask"] = mask
+        names = list(values)
+        device_values = self._copy([values[n] for n in names] + [rows])
+        for name, value in zip(names, device_values):
+            getattr(static, name).copy_(value)
+        return device_values[-1]
+
+    def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
+        names = [n for n in _METADATA if getattr(batch, n) is not None]
+        moved = dict(zip(names, self._copy([getattr(batch, n) for n in names])))
+        return ForwardBatch(**{n: moved.get(n) for n in _METADATA}, max_query_len=batch.max_query_len)
+
+    def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host integer tensors on the device, through one pinned buffer and one copy (as they are on a CPU)."""
+        if self.device.type != "cuda":
+            return tensors
+        flat = [t.reshape(-1).to(torch.int64) for t in tensors]
+        total = sum(t.numel() for t in flat)
+        if self._pinned.numel() < total:
+            self._pinned = torch.empty(max(total, 2 * self._pinned.numel()), dtype=torch.int64, pin_memory=True)
+        torch.cat(flat, out=self._pinned[:total])
+        packed = self._pinned[:total].to(self.device, non_blocking=True)
+        out, offset = [], 0
+        for t in tensors:
+            out.append(packed[offset:offset + t.numel()].view(t.shape).to(t.dtype))
+            offset += t.numel()
+        return out
+
+    # ---------------------------------------------------------------- a bucket's static batch and graph
+    def _prepare(self, num_seqs: int, q: int, masked: bool) -> _Graph:
+        s = self.static
+        rows = num_seqs * q
+        batch = ForwardBatch(input_ids=s.input_ids[:rows], positions=s.positions[:rows],
+                             slot_mapping=s.slot_mapping[:rows], block_tables=s.block_tables[:num_seqs],
+                             seq_lens=s.seq_lens[:num_seqs], query_start_loc=s.query_start_loc[: num_seqs + 1],
+                             max_query_len=q, logits_indices=s.logits_indices[:rows],
+                             tree_mask=s.tree_mask[:rows] if masked else None)
+        if not self.use_graphs:
+            return _Graph(batch, None, None)
+        # warm-up (compiles the kernels) and capture on the buffers as they are: padding-only rows, slot -1
+        batch.slot_mapping.fill_(-1)
+        batch.seq_lens.fill_(q)
+        batch.query_start_loc.copy_(torch.arange(0, rows + 1, q, dtype=torch.int32, device=self.device))
+        self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+        return _Graph(batch, graph, logits)

@@ -1,0 +1,91 @@
+"""A decode or verify step reads the device once: the emitted tokens, after verification.
+
+Counted on the path a GPU runs (the Triton backend, interpreted on this CPU): every call by nanospec's own code
+(not the torch references, not Triton's interpreter) that brings tensor values into Python (``tolist``,
+``item``, ``bool(tensor)``, ...). On a GPU each is a host-device synchronisation.
+"""
+
+import contextlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nanospec
+from nanospec import LLM, SamplingParams
+from nanospec.kernels.backend import backend
+from tiny import make_tiny_llama
+
+READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
+PACKAGE = str(Path(nanospec.__file__).parent)
+
+
+@contextlib.contextmanager
+def count_device_reads():
+    """Yields a list that collects ``file:line function method`` for every read made by nanospec code."""
+    reads: list[str] = []
+    originals = {name: getattr(torch.Tensor, name) for name in READS}
+
+    def counted(name):
+        original = originals[name]
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if caller.co_filename.startswith(PACKAGE) and not caller.co_name.endswith("_ref"):
+                where = Path(caller.co_filename).relative_to(PACKAGE)
+                reads.append(f"{where}:{sys._getframe(1).f_lineno} {caller.co_name} {name}")
+            return original(self, *args, **kwargs)
+        return read
+
+    for name in READS:
+        setattr(torch.Tensor, name, counted(name))
+    try:
+        yield reads
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory):
+    target = tmp_path_factory.mktemp("reads_target")
+    make_tiny_llama(target, seed=3, layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn=48)
+    draft = tmp_path_factory.mktemp("reads_draft")
+    make_tiny_llama(draft, seed=4, layers=1, hidden=32, num_heads=2, num_kv_heads=1, head_dim=16, ffn=48)
+    return target, draft
+
+
+CONFIGS = {
+    "plain": None,
+    "ngram": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "max_candidates": 2},
+    "lookahead": {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2},
+    "draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False, "acceptance": "coupled"},
+    "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
+    "draft_tree": {"method": "draft", "num_speculative_tokens": 2, "tree_top_k": 2, "tree_budget": 4},
+}
+# A draft model reads its guesses once, after its last draft step (they stay on the device between draft
+# steps), and a draft tree once per level; every other method reads once, the verdicts.
+READS_PER_STEP = {"draft": 2, "draft_coupled": 2, "draft_tree": 3}
+
+
+CASES = [(name, 0.0) for name in sorted(CONFIGS)] + [(name, 0.8) for name in ("plain", "ngram", "draft",
+                                                                                "draft_coupled")]
+
+
+@pytest.mark.parametrize("name, temperature", CASES, ids=[f"{n}-{'greedy' if t == 0 else 'sampled'}" for n, t in CASES])
+def test_one_device_read_per_decode_step(paths, name, temperature):
+    config = CONFIGS[name]
+    if config is not None and config["method"] == "draft":
+        config = {**config, "model": str(paths[1])}
+    llm = LLM(str(paths[0]), num_blocks=32, block_size=4, speculative_config=config)
+    params = SamplingParams(temperature=temperature, max_tokens=6, seed=1, ignore_eos=True)
+    with backend("triton"):
+        for prompt in ([5, 9, 33, 5, 9, 33, 5], [40, 41, 42, 43, 44, 40, 41, 42]):
+            llm.engine.add_request(prompt, params)
+        llm.engine.step()  # the prefill
+        for _ in range(2):
+            with count_device_reads() as reads:
+                llm.engine.step()
+            assert len(reads) == READS_PER_STEP.get(name, 1), reads
