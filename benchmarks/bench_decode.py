@@ -122,13 +122,16 @@ def main():
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (the default on CUDA is to capture decode and verify steps)")
     args = p.parse_args()
 
     torch.set_grad_enabled(False)
     if args.random_shape:
-        llm = LLM.with_random_weights(RANDOM_SHAPES[args.random_shape], dtype=args.dtype, device=args.device)
+        llm = LLM.with_random_weights(RANDOM_SHAPES[args.random_shape], dtype=args.dtype, device=args.device,
+                                      enforce_eager=args.enforce_eager or None)
     else:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager or None)
     device, dtype = llm.device, llm.dtype
     hf = None if args.no_transformers else load_transformers(args, dtype, device)
     prompt_ids = llm.tokenizer.encode(PROMPT)

@@ -322,6 +322,8 @@ def main():
     p.add_argument("--dtype", default=None)
     p.add_argument("--device", default=None)
     p.add_argument("--no-transformers", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="no CUDA graphs (the default on CUDA is to capture decode and verify steps)")
     p.add_argument("--json", default=None, help="write every number here")
     args = p.parse_args()
     args.k = {m: args.num_speculative_tokens or k for m, k in DEFAULT_K.items()}
@@ -362,6 +364,7 @@ def main():
     for method in args.methods:
         print(f"nanospec {method}: loading ...", flush=True)
         llm = LLM(args.model, dtype=dtype, device=device, max_num_seqs=args.batch,
+                  enforce_eager=args.enforce_eager or None,
                   speculative_config=speculative_config(method, args, draft))
         if prompt_ids is None:
             tok = llm.tokenizer

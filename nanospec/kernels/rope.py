@@ -75,11 +75,10 @@ def build_rope_cache(
 
 @triton.jit
 def _rotate_heads(
-    in_ptr,
-    out_ptr,
-    token,
-    in_token_stride,
+    in_row_ptr,
+    out_row_ptr,
     in_head_stride,
+    out_head_stride,
     num_heads,
     half_dim,
     cos,
@@ -87,16 +86,30 @@ def _rotate_heads(
     BLOCK_HEADS: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
 ):
+    """Rotate the ``num_heads`` head vectors of one token (``in_row_ptr``: its first head) into
+    ``out_row_ptr`` (fp32 math, stored in the output's dtype)."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     cols = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (cols < half_dim)
-    in_first = in_ptr + token * in_token_stride + heads * in_head_stride + cols
+    in_first = in_row_ptr + heads * in_head_stride + cols
     x1 = tl.load(in_first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(in_first + half_dim, mask=mask, other=0.0).to(tl.float32)
-    out_first = out_ptr + (token * num_heads + heads) * (2 * half_dim) + cols
-    dtype = out_ptr.dtype.element_ty
+    out_first = out_row_ptr + heads * out_head_stride + cols
+    dtype = out_row_ptr.dtype.element_ty
     tl.store(out_first, (x1 * cos - x2 * sin).to(dtype), mask=mask)
     tl.store(out_first + half_dim, (x2 * cos + x1 * sin).to(dtype), mask=mask)
+
+
+@triton.jit
+def _cos_sin(positions_ptr, cos_sin_ptr, token, half_dim, BLOCK_HALF: tl.constexpr):
+    """``cos, sin`` ``[1, BLOCK_HALF]`` (fp32) at the position of ``token``."""
+    position = tl.load(positions_ptr + token)
+    cols = tl.arange(0, BLOCK_HALF)
+    col_mask = cols < half_dim
+    cache_row = cos_sin_ptr + position * (2 * half_dim)
+    cos = tl.load(cache_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    sin = tl.load(cache_row + half_dim + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+    return cos, sin
 
 
 @triton.jit
@@ -119,16 +132,11 @@ def _rope_kernel(
     BLOCK_HALF: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    position = tl.load(positions_ptr + token)
-    cols = tl.arange(0, BLOCK_HALF)
-    col_mask = cols < half_dim
-    cache_row = cos_sin_ptr + position * (2 * half_dim)
-    cos = tl.load(cache_row + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    sin = tl.load(cache_row + half_dim + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
-    _rotate_heads(q_ptr, q_out_ptr, token, q_token_stride, q_head_stride, num_q_heads, half_dim,
-                  cos, sin, BLOCK_Q_HEADS, BLOCK_HALF)
-    _rotate_heads(k_ptr, k_out_ptr, token, k_token_stride, k_head_stride, num_k_heads, half_dim,
-                  cos, sin, BLOCK_K_HEADS, BLOCK_HALF)
+    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, half_dim, BLOCK_HALF)
+    _rotate_heads(q_ptr + token * q_token_stride, q_out_ptr + token * num_q_heads * 2 * half_dim, q_head_stride,
+                  2 * half_dim, num_q_heads, half_dim, cos, sin, BLOCK_Q_HEADS, BLOCK_HALF)
+    _rotate_heads(k_ptr + token * k_token_stride, k_out_ptr + token * num_k_heads * 2 * half_dim, k_head_stride,
+                  2 * half_dim, num_k_heads, half_dim, cos, sin, BLOCK_K_HEADS, BLOCK_HALF)
 
 
 class RopeTables:

@@ -5,8 +5,9 @@
 
 Two ways to run it, the same math:
 
-* **Kernels** (CUDA, or the interpreter when the backend is ``triton``): ``apply_rope``, ``store_kv``
-  and ``paged_attention``, three Triton launches per layer reading the batch metadata on the device.
+* **Kernels** (CUDA, or the interpreter when the backend is ``triton``): ``rope_store_kv`` (RoPE and the
+  KV write fused) and ``paged_attention``, two Triton launches per layer reading the batch metadata on
+  the device.
 * **Torch** (the CPU engine): the references of the same ops, with what depends only on the batch
   worked out once per forward (:meth:`Attention.plan`) instead of once per layer: the RoPE tables
   (:class:`~nanospec.kernels.rope.RopeTables`, with the softmax scale folded into the query heads)
@@ -25,9 +26,10 @@ import torch
 from nanospec.cache.kv_cache import KVCache
 from nanospec.model.forward_batch import ForwardBatch
 from nanospec.kernels.backend import use_triton
-from nanospec.kernels.kv_store import real_token_rows, store_kv
+from nanospec.kernels.kv_store import real_token_rows
 from nanospec.kernels.paged_attention import PagedAttentionPlan, paged_attention
-from nanospec.kernels.rope import RopeTables, apply_rope
+from nanospec.kernels.rope import RopeTables
+from nanospec.kernels.rope_store_kv import rope_store_kv
 
 
 @dataclass
@@ -70,8 +72,7 @@ class Attention:
             k_cache, v_cache = kv_cache.layer(layer)
             q = qkv.narrow(1, 0, H * D).view(T, H, D)
             k = qkv.narrow(1, H * D, Hk * D).view(T, Hk, D)
-            q, k = apply_rope(q, k, batch.positions, self.cos_sin_cache)
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            q = rope_store_kv(q, k, v, batch.positions, self.cos_sin_cache, k_cache, v_cache, batch.slot_mapping)
             return paged_attention(q, k_cache, v_cache, batch.block_tables, batch.seq_lens, batch.query_start_loc,
                                    self.scale, batch.max_query_len, batch.tree_mask).view(T, H * D)
         k_slots, v_slots = kv_cache.layer_slots(layer)

@@ -62,7 +62,10 @@ class ModelRunner:
         self.query_buckets = buckets(max_query_len)
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._pinned = torch.empty(0, dtype=torch.int64)
+        # pinned staging buffers for to_device, used in turn, each with the event of the copy that last read it
+        empty = torch.empty(0, dtype=torch.int64)
+        self._staging: list[tuple[torch.Tensor, torch.cuda.Event | None]] = [(empty, None), (empty, None)]
+        self._next_staging = 0
         if enforce_eager:
             return
         rows = max_num_seqs * max_query_len
@@ -132,26 +135,37 @@ class ModelRunner:
             mask[rows, : batch.tree_mask.shape[1]] = batch.tree_mask
             values["tree_mask"] = mask
         names = list(values)
-        device_values = self._copy([values[n] for n in names] + [rows])
+        device_values = self.to_device([values[n] for n in names] + [rows])
         for name, value in zip(names, device_values):
             getattr(static, name).copy_(value)
         return device_values[-1]
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
         names = [n for n in _METADATA if getattr(batch, n) is not None]
-        moved = dict(zip(names, self._copy([getattr(batch, n) for n in names])))
+        moved = dict(zip(names, self.to_device([getattr(batch, n) for n in names])))
         return ForwardBatch(**{n: moved.get(n) for n in _METADATA}, max_query_len=batch.max_query_len)
 
-    def _copy(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Host integer tensors on the device, through one pinned buffer and one copy (as they are on a CPU)."""
+    def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Host integer tensors on the device, through one pinned buffer and one asynchronous copy (as they are
+        on a CPU). The buffers are used in turn (a step's forward, then its verification), and a buffer is only
+        refilled once the copy that last read it has run; a step ends in a device read, so that has long
+        happened."""
         if self.device.type != "cuda":
             return tensors
         flat = [t.reshape(-1).to(torch.int64) for t in tensors]
         total = sum(t.numel() for t in flat)
-        if self._pinned.numel() < total:
-            self._pinned = torch.empty(max(total, 2 * self._pinned.numel()), dtype=torch.int64, pin_memory=True)
-        torch.cat(flat, out=self._pinned[:total])
-        packed = self._pinned[:total].to(self.device, non_blocking=True)
+        index = self._next_staging
+        self._next_staging = (index + 1) % len(self._staging)
+        buffer, copied = self._staging[index]
+        if copied is not None:
+            copied.synchronize()
+        if buffer.numel() < total:
+            buffer = torch.empty(max(total, 2 * buffer.numel()), dtype=torch.int64, pin_memory=True)
+        torch.cat(flat, out=buffer[:total])
+        packed = buffer[:total].to(self.device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self._staging[index] = (buffer, copied)
         out, offset = [], 0
         for t in tensors:
             out.append(packed[offset:offset + t.numel()].view(t.shape).to(t.dtype))

@@ -121,7 +121,7 @@ class Speculator:
 
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[Verdict]:
         """Each sequence's verdict; an accepted path off the chain has its K/V moved next to the root."""
-        verdicts = verify(seqs, proposals, logits)
+        verdicts = verify(seqs, proposals, logits, self.runner.to_device)
         self._compact_accepted_paths(seqs, verdicts)
         return verdicts
 

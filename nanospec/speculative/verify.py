@@ -23,12 +23,14 @@ acceptance than matching, but the tokens depend on the guesses (:mod:`nanospec.k
 ``min_tokens``: a row whose token would be output token number ``< min_tokens`` cannot end the request,
 so its stop tokens get probability 0 before anything is drawn, row by row (speculation stays lossless).
 
-One launch draws every node's token, one walks every tree, one more rejection-samples the draft rows, and
-everything comes back to the host in one read. Fed-only nodes (lookahead's window) are not verified: their
-argmax goes back to the proposer.
+The step's metadata goes to the device in one copy; one launch draws every node's token, one walks every
+tree, one more rejection-samples the draft rows, and everything comes back to the host in one read.
+Fed-only nodes (lookahead's window) are not verified: their argmax goes back to the proposer.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -38,10 +40,14 @@ from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.sampling import SamplingTensors
 
 
-def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[Verdict]:
+def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
+           to_device: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> list[Verdict]:
     """One verdict per sequence. ``logits`` rows: per sequence its root's, then one per node (modified in place:
-    stop tokens banned before ``min_tokens``)."""
+    stop tokens banned before ``min_tokens``). ``to_device`` moves host integer tensors to the logits' device
+    (the runner's: one copy for them all); by default one ``.to`` each."""
     device = logits.device
+    if to_device is None:
+        to_device = lambda tensors: [t.to(device) for t in tensors]  # noqa: E731
     starts = [0]
     for p in proposals:
         starts.append(starts[-1] + 1 + len(p.token_ids))
@@ -50,21 +56,28 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     flat_rows = [start + j for start, n in zip(starts, sizes) for j in range(n)]
     _ban_stop_tokens_before_min_tokens(logits, seqs, depths, flat_rows, sizes)
 
+    # the step's metadata, built on the host and moved in one copy: the rows of the roots and candidates, each
+    # tree's nodes (padded to the largest), and the rows of fed-only nodes
+    n_max = max(sizes)
+    first = [sum(sizes[:b]) for b in range(len(seqs))]
+    extra_rows = [r for p, start, end in zip(proposals, starts, starts[1:])
+                  for r in range(start + 1 + p.num_candidates, end)]
+    flat_rows_t, pad, node_tokens, parents, num_nodes, extra_rows_t = to_device([
+        torch.tensor(flat_rows, dtype=torch.int64),
+        torch.tensor([[f + min(j, n - 1) for j in range(n_max)] for f, n in zip(first, sizes)], dtype=torch.int64),
+        torch.tensor([[0] + p.token_ids[: p.num_candidates] + [0] * (n_max - n) for p, n in zip(proposals, sizes)],
+                     dtype=torch.int64),
+        torch.tensor([[-1] + [q + 1 for q in p.parents[: p.num_candidates]] + [0] * (n_max - n)
+                      for p, n in zip(proposals, sizes)], dtype=torch.int64),
+        torch.tensor(sizes, dtype=torch.int64),
+        torch.tensor(extra_rows, dtype=torch.int64)])
+
     # the target's own token at the root and at every candidate: plain sampling at that node's position
-    target_logits = logits[torch.tensor(flat_rows, device=device)]
+    target_logits = logits[flat_rows_t]
     if all(s.params.greedy for s in seqs):
         target_tokens = target_logits.argmax(dim=-1)
     else:
         target_tokens = SamplingTensors.of(seqs, device, depths=depths).sample(target_logits)
-
-    n_max = max(sizes)
-    first = [sum(sizes[:b]) for b in range(len(seqs))]
-    pad = torch.tensor([[f + min(j, n - 1) for j in range(n_max)] for f, n in zip(first, sizes)], device=device)
-    node_tokens = torch.tensor([[0] + p.token_ids[: p.num_candidates] + [0] * (n_max - n)
-                                for p, n in zip(proposals, sizes)], dtype=torch.int64, device=device)
-    parents = torch.tensor([[-1] + [q + 1 for q in p.parents[: p.num_candidates]] + [0] * (n_max - n)
-                            for p, n in zip(proposals, sizes)], dtype=torch.int64, device=device)
-    num_nodes = torch.tensor(sizes, dtype=torch.int64, device=device)
     path, emitted = greedy_tree_verify(target_tokens[pad], node_tokens, parents, num_nodes)
 
     sampled = [b for b, p in enumerate(proposals) if p.draft_probs is not None]
@@ -72,9 +85,7 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
         _rejection_sample(seqs, proposals, logits, starts, sizes, sampled, node_tokens, parents, num_nodes,
                           path, emitted)
 
-    extra_rows = [r for p, start, end in zip(proposals, starts, starts[1:])
-                  for r in range(start + 1 + p.num_candidates, end)]
-    extra = logits[torch.tensor(extra_rows, dtype=torch.int64, device=device)].argmax(dim=-1)
+    extra = logits[extra_rows_t].argmax(dim=-1)
     host = torch.cat([path.flatten(), emitted.flatten(), extra]).tolist()  # the step's one device read
     paths, emits, extras = host[: path.numel()], host[path.numel(): 2 * path.numel()], host[2 * path.numel():]
     verdicts = []

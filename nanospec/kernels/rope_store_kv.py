@@ -1,0 +1,112 @@
+"""RoPE and the KV write in one launch: what each attention layer does to its new tokens before attending.
+
+For every new token t (``q [T, Hq, D]``, ``k, v [T, Hk, D]``, strided views of a fused qkv projection with
+the last dim contiguous; ``positions [T]``; ``slot_mapping [T]``, negative for padding tokens):
+
+    q_out[t]                    = rope(q[t], positions[t])          (returned, contiguous)
+    k_cache[slot_mapping[t]]    = rope(k[t], positions[t])          (when slot_mapping[t] >= 0)
+    v_cache[slot_mapping[t]]    = v[t]
+
+with ``rope`` and the cache layout of :mod:`nanospec.kernels.rope` and :mod:`nanospec.kernels.kv_store`.
+The rotated k goes straight into the cache: it is never written to, and read back from, a temporary.
+The reference is those two modules' references, one after the other; the Triton kernel runs one program
+per token (its q heads, then, unless it is padding, its k and v heads), replacing two launches per layer
+(``apply_rope``, ``store_kv``) with one. The caches must have k's dtype (the engine's do).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanospec.kernels.backend import use_triton
+from nanospec.kernels.kv_store import store_kv_ref
+from nanospec.kernels.rope import _cos_sin, _rotate_heads, apply_rope_ref
+
+
+@triton.jit
+def _rope_store_kv_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    positions_ptr,
+    slot_mapping_ptr,
+    cos_sin_ptr,
+    q_token_stride,
+    q_head_stride,
+    k_token_stride,
+    k_head_stride,
+    v_token_stride,
+    v_head_stride,
+    k_cache_slot_stride,
+    k_cache_head_stride,
+    v_cache_slot_stride,
+    v_cache_head_stride,
+    num_q_heads,
+    num_kv_heads,
+    half_dim,
+    BLOCK_Q_HEADS: tl.constexpr,
+    BLOCK_KV_HEADS: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_DIM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, half_dim, BLOCK_HALF)
+    _rotate_heads(q_ptr + token * q_token_stride, q_out_ptr + token * num_q_heads * 2 * half_dim, q_head_stride,
+                  2 * half_dim, num_q_heads, half_dim, cos, sin, BLOCK_Q_HEADS, BLOCK_HALF)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # a padding token writes no K/V
+        return
+    _rotate_heads(k_ptr + token * k_token_stride, k_cache_ptr + slot * k_cache_slot_stride, k_head_stride,
+                  k_cache_head_stride, num_kv_heads, half_dim, cos, sin, BLOCK_KV_HEADS, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]
+    dims = tl.arange(0, BLOCK_DIM)[None, :]
+    mask = (heads < num_kv_heads) & (dims < 2 * half_dim)
+    v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
+    tl.store(v_cache_ptr + slot * v_cache_slot_stride + heads * v_cache_head_stride + dims,
+             v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                      cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> torch.Tensor:
+    q_out, k_out = apply_rope_ref(q, k, positions, cos_sin_cache)
+    store_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
+    return q_out
+
+
+def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                         cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> torch.Tensor:
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    assert k_cache.dtype == k.dtype and v_cache.dtype == v.dtype, "the caches must have k's and v's dtype"
+    q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return q_out
+    k_slots, v_slots = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
+    _rope_store_kv_kernel[(num_tokens,)](
+        q, k, v, q_out, k_slots, v_slots, positions, slot_mapping, cos_sin_cache.contiguous(),
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_slots.stride(0), k_slots.stride(1), v_slots.stride(0), v_slots.stride(1),
+        num_q_heads, num_kv_heads, head_dim // 2,
+        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads),
+        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+        BLOCK_DIM=triton.next_power_of_2(head_dim),
+    )
+    return q_out
+
+
+def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotated ``q``; writes the rotated ``k`` and ``v`` into the caches (see the module docstring)."""
+    if use_triton(q):
+        return rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+    return rope_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
