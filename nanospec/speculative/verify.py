@@ -85,8 +85,8 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
         _rejection_sample(seqs, proposals, logits, starts, sizes, sampled, node_tokens, parents, num_nodes,
                           path, emitted)
 
-    extra = logits[extra_rows_t].argmax(dim=-1)
-    host = torch.cat([path.flatten(), emitted.flatten(), extra]).tolist()  # the step's one device read
+    extra = [logits[extra_rows_t].argmax(dim=-1)] if extra_rows else []  # fed-only nodes' argmax (lookahead)
+    host = torch.cat([path.flatten(), emitted.flatten(), *extra]).tolist()  # the step's one device read
     paths, emits, extras = host[: path.numel()], host[path.numel(): 2 * path.numel()], host[2 * path.numel():]
     verdicts = []
     for b, p in enumerate(proposals):
