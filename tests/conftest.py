@@ -1,6 +1,11 @@
 """Test setup: Triton kernels run in the CPU interpreter unless a GPU is present.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, at collection.
+
+Devices: a test of a kernel or of the engine takes the ``device`` fixture ("cuda" when a GPU is present, else
+"cpu") and builds every tensor it hands to a kernel, and every ``LLM``, on it. Tests marked ``gpu`` need CUDA
+and are skipped, with that reason, where there is none. Where a GPU's numerics differ from the CPU's (compiled
+kernels, cuBLAS), each test states its tolerance; fp32 comparisons on CUDA run without TF32 (below).
 """
 
 import os
@@ -24,9 +29,36 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` are skipped, with a reason, on a machine without CUDA (never run, never passed)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device, and none is available here")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
 def device():
+    """The device the kernel and engine tests run on (session-wide, so module-scoped fixtures can take it)."""
     return DEVICE
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_tf32():
+    """fp32 means fp32 on CUDA too: TF32 (a 10-bit mantissa, ~1e-3 relative error) would swamp the fp32
+    tolerances of the tests (1e-4 and below) in every torch matmul (cuBLAS: the model's projections, the torch
+    reference backend, transformers). PyTorch leaves TF32 off for matmuls but on for cuDNN by default; both are
+    turned off for the session here and restored after. The Triton kernels ask for IEEE fp32 dots themselves
+    (``input_precision="ieee"``). No effect on the CPU."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 @pytest.fixture

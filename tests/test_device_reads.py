@@ -75,11 +75,11 @@ CASES = [(name, 0.0) for name in sorted(CONFIGS)] + [(name, 0.8) for name in ("p
 
 
 @pytest.mark.parametrize("name, temperature", CASES, ids=[f"{n}-{'greedy' if t == 0 else 'sampled'}" for n, t in CASES])
-def test_one_device_read_per_decode_step(paths, name, temperature):
+def test_one_device_read_per_decode_step(paths, name, temperature, device):
     config = CONFIGS[name]
     if config is not None and config["method"] == "draft":
         config = {**config, "model": str(paths[1])}
-    llm = LLM(str(paths[0]), num_blocks=32, block_size=4, speculative_config=config)
+    llm = LLM(str(paths[0]), num_blocks=32, block_size=4, device=device, speculative_config=config)
     params = SamplingParams(temperature=temperature, max_tokens=6, seed=1, ignore_eos=True)
     with backend("triton"):
         for prompt in ([5, 9, 33, 5, 9, 33, 5], [40, 41, 42, 43, 44, 40, 41, 42]):

@@ -1,4 +1,7 @@
-"""Engine behaviour on a tiny random model: batching, preemption, stops, errors, no leaked blocks."""
+"""Engine behaviour on a tiny random model: batching, preemption, stops, errors, no leaked blocks.
+
+Every engine runs in fp32 on the test device (FP32 below); tokens are compared between runs on the same device,
+backend and dtype, exactly."""
 
 import pytest
 
@@ -6,6 +9,7 @@ from nanospec import LLM, SamplingParams
 from tiny import assert_no_leak, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+FP32 = dict(dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -16,8 +20,8 @@ def tiny_path(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_path):
-    return LLM(str(tiny_path), num_blocks=96, block_size=4)
+def llm(tiny_path, device):
+    return LLM(str(tiny_path), num_blocks=96, block_size=4, device=device, **FP32)
 
 
 PROMPTS = [[5, 9, 33], list(range(40, 61)), [7] * 9, [100, 101, 102, 103, 104, 105, 3]]
@@ -30,9 +34,10 @@ def test_batch_gives_each_prompt_what_it_gets_alone(llm):
     assert_no_leak(llm)
 
 
-def test_preemption_under_a_small_pool_gives_the_same_tokens(tiny_path, llm):
+def test_preemption_under_a_small_pool_gives_the_same_tokens(tiny_path, llm, device):
     expected = [o.token_ids for o in llm.generate(PROMPTS * 2, GREEDY)]
-    small = LLM(str(tiny_path), num_blocks=12, block_size=4)  # 48 slots: not enough for all at once
+    # 48 slots: not enough for all at once
+    small = LLM(str(tiny_path), num_blocks=12, block_size=4, device=device, **FP32)
     outs = small.generate(PROMPTS * 2, GREEDY)
     assert [o.token_ids for o in outs] == expected
     assert small.stats()["num_preemptions"] > 0
@@ -58,8 +63,8 @@ def test_stop_string_truncates_text(llm):
     assert_no_leak(llm)
 
 
-def test_context_limit_ends_with_length(tiny_path):
-    small = LLM(str(tiny_path), num_blocks=64, block_size=4, max_model_len=24)
+def test_context_limit_ends_with_length(tiny_path, device):
+    small = LLM(str(tiny_path), num_blocks=64, block_size=4, max_model_len=24, device=device, **FP32)
     out = small.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     assert_no_leak(small)
@@ -142,8 +147,8 @@ def test_bad_prompts_raise_before_any_work(llm, prompt, match):
     assert llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=2))[0].token_ids  # still usable
 
 
-def test_pool_too_small_for_one_request(tiny_path):
-    small = LLM(str(tiny_path), num_blocks=3, block_size=4)
+def test_pool_too_small_for_one_request(tiny_path, device):
+    small = LLM(str(tiny_path), num_blocks=3, block_size=4, device=device, **FP32)
     with pytest.raises(ValueError, match="KV pool is too small"):
         small.generate([[5, 6, 7]], SamplingParams(max_tokens=20))
     assert small.generate([[5, 6, 7]], SamplingParams(max_tokens=5))[0].token_ids
@@ -169,9 +174,9 @@ def test_bad_sampling_params(kwargs, match):
     (dict(speculative_config={"method": "draft", "model": "/no/such/draft"}), FileNotFoundError, "draft"),
     (dict(speculative_config={"method": "ngram"}, num_blocks=2, block_size=2), ValueError, "num_blocks"),
 ])
-def test_bad_engine_arguments(tiny_path, kwargs, error, match):
+def test_bad_engine_arguments(tiny_path, kwargs, error, match, device):
     with pytest.raises(error, match=match):
-        LLM(str(tiny_path), **kwargs)
+        LLM(str(tiny_path), **{"device": device, **kwargs})
 
 
 def test_params_of_the_wrong_type(llm):
@@ -184,8 +189,8 @@ def test_missing_model_path(tmp_path):
         LLM(str(tmp_path / "no_such_model"))
 
 
-def test_random_weight_model_of_a_given_shape_generates():
+def test_random_weight_model_of_a_given_shape_generates(device):
     llm = LLM.with_random_weights(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2), num_blocks=16, block_size=16)
+                                       num_key_value_heads=2), num_blocks=16, block_size=16, device=device, **FP32)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and llm.config.vocab_size == 49152

@@ -1,5 +1,6 @@
 """RMSNorm, RoPE, SiLU-and-mul and the paged KV store/copy: references against HF transformers and
-hand-written loops, Triton kernels (interpreted on CPU) against the references."""
+hand-written loops, Triton kernels (interpreted on CPU, compiled on CUDA) against the references, on the test
+device. The RoPE tables are built on the CPU and checked against HF's there (host code, no kernel)."""
 
 import pytest
 import torch
@@ -10,8 +11,11 @@ from nanospec.kernels.kv_store import copy_kv_slots_ref, copy_kv_slots_triton, s
 from nanospec.kernels.rmsnorm import rms_norm, rms_norm_ref, rms_norm_triton
 from nanospec.kernels.rope import apply_rope_ref, apply_rope_triton, build_rope_cache, rope_inv_freq
 
-# Tolerances of a Triton kernel (fp32 math, one rounding) against its reference. bf16 is loose
-# because the interpreter truncates fp32 -> bf16 where the reference rounds.
+# Tolerances of a Triton kernel (fp32 math, one rounding) against its reference, on either device. fp32: the two
+# differ in the order of operations and, compiled on CUDA, in fused multiply-adds and the hardware's exp2 / rsqrt
+# approximations: ~1e-6 relative at these magnitudes, so 1e-5. fp16 / bf16: the output's rounding to the half type
+# (2^-11 / 2^-8 relative, on both sides); bf16 is loose also because the interpreter truncates fp32 -> bf16 where
+# the reference rounds (compiled kernels round).
 TOLERANCE = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
     torch.float16: dict(atol=2e-3, rtol=2e-3),

@@ -1,4 +1,8 @@
-"""Paged attention (reference and Triton kernel) against a dense per-query reference; mask helpers."""
+"""Paged attention (reference and Triton kernel) against a dense per-query reference; mask helpers.
+
+The attention tests run on the ``device`` fixture's device (the Triton kernel compiled on CUDA, interpreted on the
+CPU); the dense oracle always runs on the CPU in float64. The mask helpers are host-side code (the engine builds
+masks on the CPU and then moves them), tested on the CPU."""
 
 import math
 import random
@@ -78,9 +82,10 @@ def test_concat_masks_pads_words():
 # ----------------------------------------------------------------------------------------------
 
 
-def make_batch(q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype=torch.float32,
+def make_batch(q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size, device, dtype=torch.float32,
                index_dtype=torch.int32, seed=0):
-    """Random q and a paged K/V cache whose blocks are scattered (and padded with unused blocks)."""
+    """Random q and a paged K/V cache whose blocks are scattered (and padded with unused blocks), every tensor on
+    ``device`` (drawn on the CPU first, so the values are the same on every device)."""
     gen = torch.Generator().manual_seed(seed)
     seq_lens = [q + c for q, c in zip(q_lens, ctx_lens)]
     blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
@@ -96,15 +101,19 @@ def make_batch(q_lens, ctx_lens, num_q_heads, num_kv_heads, head_dim, block_size
     q = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype)
     query_start_loc = torch.tensor([0] + q_lens, dtype=torch.int32).cumsum(0).to(torch.int32)
     return dict(
-        q=q, k_cache=k_cache, v_cache=v_cache, block_tables=block_tables,
-        seq_lens=torch.tensor(seq_lens, dtype=index_dtype), query_start_loc=query_start_loc,
+        q=q.to(device), k_cache=k_cache.to(device), v_cache=v_cache.to(device), block_tables=block_tables.to(device),
+        seq_lens=torch.tensor(seq_lens, dtype=index_dtype, device=device), query_start_loc=query_start_loc.to(device),
         scale=1.0 / math.sqrt(head_dim), max_query_len=max(q_lens, default=0),
     )
 
 
 def dense_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len,
                     tree_mask=None):
-    """Obviously correct: for each query token and head, list the visible keys, explicit softmax in float64."""
+    """Obviously correct: for each query token and head, list the visible keys, explicit softmax in float64, on the
+    CPU (whatever device the batch is on)."""
+    q, k_cache, v_cache, block_tables, seq_lens, query_start_loc = (
+        t.cpu() for t in (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc))
+    tree_mask = tree_mask.cpu() if tree_mask is not None else None
     num_tokens, num_q_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -136,6 +145,7 @@ def dense_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
 
 
 def run(impl, batch, tree_mask=None):
+    """``impl`` ("ref": the torch reference; "triton": the kernel) on the batch (and mask) as given."""
     if impl == "ref":
         return paged_attention_ref(**batch, tree_mask=tree_mask)
     with backend("triton"):
@@ -143,63 +153,71 @@ def run(impl, batch, tree_mask=None):
 
 
 def check(impl, batch, tree_mask=None, atol=1e-4):
+    """``impl`` on the batch's device against the float64 oracle. The default 1e-4 is fp32's, on either device: both
+    backends compute in fp32 (the Triton dots with input_precision="ieee", the reference's matmuls without TF32)."""
     out = run(impl, batch, tree_mask)
     assert out.shape == batch["q"].shape and out.dtype == batch["q"].dtype
+    assert out.device == batch["q"].device
     expected = dense_attention(**batch, tree_mask=tree_mask)
-    torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol)
+    torch.testing.assert_close(out.cpu().double(), expected, atol=atol, rtol=atol)
 
 
 IMPLS = ["ref", "triton"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_prefill(impl):
-    check(impl, make_batch([7, 20], [0, 0], num_q_heads=4, num_kv_heads=4, head_dim=32, block_size=16))
+def test_prefill(device, impl):
+    check(impl, make_batch([7, 20], [0, 0], num_q_heads=4, num_kv_heads=4, head_dim=32, block_size=16,
+                           device=device))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_decode(impl):
-    check(impl, make_batch([1, 1, 1], [0, 15, 40], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16))
+def test_decode(device, impl):
+    check(impl, make_batch([1, 1, 1], [0, 15, 40], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16,
+                           device=device))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
-def test_mixed_ragged_batch(impl, block_size, index_dtype):
+def test_mixed_ragged_batch(device, impl, block_size, index_dtype):
     batch = make_batch([1, 5, 17], [33, 16, 3], num_q_heads=6, num_kv_heads=2, head_dim=64,
-                       block_size=block_size, index_dtype=index_dtype)
+                       block_size=block_size, device=device, index_dtype=index_dtype)
     check(impl, batch)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_decodes_batched_beside_a_prefill(impl):
+def test_decodes_batched_beside_a_prefill(device, impl):
     # the reference batches the single-query sequences into one call and loops over the rest
-    check(impl, make_batch([1, 9, 1, 1], [37, 0, 2, 16], num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4))
+    check(impl, make_batch([1, 9, 1, 1], [37, 0, 2, 16], num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=4,
+                           device=device))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_long_prefill_spans_query_and_key_tiles(impl):
+def test_long_prefill_spans_query_and_key_tiles(device, impl):
     # 70 queries x 3 heads per kv head -> several query blocks; 80 keys -> two key tiles.
-    check(impl, make_batch([70], [10], num_q_heads=3, num_kv_heads=1, head_dim=32, block_size=16))
+    check(impl, make_batch([70], [10], num_q_heads=3, num_kv_heads=1, head_dim=32, block_size=16, device=device))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_zero_length_query_in_batch(impl):
-    check(impl, make_batch([3, 0, 2], [5, 9, 0], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4))
+def test_zero_length_query_in_batch(device, impl):
+    check(impl, make_batch([3, 0, 2], [5, 9, 0], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4,
+                           device=device))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_empty_batch(impl):
+def test_empty_batch(device, impl):
     for q_lens in ([], [0, 0]):
-        batch = make_batch(q_lens, [4] * len(q_lens), num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
+        batch = make_batch(q_lens, [4] * len(q_lens), num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4,
+                           device=device)
         assert run(impl, batch).shape == (0, 4, 32)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_strided_query(impl):
+def test_strided_query(device, impl):
     """q as a view into a fused qkv projection output (token stride larger than Hq * D)."""
-    batch = make_batch([2, 4], [6, 0], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
-    qkv = torch.randn(6, 8, 32)
+    batch = make_batch([2, 4], [6, 0], num_q_heads=4, num_kv_heads=2, head_dim=32, block_size=4, device=device)
+    qkv = torch.randn(6, 8, 32, device=device)
     qkv[:, :4] = batch["q"]
     batch["q"] = qkv[:, :4]
     check(impl, batch)
@@ -207,53 +225,61 @@ def test_strided_query(impl):
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_half_precision(impl, dtype):
-    batch = make_batch([1, 6], [20, 9], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+def test_half_precision(device, impl, dtype):
+    """Half-precision inputs and output. The tolerances are the output's rounding to the half type (2^-9 relative
+    for bf16, 2^-12 for fp16) plus, on CUDA, the Triton kernel's feeding of the softmax weights to the tensor cores
+    in that type (the interpreter upcasts to fp32 instead): at most 2^-9 (2^-12) of max |v| ~ 4 here, so under
+    1e-2 (1e-3), within 2e-2 (2e-3). The reference computes its scores and weights in the half type too."""
+    batch = make_batch([1, 6], [20, 9], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=16, device=device,
+                       dtype=dtype)
     check(impl, batch, atol=2e-2 if dtype == torch.bfloat16 else 2e-3)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_random_trees(impl):
+def test_random_trees(device, impl):
     rng = random.Random(0)
     q_lens = [1, 6, 13]
     masks = [tree_mask_from_parents([-1] + [rng.randrange(i) for i in range(1, n)]) for n in q_lens]
-    batch = make_batch(q_lens, [9, 0, 21], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=4)
-    check(impl, batch, tree_mask=concat_masks(masks))
+    batch = make_batch(q_lens, [9, 0, 21], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=4, device=device)
+    check(impl, batch, tree_mask=concat_masks(masks).to(device))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_dense_random_masks_beyond_one_word(impl):
+def test_dense_random_masks_beyond_one_word(device, impl):
     """Lookahead-like masks: arbitrary rows (each sees itself), 70 new tokens -> two words per row."""
     gen = torch.Generator().manual_seed(1)
     q_lens = [70, 4]
     dense = [(torch.rand(n, n, generator=gen) < 0.3) | torch.eye(n, dtype=torch.bool) for n in q_lens]
-    batch = make_batch(q_lens, [5, 30], num_q_heads=2, num_kv_heads=1, head_dim=32, block_size=16)
-    check(impl, batch, tree_mask=concat_masks([pack_mask(d) for d in dense]))
+    batch = make_batch(q_lens, [5, 30], num_q_heads=2, num_kv_heads=1, head_dim=32, block_size=16, device=device)
+    check(impl, batch, tree_mask=concat_masks([pack_mask(d) for d in dense]).to(device))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_causal_bitmask_equals_no_mask(impl):
+def test_causal_bitmask_equals_no_mask(device, impl):
     q_lens = [3, 1, 9]
-    batch = make_batch(q_lens, [12, 7, 0], num_q_heads=4, num_kv_heads=1, head_dim=32, block_size=4)
-    with_mask = run(impl, batch, tree_mask=concat_masks([causal_mask(n) for n in q_lens]))
+    batch = make_batch(q_lens, [12, 7, 0], num_q_heads=4, num_kv_heads=1, head_dim=32, block_size=4, device=device)
+    with_mask = run(impl, batch, tree_mask=concat_masks([causal_mask(n) for n in q_lens]).to(device))
+    # 1e-5 on either device: the two runs differ only in where the kernel's key loop stops (with a mask it also
+    # visits the later tiles, whose keys are all masked: weights exactly 0), so they agree to fp32 rounding or better
     torch.testing.assert_close(with_mask, run(impl, batch), atol=1e-5, rtol=1e-5)
 
 
-def test_plan_reads_consecutive_blocks_as_a_slice():
+def test_plan_reads_consecutive_blocks_as_a_slice(device):
     """A sequence whose blocks are consecutive (a lone request's are) is read as a slice, not gathered:
     same result as the dense reference, for a decode, a causal prefill and a tree."""
     from nanospec.kernels.paged_attention import PagedAttentionPlan
 
     q_lens, ctx_lens, block_size = [1, 7, 5], [22, 3, 9], 4
-    batch = make_batch(q_lens, ctx_lens, num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=block_size)
+    batch = make_batch(q_lens, ctx_lens, num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=block_size,
+                       device=device)
     tables = torch.full_like(batch["block_tables"], -1)
     first = 0
     for s, n in enumerate(batch["seq_lens"].tolist()):
         num_blocks = math.ceil(n / block_size)
-        tables[s, :num_blocks] = torch.arange(first, first + num_blocks)
+        tables[s, :num_blocks] = torch.arange(first, first + num_blocks, device=device)
         first += num_blocks
     batch["block_tables"] = tables
-    tree = concat_masks([causal_mask(1), causal_mask(7), tree_mask_from_parents([-1, 0, 0, 1, 2])])
+    tree = concat_masks([causal_mask(1), causal_mask(7), tree_mask_from_parents([-1, 0, 0, 1, 2])]).to(device)
     plan = PagedAttentionPlan(tables, batch["seq_lens"], batch["query_start_loc"], block_size, 3, tree)
     assert all(isinstance(g.kv, slice) for g in plan.groups)
     check("ref", batch, tree_mask=tree)

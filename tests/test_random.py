@@ -1,5 +1,5 @@
 """Counter-based uniforms: Triton (interpreted on CPU) bit-identical to the torch reference, and
-uniform enough to sample with."""
+uniform enough to sample with. The kernel on the test device; the statistics of the reference on the CPU."""
 
 import torch
 import triton

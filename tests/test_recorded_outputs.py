@@ -42,7 +42,7 @@ def test_greedy_outputs_are_as_recorded(method, draft_path):
     config = METHODS[method]
     if config is not None and config["method"] == "draft":
         config = {**config, "model": str(draft_path)}
-    llm = LLM(dtype="float32", device="cpu", speculative_config=config)
+    llm = LLM(dtype="float32", device="cpu", speculative_config=config)  # explicitly the CPU: what was recorded
     indices = sorted(RECORD["outputs"], key=int)
     chats = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[int(i)]}]))
              for i in indices]

@@ -1,6 +1,9 @@
 """A request's life as a user drives it: abort, streams closed or dropped, a request that fails inside a step
 without taking the others down, odd but valid inputs, bad inputs refused before any work; and, whatever the mix,
-every KV block back in the pool."""
+every KV block back in the pool.
+
+Every engine runs in fp32 on the test device; tokens are compared between engines on the same device and backend,
+exactly."""
 
 import gc
 
@@ -26,15 +29,20 @@ def paths(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain(paths):
-    return LLM(str(paths[0]), num_blocks=128, block_size=4)
+def plain(paths, device):
+    return make_llm(paths[0], device, num_blocks=128)
+
+
+def make_llm(path, device, **kwargs):
+    """An engine in fp32 on ``device`` (blocks of 4 tokens)."""
+    return LLM(str(path), **{"block_size": 4, "device": device, "dtype": "float32", **kwargs})
 
 
 @pytest.fixture
-def llm(paths):
+def llm(paths, device):
     """n-gram speculation, with a proposer that raises for requests whose prompt starts with BAD."""
-    llm = LLM(str(paths[0]), num_blocks=128, block_size=4,
-              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    llm = make_llm(paths[0], device, num_blocks=128,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
     _inject_failure(llm)
     return llm
 
@@ -142,11 +150,11 @@ def test_no_block_is_lost_whatever_the_mix(llm, ops):
     {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
     {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5},
 ], ids=["ngram", "lookahead", "draft", "draft_tree"])
-def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config):
+def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config, device):
     if config["method"] == "draft":
         config = {**config, "model": str(paths[0])}
-    llm = LLM(str(paths[0]), num_blocks=128, block_size=4, max_model_len=24, speculative_config=config)
-    short = LLM(str(paths[0]), num_blocks=128, block_size=4, max_model_len=24)
+    llm = make_llm(paths[0], device, num_blocks=128, max_model_len=24, speculative_config=config)
+    short = make_llm(paths[0], device, num_blocks=128, max_model_len=24)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # runs into the context's end
     prompts = [[42], [7, 8], PROMPTS[0]]
     outs = llm.generate(prompts, params)
@@ -155,18 +163,18 @@ def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config):
     assert_no_leak(llm)
 
 
-def test_a_draft_with_a_shorter_context_caps_or_is_refused(paths):
+def test_a_draft_with_a_shorter_context_caps_or_is_refused(paths, device):
     config = {"method": "draft", "model": str(paths[1]), "num_speculative_tokens": 2}
-    capped = LLM(str(paths[0]), num_blocks=64, block_size=4, speculative_config=config)
+    capped = make_llm(paths[0], device, num_blocks=64, speculative_config=config)
     assert capped.engine.config.max_model_len == 40
     out = capped.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
     assert len(PROMPTS[0]) + len(out.token_ids) == 40 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="draft model's context"):
-        LLM(str(paths[0]), num_blocks=64, block_size=4, max_model_len=100, speculative_config=config)
+        make_llm(paths[0], device, num_blocks=64, max_model_len=100, speculative_config=config)
 
 
-def test_adaptive_speculation_with_a_small_pool(paths, plain):
-    llm = LLM(str(paths[0]), num_blocks=6, block_size=4, speculative_config={"method": "ngram"})
+def test_adaptive_speculation_with_a_small_pool(paths, plain, device):
+    llm = make_llm(paths[0], device, num_blocks=6, speculative_config={"method": "ngram"})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     assert llm.generate([PROMPTS[0][:6]], params)[0].token_ids == plain.generate([PROMPTS[0][:6]], params)[0].token_ids
 
@@ -228,9 +236,9 @@ def test_bad_sampling_params(kwargs, match):
     (dict(speculative_config={"method": "draft", "model": ".", "dtype": 16}), "dtype"),
     (dict(speculative_config=["ngram"]), "speculative_config"),
 ])
-def test_bad_llm_arguments(paths, kwargs, match):
+def test_bad_llm_arguments(paths, kwargs, match, device):
     with pytest.raises(ValueError, match=match):
-        LLM(str(paths[0]), **{"num_blocks": 64, **kwargs})
+        make_llm(paths[0], device, **{"num_blocks": 64, **kwargs})
 
 
 def test_bad_stop_token_ids_for_this_vocabulary(plain):

@@ -1,5 +1,10 @@
 """The model runner's static-buffer path (CUDA graphs on a GPU; the same padding run eagerly on a CPU) gives the
-eager path's logits and tokens: buckets, padding rows and sequences, tree masks, every method."""
+eager path's logits and tokens: buckets, padding rows and sequences, tree masks, every method.
+
+Every engine runs in fp32 on the test device; the static path is compared with the eager path on the same device
+and backend: logits to fp32 rounding (the padded batch has more rows, so other matmul shapes), tokens exactly.
+``ModelRunner.execute`` takes host batches (it moves them to the device in one copy), so the batches handed to it
+here are built on the CPU, as the engine builds them."""
 
 import pytest
 import torch
@@ -35,10 +40,12 @@ def test_buckets():
 def test_padded_logits_equal_eager_logits(target, device):
     """One decode batch of 3 sequences with 1, 3 and 2 new tokens (bucket: 4 sequences x 4 rows, one of them all
     padding), causal and with a tree mask: the real rows' logits are the eager ones."""
-    eager = LLM(str(target), num_blocks=64, block_size=4, device=device, max_num_seqs=4,
-                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
-    padded = LLM(str(target), num_blocks=64, block_size=4, device=device, max_num_seqs=4, enforce_eager=False,
-                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False}
+    # enforce_eager explicit on both: the default on CUDA is the static path (graphs)
+    eager = LLM(str(target), num_blocks=64, block_size=4, device=device, dtype="float32", max_num_seqs=4,
+                enforce_eager=True, speculative_config=spec)
+    padded = LLM(str(target), num_blocks=64, block_size=4, device=device, dtype="float32", max_num_seqs=4,
+                 enforce_eager=False, speculative_config=spec)
     for llm in (eager, padded):  # the same context in both caches: prefill 3 prompts in blocks 0-2, 3-5, 6-8
         tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
         prefill = build_forward_batch([p[:8] for p in PROMPTS[:3]], [0, 0, 0], tables, 4, [[7]] * 3, "cpu")
@@ -62,8 +69,8 @@ def test_static_path_generates_what_eager_generates(target, device, name):
         config = {**config, "model": str(target)}
     outs = {}
     for eager in (True, False):
-        llm = LLM(str(target), num_blocks=256, block_size=4, device=device, max_num_seqs=8, enforce_eager=eager,
-                  speculative_config=config)
+        llm = LLM(str(target), num_blocks=256, block_size=4, device=device, dtype="float32", max_num_seqs=8,
+                  enforce_eager=eager, speculative_config=config)
         greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)
         outs[eager] = [[o.token_ids for o in llm.generate(PROMPTS[:n], params)]

@@ -1,6 +1,9 @@
 """Sampling kernels: the Triton kernels (interpreted on CPU) against the torch reference, the reference
 against a plain sort-based definition, and the reference's empirical distribution against the
-probabilities it samples from."""
+probabilities it samples from.
+
+Triton against the reference on the test device (the probabilities with a 1e-5 tolerance, the draws from them bit
+for bit); the reference's semantics and statistics on the CPU, by intent (the kernels follow it)."""
 
 import math
 

@@ -1,6 +1,8 @@
 """Seeded sampling with speculation gives exactly plain seeded sampling's tokens when the guesses are one-hot
 (n-gram chains and trees, lookahead, draft trees, a coupled draft), alone and batched, adaptive k on, in a
-fresh LLM; and matched verification accepts a guess as often as the target would have drawn it."""
+fresh LLM; and matched verification accepts a guess as often as the target would have drawn it.
+
+fp32 on the test device, speculative against plain on the same device and backend: exactly equal."""
 
 import math
 
@@ -41,18 +43,19 @@ def paths(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain_outputs(paths):
-    llm = LLM(str(paths[0]), num_blocks=256, block_size=4)
+def plain_outputs(paths, device):
+    llm = LLM(str(paths[0]), num_blocks=256, block_size=4, device=device, dtype="float32")
     return {(i, j): llm.generate([prompt], params)[0].token_ids
             for i, prompt in enumerate(PROMPTS) for j, params in enumerate(PARAMS)}
 
 
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_seeded_outputs_equal_plain_alone_and_batched(paths, plain_outputs, method):
+def test_seeded_outputs_equal_plain_alone_and_batched(paths, plain_outputs, method, device):
     config = dict(METHODS[method])
     if config["method"] == "draft":
         config["model"] = str(paths[0] if method.startswith("self") else paths[1])
-    llm = LLM(str(paths[0]), num_blocks=256, block_size=4, speculative_config=config)
+    llm = LLM(str(paths[0]), num_blocks=256, block_size=4, speculative_config=config, device=device,
+              dtype="float32")
     for j, params in enumerate(PARAMS):
         alone = [llm.generate([prompt], params)[0] for prompt in PROMPTS]
         assert [o.token_ids for o in alone] == [plain_outputs[i, j] for i in range(len(PROMPTS))], (method, j)
@@ -66,9 +69,10 @@ def test_seeded_outputs_equal_plain_alone_and_batched(paths, plain_outputs, meth
     assert_no_leak(llm)
 
 
-def test_mixed_params_in_one_batch_equal_plain(paths, plain_outputs):
+def test_mixed_params_in_one_batch_equal_plain(paths, plain_outputs, device):
     """Each request keeps its own seed, temperature and top-k/top-p inside one speculative batch."""
-    llm = LLM(str(paths[0]), num_blocks=256, block_size=4, speculative_config=METHODS["ngram_tree"])
+    llm = LLM(str(paths[0]), num_blocks=256, block_size=4, speculative_config=METHODS["ngram_tree"], device=device,
+              dtype="float32")
     prompts = [p for p in PROMPTS for _ in PARAMS]
     params = [q for _ in PROMPTS for q in PARAMS]
     outs = llm.generate(prompts, params)
@@ -81,13 +85,14 @@ def _sequence(seed: int, temperature: float = 1.0) -> Sequence:
 
 
 @pytest.mark.parametrize("guesses", [[3], [3, 5]], ids=["chain", "two-children"])
-def test_matched_acceptance_is_the_guesses_mass(guesses):
+def test_matched_acceptance_is_the_guesses_mass(guesses, device):
     """A root with one-hot children: the walk accepts a child iff the target's race picks its token, so the
     first token is distributed as p and a child is accepted with probability p(its token) (a bound at 1e-6
     false-alarm probability, Hoeffding: |freq - p| < sqrt(ln(2e6) / (2n)))."""
     vocab, n = 8, 20_000
     p = torch.tensor([0.05, 0.1, 0.05, 0.4, 0.1, 0.2, 0.05, 0.05])
-    logits = torch.log(p)[None].expand(1 + len(guesses), vocab).contiguous()
+    # on the test device: verify runs its kernels there (the race, the tree walk: Triton on CUDA)
+    logits = torch.log(p)[None].expand(1 + len(guesses), vocab).contiguous().to(device)
     proposal = Proposal(guesses, [-1] * len(guesses))
     accepted, first = torch.zeros(vocab), torch.zeros(vocab)
     verdicts = verify([_sequence(seed) for seed in range(n)], [proposal] * n, logits.repeat(n, 1))

@@ -1,7 +1,11 @@
 """The real embedded SmolLM2-135M-Instruct against transformers (the independent oracle), fp32 on CPU.
 
 Also speculative decoding on real chat prompts: greedy output with n-gram and with a layer-truncated
-SmolLM2 draft equals plain greedy token for token.
+SmolLM2 draft equals plain greedy token for token, in fp32 on the test device (plain on that device too: same
+device, backend and dtype, so exactly).
+
+The comparisons with transformers run explicitly on the CPU: it is the oracle there, in fp32, and the record of
+what these prompts give.
 """
 
 import pytest
@@ -38,7 +42,7 @@ def gguf():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", device="cpu")
+    return LLM(dtype="float32", device="cpu")  # explicitly the CPU: compared with transformers on the CPU
 
 
 @pytest.fixture(scope="module")
@@ -60,6 +64,14 @@ def prompts(llm):
 @pytest.fixture(scope="module")
 def plain_outputs(llm, prompts):
     return llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def plain_on_device(device, prompts, plain_outputs):
+    """Plain greedy outputs in fp32 on the test device, for speculation there to equal (on the CPU: plain_outputs)."""
+    if device == "cpu":
+        return plain_outputs
+    return LLM(dtype="float32", device=device).generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
 
 
 def test_logits_match_transformers(llm, hf, prompts):
@@ -92,15 +104,15 @@ def test_batch_matches_alone(llm, prompts, plain_outputs):
         assert alone.token_ids == out.token_ids
 
 
-def test_ngram_greedy_equals_plain_on_real_prompts(prompts, plain_outputs):
+def test_ngram_greedy_equals_plain_on_real_prompts(prompts, plain_on_device, device):
     llm = LLM(speculative_config={"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4,
-                                  "adaptive": False})
+                                  "adaptive": False}, dtype="float32", device=device)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
-    for out, plain in zip(outs, plain_outputs):
+    for out, plain in zip(outs, plain_on_device):
         assert out.token_ids == plain.token_ids
     stats = llm.stats()
     assert stats["num_accepted_tokens"] > 0
-    assert sum(o.num_steps for o in outs) < sum(o.num_steps for o in plain_outputs)
+    assert sum(o.num_steps for o in outs) < sum(o.num_steps for o in plain_on_device)
     assert_no_leak(llm)
 
 
@@ -112,14 +124,14 @@ def draft_dir(gguf, tmp_path_factory):
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_truncated_draft_greedy_equals_plain_on_real_prompts(draft_dir, prompts, plain_outputs, tree):
+def test_truncated_draft_greedy_equals_plain_on_real_prompts(draft_dir, prompts, plain_on_device, tree, device):
     # adaptive off: every step verifies, whatever this machine's cost curve says
     config = {"method": "draft", "model": str(draft_dir), "num_speculative_tokens": 3, "adaptive": False}
     if tree:
         config.update(tree_top_k=2, tree_budget=8)
-    llm = LLM(speculative_config=config)
+    llm = LLM(speculative_config=config, dtype="float32", device=device)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
-    for out, plain in zip(outs, plain_outputs):
+    for out, plain in zip(outs, plain_on_device):
         assert out.token_ids == plain.token_ids
     assert llm.stats()["num_accepted_tokens"] > 0
     assert_no_leak(llm)
@@ -129,10 +141,10 @@ def test_truncated_draft_greedy_equals_plain_on_real_prompts(draft_dir, prompts,
     {"method": "ngram", "num_speculative_tokens": 5, "max_candidates": 3},
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5},
 ], ids=["ngram_tree", "lookahead"])
-def test_tree_methods_greedy_equal_plain_on_real_prompts(prompts, plain_outputs, config):
-    llm = LLM(speculative_config=config)
+def test_tree_methods_greedy_equal_plain_on_real_prompts(prompts, plain_on_device, config, device):
+    llm = LLM(speculative_config=config, dtype="float32", device=device)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
-    for out, plain in zip(outs, plain_outputs):
+    for out, plain in zip(outs, plain_on_device):
         assert out.token_ids == plain.token_ids
     assert llm.stats()["num_accepted_tokens"] > 0
     assert_no_leak(llm)

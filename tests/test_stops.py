@@ -1,6 +1,8 @@
 """Stop strings, stop_token_ids and min_tokens: what plain decoding returns, and the same text, token ids and
 finish reason with every speculative method (several tokens arrive in one step, the request still ends at the
-first token that finishes it)."""
+first token that finishes it).
+
+fp32 on the test device, every method against plain on the same device and backend: exactly equal."""
 
 import pytest
 
@@ -27,12 +29,13 @@ def target(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def llms(target):
+def llms(target, device):
     out = {}
     for name, config in METHODS.items():
         if config is not None and config["method"] == "draft":
             config = {**config, "model": str(target), "acceptance": "coupled"}
-        out[name] = LLM(str(target), num_blocks=256, block_size=4, speculative_config=config)
+        out[name] = LLM(str(target), num_blocks=256, block_size=4, speculative_config=config, device=device,
+                        dtype="float32")
     return out
 
 
@@ -81,9 +84,9 @@ def test_stop_token_ids_and_min_tokens(llms, free_runs, kind):
         assert len(token_ids) >= 20 and t not in token_ids[:19]
 
 
-def test_min_tokens_holds_back_eos(target):
+def test_min_tokens_holds_back_eos(target, device):
     """Without ignore_eos, eos cannot come before min_tokens (a model that says eos at once still writes)."""
-    llm = LLM(str(target), num_blocks=256, block_size=4)
+    llm = LLM(str(target), num_blocks=256, block_size=4, device=device, dtype="float32")
     eos = llm.tokenizer.eos_token_ids
     free = llm.generate(PROMPTS, SamplingParams(**{**GREEDY, "ignore_eos": False}))
     forced = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[o.token_ids[0]], min_tokens=5)

@@ -1,6 +1,9 @@
 """Tree verification: the Triton kernels (interpreted on CPU) give the same tokens as the references, and the
 emitted tokens follow the target distribution at every depth of a
-tree with several candidates per node, duplicates included (not the draft's q)."""
+tree with several candidates per node, duplicates included (not the draft's q).
+
+Triton against the reference: on the test device, bit for bit (both draw from the same counter-based uniforms; no
+tolerance). The convergence statistics: the reference on the CPU, by intent (the kernel equals it)."""
 
 import math
 

@@ -70,9 +70,87 @@ def assert_no_leak(llm) -> None:
         assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
 
 
+# How far the K/V a sequence got step by step (decode, verify, draft backfill, a compacted tree path) may be from
+# a fresh prefill's of the same tokens, in fp32. Not bit-identical, by design: the matmuls run over a different
+# number of rows (1 or k+1 against n), and BLAS / cuBLAS pick different kernels (GEMV, split-K, other tiles) by
+# shape, so the sums over the hidden size are added in another order; the Triton attention sees other tile shapes
+# (BLOCK_R follows the query length). Each is a ~1e-7 relative rounding that the layers carry on. Measured on the
+# CPU (oneDNN, torch reference): max |difference| ~1e-6 on values of size ~1-10, so 1e-5 there. On CUDA (cuBLAS
+# kernels chosen by M, compiled Triton kernels) the same kind of rounding, with other kernels: 1e-4, stated and not
+# measured here. A real bug (a wrong slot, a wrong RoPE position, a stale block) gives differences of order 1 (the
+# values themselves): ``assert_same_kv`` also checks that K/V one slot off differ by far more than the tolerance,
+# so the bound can tell such a bug from rounding.
+KV_TOLERANCE = {"cpu": dict(rtol=1e-5, atol=1e-5), "cuda": dict(rtol=1e-4, atol=1e-4)}
+
+
 def assert_same_kv(kv_cache, num_layers: int, slots: list[int], other_slots: list[int]) -> None:
-    """The K and V at ``slots`` equal those at ``other_slots`` in every layer."""
+    """The K and V at ``slots`` equal those at ``other_slots`` in every layer, to fp32 rounding (KV_TOLERANCE for
+    the cache's device)."""
+    assert len(slots) == len(other_slots) > 1
     for layer in range(num_layers):
         for cache in kv_cache.layer(layer):
+            assert cache.dtype == torch.float32, "the KV tolerances are fp32's"
+            tolerance = KV_TOLERANCE[cache.device.type]
             flat = cache.view(-1, *cache.shape[2:])
-            torch.testing.assert_close(flat[slots], flat[other_slots], rtol=1e-5, atol=1e-5)
+            ours, theirs = flat[slots], flat[other_slots]
+            torch.testing.assert_close(ours, theirs, **tolerance)
+            # the tolerance tells rounding from a bug: the K/V of the neighbouring token is far outside it
+            one_off = (ours[1:] - theirs[:-1]).abs().amax().item()
+            assert one_off > 100 * tolerance["atol"], f"layer {layer}: K/V one slot off differ by only {one_off}"
+
+
+# ---------------------------------------------------------------- comparing tokens across backends / devices
+# Two computations that round differently (Triton kernels against the torch reference, a GPU against transformers
+# on the CPU, different devices) give logits that agree to ~1e-6 in fp32, not bit for bit. Greedy tokens then agree
+# except where two candidates are tied to within that rounding: there either token is right, and from there on
+# the two texts legitimately go apart. So token sequences from such computations are compared up to their first
+# difference, which must be such a near tie in the reference's own logits (checked below), and no further.
+# LOGITS_TOLERANCE is what the logits themselves must agree to (fp32, the CPU and CUDA without TF32: measured
+# ~1e-6 on the CPU); NEAR_TIE, how close two candidates must be for a flip to be rounding: a flip needs their gap
+# under twice the logits' disagreement, which at these logits' sizes (|x| < 10) is < 2e-3 only when the logits
+# disagree beyond LOGITS_TOLERANCE's bound; 1e-3 leaves the margin and still fails a wrong token at any ordinary gap.
+LOGITS_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
+NEAR_TIE = 1e-3
+
+
+def forward_logits(llm, ids: list[int]) -> torch.Tensor:
+    """Logits after every prefix of ``ids``, ``[len(ids), V]`` (row i predicts token i + 1), by one prefill on
+    ``llm``'s device with the current backend, in blocks of the pool that are freed again."""
+    from nanospec.model.forward_batch import build_forward_batch
+
+    engine = llm.engine
+    table: list[int] = []
+    engine.block_manager.reserve(table, len(ids))
+    try:
+        batch = build_forward_batch([ids], [0], [table], engine.config.block_size, [list(range(len(ids)))],
+                                    llm.device)
+        return llm.model.compute_logits(llm.model.forward(batch, engine.kv_cache)).float()
+    finally:
+        engine.block_manager.free(table)
+
+
+def greedy_pick(logits_row: torch.Tensor, index: int) -> int:
+    return int(logits_row.argmax())
+
+
+def assert_same_tokens_up_to_a_near_tie(got: list[int], expected: list[int], reference_logits, pick=greedy_pick,
+                                        near_tie: float = NEAR_TIE) -> int:
+    """``got`` equals ``expected`` token for token, or up to a first difference (at output index i) that rounding
+    explains: in the reference's logits for that position, ``reference_logits(i)`` (1-D, fp32, on any device),
+    moving the two tokens' logits ``near_tie`` towards each other's side makes ``pick`` (argmax, or the seeded
+    sampler at that position) choose either one. Past it nothing is compared (the contexts differ). Returns how
+    many tokens were compared equal."""
+    assert len(got) == len(expected), (got, expected)
+    first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+    if first is None:
+        return len(got)
+    row = reference_logits(first).float().cpu()
+    for winner, loser in ((got[first], expected[first]), (expected[first], got[first])):
+        nudged = row.clone()
+        nudged[winner] += near_tie
+        nudged[loser] -= near_tie
+        assert pick(nudged, first) == winner, (
+            f"output token {first}: {got[first]} where {expected[first]} was expected, and that is no near tie "
+            f"(logits {row[got[first]].item():.6f} and {row[expected[first]].item():.6f}, max {row.max().item():.6f})"
+            f"\n got:      {got}\n expected: {expected}")
+    return first
