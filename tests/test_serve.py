@@ -305,3 +305,16 @@ def test_command_line(model_path):
     bad = subprocess.run([sys.executable, "-m", "nanospec.serve", "--model", "/no/such/model"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:")
+
+
+def test_disconnect_while_waiting_aborts(server):
+    """A client that leaves before a non-streaming answer is ready: its request is aborted, its KV freed."""
+    url, llm = server
+    try:
+        httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 250, "ignore_eos": True}, timeout=0.2)
+        pytest.skip("the answer came before the client left")
+    except httpx.TimeoutException:
+        pass
+    _wait_until(lambda: 'finished_reason="abort"' in httpx.get(f"{url}/metrics").text)
+    _wait_until(lambda: _idle(llm))
+    assert_no_leak(llm)
