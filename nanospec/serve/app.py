@@ -143,8 +143,12 @@ class Server:
                         params: SamplingParams):
         """Queue n completions per prompt (choice ``i * n + c``: prompt i, completion c), then answer."""
         outputs: asyncio.Queue = asyncio.Queue()
+        count = len(prompts) * params.n
+        if count > self.engine_loop.capacity:
+            raise APIError(400, f"n: {count} completions ({len(prompts)} prompts x n={params.n}) are more than this "
+                                f"server ever holds at once ({self.engine_loop.capacity})", "n")
         try:
-            self.engine_loop.check_room(len(prompts) * params.n)
+            self.engine_loop.check_room(count)
             served = [self.engine_loop.submit(ids, params.for_choice(c), i * params.n + c, outputs)
                       for i, ids in enumerate(prompts) for c in range(params.n)]
         except QueueFull as e:
