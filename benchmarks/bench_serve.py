@@ -18,7 +18,9 @@ quarter of the tokens. Then it checks:
 and reports, measured by the clients: throughput (generated tokens, as the server counts them, over the wall
 time from the first request to the last response), time to first token (request sent -> first chunk with text)
 and inter-token latency (the gap between two chunks with text; under speculation one chunk can bring several
-tokens, as vLLM's figure does) at p50 / p99, plus the server's acceptance rate and tau from its metrics.
+tokens, as vLLM's figure does) at p50 / p99, plus the server's acceptance rate and tau from its metrics. For
+scale, each round also times the same --clients conversations in one offline ``LLM.chat`` call (no HTTP, nobody
+leaving): "offline tok/s" (--no-offline skips it).
 Rounds alternate the methods, so that a slow minute of a shared machine slows both alike. Bounded: --clients
 requests per round and --timeout seconds per round at most.
 """
@@ -71,6 +73,7 @@ def parse_args(argv=None):
     p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     p.add_argument("--rounds", type=int, default=2, help="rounds of every method, alternating (default 2)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per round at most")
+    p.add_argument("--no-offline", action="store_true", help="skip the offline LLM.chat timing of each round")
     p.add_argument("--json", default=None, help="write every round's figures here")
     return p.parse_args(argv)
 
@@ -80,11 +83,18 @@ def load_prompts() -> list[list[dict]]:
     return [[{"role": "user", "content": json.loads(line)["prompt"]}] for line in lines if line.strip()]
 
 
-def offline_outputs(model, conversations, max_tokens):
+def offline_outputs(llm, conversations, max_tokens):
     """Each conversation alone through ``LLM.chat``, greedy: what every finished stream must equal."""
-    llm = LLM(model)
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
     return [llm.chat(c, params)[0] for c in conversations]
+
+
+def offline_throughput(llm, conversations, clients, max_tokens) -> float:
+    """Generated tokens per second of one ``LLM.chat`` call over the ``clients`` conversations (cycled)."""
+    batch = [conversations[i % len(conversations)] for i in range(clients)]
+    start = time.perf_counter()
+    outs = llm.chat(batch, SamplingParams(temperature=0, max_tokens=max_tokens))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
 
 class ServerProcess:
@@ -245,7 +255,9 @@ def main(argv=None) -> int:
     conversations = load_prompts()
     print(f"offline reference: {len(conversations)} prompts alone, greedy, {args.max_tokens} tokens at most",
           file=sys.stderr, flush=True)
-    expected = offline_outputs(args.model, conversations, args.max_tokens)
+    offline = {m: LLM(args.model, speculative_config=METHODS[m], max_num_seqs=args.clients) for m in args.methods}
+    expected = offline_outputs(offline["plain" if "plain" in offline else args.methods[0]], conversations,
+                               args.max_tokens)
     rows = []
     for round_index in range(args.rounds):
         for method in args.methods:
@@ -258,20 +270,23 @@ def main(argv=None) -> int:
             finally:
                 server.stop()
             row["round"] = round_index + 1
+            if not args.no_offline:
+                row["offline_tok_s"] = offline_throughput(offline[method], conversations, args.clients, args.max_tokens)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "problems"}), file=sys.stderr, flush=True)
             for problem in row["problems"]:
                 print(f"  PROBLEM: {problem}", file=sys.stderr, flush=True)
     print("| round | method | clients (left early) | completed = offline | server up | KV free after | tok/s | "
-          "TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | accept | tau |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "TTFT p50 / p99 (s) | ITL p50 / p99 (ms) | accept | tau | offline tok/s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         accept = f"{r['acceptance']:.2f}" if r["acceptance"] is not None else "-"
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         print(f"| {r['round']} | {r['method']} | {r['clients']} ({r['left_early']}) | {r['completed_equal_offline']}"
               f"/{r['completed']} | {'yes' if r['server_up'] else 'NO'} | {'yes' if r['kv_free_after'] else 'NO'} | "
               f"{r['throughput_tok_s']:.1f} | {r['ttft_p50_s']:.2f} / {r['ttft_p99_s']:.2f} | "
-              f"{1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p99_s']:.0f} | {accept} | {tau} |")
+              f"{1000 * r['itl_p50_s']:.0f} / {1000 * r['itl_p99_s']:.0f} | {accept} | {tau} | "
+              f"{r.get('offline_tok_s', float('nan')):.1f} |")
     for method in args.methods:
         mine = [r for r in rows if r["method"] == method]
         print(f"{method}: median tok/s {statistics.median(r['throughput_tok_s'] for r in mine):.1f} over "
