@@ -97,6 +97,8 @@ class Engine:
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:  # (LLM.generate turns n into n requests: params.for_choice(i))
+            raise ValueError(f"a request is one completion: n must be 1 here, got {params.n}")
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
         vocab = self.model.config.vocab_size
@@ -187,8 +189,10 @@ class Engine:
         num_drafts = proposal.num_candidates
         num_old = seq.num_tokens
         finish_reason = None
-        for token in verdict.emitted:
+        for i, token in enumerate(verdict.emitted):
             seq.token_ids.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(verdict.logprobs[i])
             may_stop = seq.num_output_tokens >= seq.params.min_tokens
             if seq.text_stream.add(token, check_stop=may_stop):
                 finish_reason = "stop"
@@ -222,7 +226,7 @@ class Engine:
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,
             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,
-            error=seq.error)
+            error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None)
 
 
 def _as_int64(seed: int) -> int:

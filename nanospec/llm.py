@@ -172,18 +172,20 @@ class LLM:
                 raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
         return params
 
-    def _add_all(self, prompts, params) -> list[int]:
-        """Encode and validate every prompt first, then queue them: a bad one queues nothing."""
+    def _add_all(self, prompts, params) -> list[tuple[int, int]]:
+        """Encode and validate every prompt first, then queue them, ``n`` requests per prompt (choice ``i`` with
+        ``params.for_choice(i)``): a bad one queues nothing. Returns (request id, choice index) pairs."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._params_list(params, len(prompt_list))
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
             try:
                 encoded.append(self._encode(prompt))
-                self.engine.validate_prompt(encoded[-1], p)
+                self.engine.validate_prompt(encoded[-1], p.for_choice(0))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return [self.engine.add_request(ids, p) for ids, p in zip(encoded, params_list)]
+        return [(self.engine.add_request(ids, p.for_choice(c)), c)
+                for ids, p in zip(encoded, params_list) for c in range(p.n)]
 
     # ---------------------------------------------------------------- generation
     def _step(self) -> None:
@@ -213,9 +215,11 @@ class LLM:
 
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order. A request that fails inside a step ends
-        with ``finish_reason == "error"`` and its ``error``; the others are served as usual."""
-        ids = self._add_all(prompts, params)
+        """Run every prompt to completion; outputs in prompt order (with ``n > 1``, a prompt's ``n`` outputs one
+        after another, ``index`` 0 .. n-1). A request that fails inside a step ends with ``finish_reason ==
+        "error"`` and its ``error``; the others are served as usual."""
+        ids_and_choices = self._add_all(prompts, params)
+        ids = [rid for rid, _ in ids_and_choices]
         for rid in ids:
             self._outputs[rid] = []
         finished: dict[int, RequestOutput] = {}
@@ -238,6 +242,8 @@ class LLM:
                 self._release(rid)
             if bar is not None:
                 bar.close()
+        for rid, choice in ids_and_choices:
+            finished[rid].index = choice
         return [finished[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
@@ -245,7 +251,9 @@ class LLM:
         the new text). The prompt is checked and queued here, before the first ``next()``."""
         if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
             raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
-        (rid,) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
+        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"stream() serves one completion: n must be 1, got {params.n} (use generate())")
+        ((rid, _),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
         self._outputs[rid] = []
         return RequestStream(self, rid)
 

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """One emitted token's log-probability under the target (raw logits, before penalties and temperature), and
+    the ``SamplingParams.logprobs`` most likely tokens at that position, most likely first."""
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token id, logprob)
 
 
 @dataclass
@@ -17,6 +26,8 @@ class RequestOutput:
     num_accepted_tokens: int = 0    # of those, accepted by the target
     delta_text: str = ""            # text added by the step that produced this output (streaming)
     error: str | None = None        # what went wrong, when finish_reason is "error"
+    logprobs: list[TokenLogprob] | None = None  # one per generated token, when SamplingParams.logprobs is set
+    index: int = 0                  # which of the prompt's n completions this is
 
     @property
     def finished(self) -> bool:

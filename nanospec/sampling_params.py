@@ -4,7 +4,11 @@ before any work (a bool is not a number, a string is not a number)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+
+MAX_N = 128  # completions per prompt
+MAX_LOGPROBS = 20  # most likely tokens reported per emitted token (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -18,6 +22,17 @@ class SamplingParams:
     stops before them). stop_token_ids: token ids that end generation (kept in the output, like eos).
     min_tokens: no eos / stop token / stop string ends the request before this many tokens. ignore_eos:
     eos does not end it. speculate: False opts this request out of speculative decoding.
+
+    n: how many completions of the prompt (``LLM.generate`` returns n outputs per prompt, choice ``i``
+    seeded ``seed + i`` when a seed is given). logprobs: None, or how many of the most likely tokens to
+    report with each emitted token (0: only the emitted token's); the log-probabilities are the target's
+    raw ones, ``log_softmax(logits)`` before penalties, temperature, top-k and top-p (vLLM's default).
+
+    Penalties (vLLM's / OpenAI's meanings), applied to the logits in this order before temperature:
+    ``l_v / r`` if ``l_v > 0`` else ``l_v * r`` for every token ``v`` seen in the prompt or the output
+    (``r = repetition_penalty``, 1 is off, > 0), then ``l_v -= frequency_penalty * c_v + presence_penalty
+    * [c_v > 0]`` with ``c_v`` the count of ``v`` in the output so far (each in [-2, 2], 0 is off).
+    Under speculation every verified position counts the output up to itself (its own path in the tree).
     """
 
     temperature: float = 1.0
@@ -30,6 +45,11 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     speculate: bool = True
+    n: int = 1
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -59,10 +79,29 @@ class SamplingParams:
         for name in ("ignore_eos", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2 <= value <= 2:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of ``n``: one completion, seeded ``seed + index`` (vLLM's rule)."""
+        seed = self.seed + index if self.seed is not None else None
+        return replace(self, n=1, seed=seed)
 
 
 def _is_int(value) -> bool:

@@ -89,3 +89,22 @@ def test_one_device_read_per_decode_step(paths, name, temperature, device):
             with count_device_reads() as reads:
                 llm.engine.step()
             assert len(reads) == READS_PER_STEP.get(name, 1), reads
+
+
+@pytest.mark.parametrize("name", ["plain", "ngram_tree", "draft"])
+def test_logprobs_and_penalties_keep_one_read(paths, name):
+    """Log-probabilities and penalties ride along in the verdicts' read."""
+    config = CONFIGS[name]
+    if config is not None and config["method"] == "draft":
+        config = {**config, "model": str(paths[1])}
+    llm = LLM(str(paths[0]), num_blocks=32, block_size=4, speculative_config=config)
+    params = SamplingParams(temperature=0.8, max_tokens=6, seed=1, ignore_eos=True, logprobs=2,
+                            repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=-0.1)
+    with backend("triton"):
+        for prompt in ([5, 9, 33, 5, 9, 33, 5], [40, 41, 42, 43, 44, 40, 41, 42]):
+            llm.engine.add_request(prompt, params)
+        llm.engine.step()
+        with count_device_reads() as reads:
+            outputs = llm.engine.step()
+        assert len(reads) == READS_PER_STEP.get(name, 1), reads
+        assert all(len(o.logprobs) == len(o.token_ids) for o in outputs)

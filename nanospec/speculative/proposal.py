@@ -27,6 +27,7 @@ import torch
 
 from nanospec.kernels.attention_mask import tree_depths, tree_mask_from_parents
 from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
+from nanospec.outputs import TokenLogprob
 from nanospec.sequence import Sequence
 
 
@@ -94,6 +95,7 @@ class Verdict:
     emitted: list[int]            # the accepted path's tokens, then the target's own token after it
     path: list[int] = field(default_factory=list)  # node indices of the accepted path, the root's child first
     extra_argmax: list[int] | None = None  # the target's argmax at each fed-only node
+    logprobs: list[TokenLogprob] | None = None  # per emitted token, when the request asks for them
 
     @property
     def num_accepted(self) -> int:

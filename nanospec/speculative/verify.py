@@ -22,6 +22,13 @@ acceptance than matching, but the tokens depend on the guesses (:mod:`nanospec.k
 
 ``min_tokens``: a row whose token would be output token number ``< min_tokens`` cannot end the request,
 so its stop tokens get probability 0 before anything is drawn, row by row (speculation stays lossless).
+Penalties (repetition, frequency, presence) likewise: each row counts the output up to its own node
+(:mod:`nanospec.speculative.penalties`).
+
+Log-probabilities (``SamplingParams.logprobs``): the emitted token at depth ``d`` was drawn from the row of
+the path's node at depth ``d - 1`` (the root's for ``d = 0``); its log-probability and the row's top ones
+are gathered from ``log_softmax`` of the raw logits (before the bans and penalties) on the device, after
+the walk, and come back in the same read, so speculation reports the target's numbers as plain decoding does.
 
 The step's metadata goes to the device in one copy; one launch draws every node's token, one walks every
 tree, one more rejection-samples the draft rows, and everything comes back to the host in one read.
@@ -35,7 +42,9 @@ from collections.abc import Callable
 import torch
 
 from nanospec.kernels.tree_rejection import greedy_tree_verify, tree_rejection_sample
+from nanospec.outputs import TokenLogprob
 from nanospec.sequence import Sequence
+from nanospec.speculative.penalties import apply_penalties
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.sampling import SamplingTensors
 
@@ -43,8 +52,8 @@ from nanospec.speculative.sampling import SamplingTensors
 def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
            to_device: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> list[Verdict]:
     """One verdict per sequence. ``logits`` rows: per sequence its root's, then one per node (modified in place:
-    stop tokens banned before ``min_tokens``). ``to_device`` moves host integer tensors to the logits' device
-    (the runner's: one copy for them all); by default one ``.to`` each."""
+    stop tokens banned before ``min_tokens``, penalties applied). ``to_device`` moves host integer tensors to the
+    logits' device (the runner's: one copy for them all); by default one ``.to`` each."""
     device = logits.device
     if to_device is None:
         to_device = lambda tensors: [t.to(device) for t in tensors]  # noqa: E731
@@ -54,14 +63,13 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     sizes = [1 + p.num_candidates for p in proposals]  # the root and the candidates
     depths = [[0] + p.depths[: p.num_candidates] for p in proposals]
     flat_rows = [start + j for start, n in zip(starts, sizes) for j in range(n)]
-    _ban_stop_tokens_before_min_tokens(logits, seqs, depths, flat_rows, sizes)
+    n_max = max(sizes)
+    first = [sum(sizes[:b]) for b in range(len(seqs))]  # where each sequence's rows start in flat_rows
+    extra_rows = [r for p, start, end in zip(proposals, starts, starts[1:])
+                  for r in range(start + 1 + p.num_candidates, end)]
 
     # the step's metadata, built on the host and moved in one copy: the rows of the roots and candidates, each
     # tree's nodes (padded to the largest), and the rows of fed-only nodes
-    n_max = max(sizes)
-    first = [sum(sizes[:b]) for b in range(len(seqs))]
-    extra_rows = [r for p, start, end in zip(proposals, starts, starts[1:])
-                  for r in range(start + 1 + p.num_candidates, end)]
     flat_rows_t, pad, node_tokens, parents, num_nodes, extra_rows_t = to_device([
         torch.tensor(flat_rows, dtype=torch.int64),
         torch.tensor([[f + min(j, n - 1) for j in range(n_max)] for f, n in zip(first, sizes)], dtype=torch.int64),
@@ -71,6 +79,12 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
                       for p, n in zip(proposals, sizes)], dtype=torch.int64),
         torch.tensor(sizes, dtype=torch.int64),
         torch.tensor(extra_rows, dtype=torch.int64)])
+
+    num_top = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
+    if num_top is not None:  # raw: before the bans and penalties below
+        raw_logprobs = torch.log_softmax(logits[flat_rows_t].float(), dim=-1)
+    _ban_stop_tokens_before_min_tokens(logits, seqs, depths, flat_rows, sizes)
+    apply_penalties(logits, seqs, proposals, [flat_rows[f: f + n] for f, n in zip(first, sizes)])
 
     # the target's own token at the root and at every candidate: plain sampling at that node's position
     target_logits = logits[flat_rows_t]
@@ -85,18 +99,49 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
         _rejection_sample(seqs, proposals, logits, starts, sizes, sampled, node_tokens, parents, num_nodes,
                           path, emitted)
 
-    extra = [logits[extra_rows_t].argmax(dim=-1)] if extra_rows else []  # fed-only nodes' argmax (lookahead)
-    host = torch.cat([path.flatten(), emitted.flatten(), *extra]).tolist()  # the step's one device read
-    paths, emits, extras = host[: path.numel()], host[path.numel(): 2 * path.numel()], host[2 * path.numel():]
+    extra = logits[extra_rows_t].argmax(dim=-1) if extra_rows else extra_rows_t  # fed-only nodes' argmax
+    to_read = [path.flatten(), emitted.flatten(), extra]
+    if num_top is not None:
+        to_read += _emitted_logprobs(raw_logprobs, pad, path, emitted, num_top)
+    paths, emits, extras, *logprob_lists = _read_once(to_read)  # the step's one device read
     verdicts = []
     for b, p in enumerate(proposals):
         row = slice(b * n_max, (b + 1) * n_max)
         verdict = Verdict([t for t in emits[row] if t >= 0], [n - 1 for n in paths[row] if n >= 0])
+        k = seqs[b].params.logprobs
+        if k is not None:
+            logprob, top_values, top_ids = logprob_lists
+            slots = range(b * n_max, b * n_max + len(verdict.emitted))
+            verdict.logprobs = [TokenLogprob(emits[i], logprob[i], list(zip(top_ids[i * num_top: i * num_top + k],
+                                                                             top_values[i * num_top: i * num_top + k])))
+                                for i in slots]
         if p.num_candidates < len(p.token_ids):
             count = len(p.token_ids) - p.num_candidates
             verdict.extra_argmax, extras = extras[:count], extras[count:]
         verdicts.append(verdict)
     return verdicts
+
+
+def _emitted_logprobs(raw_logprobs, pad, path, emitted, num_top) -> list[torch.Tensor]:
+    """On the device, for every (sequence, depth) slot of ``emitted`` ([B, N]): the log-probability of the
+    emitted token in the row it was drawn from, and that row's ``num_top`` largest (values, token ids)."""
+    drawn_at = torch.cat([torch.zeros_like(path[:, :1]), path[:, :-1]], dim=1).clamp(min=0)  # the root, then the path
+    row = pad.gather(1, drawn_at).flatten()  # into raw_logprobs
+    logprob = raw_logprobs[row, emitted.clamp(min=0).flatten()]
+    top = raw_logprobs.topk(num_top, dim=-1)
+    return [logprob, top.values[row].flatten(), top.indices[row].flatten()]
+
+
+def _read_once(tensors: list[torch.Tensor]) -> list[list]:
+    """Every tensor's values on the host, in one device read (through float64 when some are floating point:
+    token ids, far below 2**53, stay exact)."""
+    floating = any(t.is_floating_point() for t in tensors)
+    flat = torch.cat([t.double() for t in tensors] if floating else tensors).tolist()
+    values, start = [], 0
+    for t in tensors:
+        chunk, start = flat[start: start + t.numel()], start + t.numel()
+        values.append(chunk if t.is_floating_point() else [int(x) for x in chunk])
+    return values
 
 
 def _rejection_sample(seqs, proposals, logits, starts, sizes, sampled, node_tokens, parents, num_nodes, path,

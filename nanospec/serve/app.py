@@ -1,0 +1,338 @@
+"""The OpenAI-compatible HTTP server (FastAPI), one request top to bottom:
+
+    POST /v1/chat/completions (or /v1/completions)
+      1. the API key, when the server has one (401)
+      2. read the body, at most ``max_request_bytes`` (413), and check it (protocol.py; 400 naming the field)
+      3. the model must be the served one (404)
+      4. render the chat template and tokenize; max_tokens defaults (16 for completions, what the context
+         leaves for chat); prompt + max_tokens within the context, SamplingParams valid (400), all before any work
+      5. room in the queue for every completion (503), then n completions per prompt go to the engine loop
+         (engine_loop.py); their outputs arrive, as they are made, on this HTTP request's own asyncio queue
+      6. stream: a server-sent event per output (new text, new log-probs), the usage when asked for, then
+         ``data: [DONE]``; or wait for every completion and answer once
+      7. the client goes away (mid-stream, or while waiting): every unfinished completion is aborted and its KV
+         blocks return to the pool between two engine steps
+
+Also ``/v1/models``, ``/tokenize``, ``/detokenize`` (behind the key, like ``/v1``), ``/health`` and ``/metrics``
+(Prometheus, metrics.py; open, as vLLM's are).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+
+from nanospec.llm import LLM
+from nanospec.outputs import RequestOutput
+from nanospec.sampling_params import SamplingParams
+from nanospec.serve.engine_loop import EngineLoop, QueueFull, ServedRequest
+from nanospec.serve.metrics import ServerMetrics
+from nanospec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
+                                     TokenizeRequest)
+from nanospec.serve.responses import Formatter, error_body, sse, usage
+
+
+class APIError(Exception):
+    """Answered as an OpenAI-style error object with this HTTP status."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+
+    def __init__(self, status: int, message: str, param: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param = status, message, param
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.TYPES[self.status], self.param)
+
+
+def build_app(llm: LLM, *, model_name: str, api_key: str | None = None, max_queue_len: int = 256,
+              max_request_bytes: int = 1 << 20) -> FastAPI:
+    """A FastAPI app serving ``llm``; its lifespan starts and stops the engine loop (``app.state.engine_loop``)."""
+    server = Server(llm, model_name, api_key, max_queue_len, max_request_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine_loop.start()
+        yield
+        server.engine_loop.stop()
+
+    app = FastAPI(title="nanospec", lifespan=lifespan)
+    app.state.engine_loop = server.engine_loop
+
+    async def api_error(request: Request, error: APIError) -> JSONResponse:
+        return JSONResponse(error.body(), status_code=error.status)
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_api_route("/v1/completions", server.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", server.models, methods=["GET"])
+    app.add_api_route("/tokenize", server.tokenize, methods=["POST"])
+    app.add_api_route("/detokenize", server.detokenize, methods=["POST"])
+    app.add_api_route("/health", server.health, methods=["GET"])
+    app.add_api_route("/metrics", server.metrics, methods=["GET"])
+    return app
+
+
+class Server:
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None, max_queue_len: int, max_request_bytes: int):
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.model_name = model_name
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        self.max_model_len = llm.engine.config.max_model_len
+        self.prometheus = ServerMetrics(model_name)
+        self.engine_loop = EngineLoop(llm, self.prometheus, max_queue_len)
+        self.created = int(time.time())
+
+    # ---------------------------------------------------------------- the completion endpoints
+    async def completions(self, request: Request):
+        body = await self._parse(request, CompletionRequest)
+        prompts = [self._encode(p) for p in body.prompts()]
+        if not prompts:
+            raise APIError(400, "prompt: give at least one prompt", "prompt")
+        max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
+        params = self._params(body, prompts, max_tokens, body.logprobs)
+        fmt = Formatter(self.tokenizer, self.model_name, chat=False, token_ids=body.return_token_ids)
+        return await self._generate(request, body, fmt, prompts, params)
+
+    async def chat_completions(self, request: Request):
+        body = await self._parse(request, ChatCompletionRequest)
+        try:
+            text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages], add_generation_prompt=True)
+            logprobs = body.num_logprobs()
+        except ValueError as e:
+            raise APIError(400, str(e), "top_logprobs" if "top_logprobs" in str(e) else "messages") from None
+        prompt = self._encode(text)
+        max_tokens = body.max_completion_tokens or body.max_tokens or max(self.max_model_len - len(prompt), 1)
+        params = self._params(body, [prompt], max_tokens, logprobs)
+        fmt = Formatter(self.tokenizer, self.model_name, chat=True, token_ids=body.return_token_ids)
+        return await self._generate(request, body, fmt, [prompt], params)
+
+    def _params(self, body: SamplingFields, prompts: list[list[int]], max_tokens: int,
+                logprobs: int | None) -> SamplingParams:
+        """The request's SamplingParams, every prompt checked against the context and the KV pool: 400s."""
+        try:
+            params = body.sampling_params(max_tokens, logprobs)
+        except ValueError as e:
+            raise APIError(400, str(e), _field_named(e, body)) from None
+        for i, ids in enumerate(prompts):
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            if len(ids) + max_tokens > self.max_model_len:
+                raise APIError(400, f"{where}this model's context is {self.max_model_len} tokens, but "
+                                    f"{len(ids) + max_tokens} were asked for ({len(ids)} in the prompt, "
+                                    f"{max_tokens} for the completion); shorten the prompt or lower max_tokens",
+                               "max_tokens")
+            try:
+                self.llm.engine.validate_prompt(ids, params.for_choice(0))
+            except ValueError as e:  # a token id outside the vocabulary, a KV pool too small, a bad stop token id
+                field = _field_named(e, body)
+                prefix = where or ("prompt: " if field is None else "")
+                raise APIError(400, f"{prefix}{e}", field or "prompt") from None
+        return params
+
+    async def _generate(self, request: Request, body: SamplingFields, fmt: Formatter, prompts: list[list[int]],
+                        params: SamplingParams):
+        """Queue n completions per prompt (choice ``i * n + c``: prompt i, completion c), then answer."""
+        outputs: asyncio.Queue = asyncio.Queue()
+        count = len(prompts) * params.n
+        if count > self.engine_loop.capacity:
+            raise APIError(400, f"n: {count} completions ({len(prompts)} prompts x n={params.n}) are more than this "
+                                f"server ever holds at once ({self.engine_loop.capacity})", "n")
+        try:
+            self.engine_loop.check_room(count)
+            served = [self.engine_loop.submit(ids, params.for_choice(c), i * params.n + c, outputs)
+                      for i, ids in enumerate(prompts) for c in range(params.n)]
+        except QueueFull as e:
+            raise APIError(503, str(e)) from None
+        except RuntimeError as e:
+            raise APIError(500, str(e)) from None
+        prompt_tokens = sum(len(ids) for ids in prompts)
+        if body.stream:
+            return StreamingResponse(self._stream(served, outputs, fmt, prompt_tokens, body.include_usage),
+                                     media_type="text/event-stream")
+        finals = await self._wait_for_all(request, served, outputs)
+        if finals is None:  # the client is gone; nobody reads this
+            return Response(status_code=499)
+        failed = next((o for o in finals if o.finish_reason in ("error", "abort")), None)
+        if failed is not None:
+            raise APIError(500, f"generation failed: {failed.error or failed.finish_reason}")
+        return fmt.response(finals, prompt_tokens)
+
+    async def _stream(self, served: list[ServedRequest], outputs: asyncio.Queue, fmt: Formatter, prompt_tokens: int,
+                      include_usage: bool):
+        """Server-sent events as the outputs arrive; the ``finally`` runs when the client disconnects too (Starlette
+        cancels the response), and aborts what is unfinished."""
+        sent_tokens = [0] * len(served)  # tokens (and their log-probs) already streamed, per choice
+        sent_chars = [0] * len(served)
+        try:
+            if fmt.chat:
+                for s in served:
+                    yield sse(fmt.chunk([fmt.role_choice(s.index)], include_usage=include_usage))
+            async for index, out in self._outputs(served, outputs):
+                if out.finish_reason in ("error", "abort"):
+                    yield sse(error_body(500, f"generation failed: {out.error or out.finish_reason}", "server_error"))
+                    continue
+                new_logprobs = out.logprobs[sent_tokens[index]:] if out.logprobs is not None else None
+                if not (out.delta_text or out.finished or new_logprobs or fmt.token_ids):
+                    continue  # text held back (a possible stop string, half a character)
+                choice = fmt.delta_choice(index, out.delta_text, out.token_ids[sent_tokens[index]:], new_logprobs,
+                                          sent_chars[index], out.finish_reason)
+                yield sse(fmt.chunk([choice], include_usage=include_usage))
+                sent_tokens[index] = len(out.token_ids)
+                sent_chars[index] += len(out.delta_text)
+            if include_usage:
+                completion_tokens = sum(sent_tokens)
+                yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens), include_usage=True))
+        except RuntimeError as e:  # the engine stopped
+            yield sse(error_body(500, str(e), "server_error"))
+        finally:
+            self._abort_unfinished(served)
+        yield sse("[DONE]")
+
+    async def _outputs(self, served: list[ServedRequest], outputs: asyncio.Queue):
+        """``(choice index, RequestOutput)`` as they come, until every choice has finished."""
+        remaining = len(served)
+        while remaining:
+            item = await outputs.get()
+            if isinstance(item, Exception):
+                raise RuntimeError(f"the engine failed: {item}")
+            remaining -= item[1].finished
+            yield item
+
+    async def _wait_for_all(self, request: Request, served: list[ServedRequest],
+                            outputs: asyncio.Queue) -> list[RequestOutput] | None:
+        """Every choice's last output, in choice order; None if the client disconnected first (then aborted)."""
+        finals: dict[int, RequestOutput] = {}
+
+        async def collect():
+            async for index, out in self._outputs(served, outputs):
+                if out.finished:
+                    finals[index] = out
+
+        collecting, disconnect = asyncio.ensure_future(collect()), asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collecting, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            disconnect.cancel()
+            if not collecting.done():
+                collecting.cancel()
+            self._abort_unfinished(served)
+        if not collecting.done() or collecting.cancelled():
+            return None
+        try:
+            collecting.result()
+        except RuntimeError as e:
+            raise APIError(500, str(e)) from None
+        return [finals[i] for i in range(len(served))]
+
+    def _abort_unfinished(self, served: list[ServedRequest]) -> None:
+        for s in served:
+            self.engine_loop.abort(s)
+
+    # ---------------------------------------------------------------- the other endpoints
+    async def models(self, request: Request):
+        self._authorize(request)
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.created,
+                                            "owned_by": "nanospec", "root": self.model_name,
+                                            "max_model_len": self.max_model_len}]}
+
+    async def tokenize(self, request: Request):
+        body = await self._parse(request, TokenizeRequest)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give either prompt or messages", "prompt")
+        if body.messages is not None:
+            try:
+                text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
+            except ValueError as e:
+                raise APIError(400, str(e), "messages") from None
+        else:
+            text = body.prompt
+        tokens = self.tokenizer.encode(text)
+        return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, request: Request):
+        body = await self._parse(request, DetokenizeRequest)
+        vocab = self.llm.config.vocab_size
+        bad = next((t for t in body.tokens if t >= vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: token id {bad} is out of the vocabulary [0, {vocab})", "tokens")
+        return {"prompt": self.tokenizer.decode(body.tokens)}
+
+    async def health(self):
+        if not self.engine_loop.alive:
+            raise APIError(503, f"the engine is not running: {self.engine_loop.error or 'stopped'}")
+        return Response(status_code=200)
+
+    async def metrics(self):
+        return Response(self.prometheus.render(), media_type=CONTENT_TYPE_LATEST)
+
+    # ---------------------------------------------------------------- checks shared by the endpoints
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'")
+
+    async def _parse(self, request: Request, model: type[BaseModel]):
+        """Authorize, read at most ``max_request_bytes`` of body, validate it, check the model name."""
+        self._authorize(request)
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_request_bytes:
+            raise APIError(413, f"the request body is {declared} bytes; this server takes at most "
+                                f"{self.max_request_bytes}")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_request_bytes:
+                raise APIError(413, f"the request body is over {self.max_request_bytes} bytes, this server's limit")
+            chunks.append(chunk)
+        try:
+            body = model.model_validate_json(b"".join(chunks))
+        except ValidationError as e:
+            raise _validation_error(e) from None
+        if body.model is not None and body.model != self.model_name:
+            raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
+                           "model")
+        return body
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        """Text to token ids (token ids are checked against the vocabulary with the rest of the prompt)."""
+        if not prompt:
+            raise APIError(400, "prompt: the prompt is empty: give some text or token ids", "prompt")
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+
+def _field_named(error: ValueError, body: BaseModel) -> str | None:
+    """The request field an error message starts with ("min_tokens must be ..."), if any."""
+    first = str(error).split(maxsplit=1)[0].rstrip(":") if str(error) else ""
+    return first if first in type(body).model_fields else None
+
+
+def _validation_error(error: ValidationError) -> APIError:
+    """pydantic's errors as one 400: each with its field path, what was wrong and (briefly) what was given."""
+    parts, param = [], None
+    for e in error.errors()[:3]:
+        if e["type"] == "json_invalid":
+            return APIError(400, f"the body is not valid JSON: {e['msg']}")
+        where = ".".join(str(x) for x in e["loc"]) or "body"
+        given = repr(e.get("input"))
+        parts.append(f"{where}: {e['msg']} (got {given[:60] + '...' if len(given) > 60 else given})")
+        if param is None and e["loc"]:
+            param = str(e["loc"][0])
+    return APIError(400, "; ".join(parts), param)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects (the body has been read: the next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,119 @@
+"""The request bodies the server accepts (OpenAI's fields plus vLLM's sampling extras), checked by pydantic.
+
+Types are strict (``"1"`` is not a number, ``true`` is not an int, an int is a float), unknown fields are refused
+(a field the server would otherwise ignore, say ``tools``, is an error that names it), and each sampling field
+ends up in a :class:`nanospec.SamplingParams`, whose own checks run too. Every failure becomes an HTTP 400 whose
+``param`` names the field.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, Strict
+
+from nanospec.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
+
+Int = Annotated[int, Strict()]
+Float = Annotated[float, Strict()]  # (strict floats take ints: 1 is a fine temperature)
+Bool = Annotated[bool, Strict()]
+Str = Annotated[str, Strict()]
+TokenIds = list[Annotated[int, Strict(), Field(ge=0)]]
+
+
+class Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(Body):
+    include_usage: Bool = False
+
+
+class SamplingFields(Body):
+    """What both completion endpoints share. ``max_tokens`` None: the endpoint's default (see there)."""
+    model: Str | None = None
+    max_tokens: Int | None = Field(None, ge=1)
+    temperature: Float = Field(1.0, ge=0)
+    top_p: Float = Field(1.0, gt=0, le=1)
+    top_k: Int = Field(-1, ge=-1)  # vLLM's: -1 or 0 keep every token
+    n: Int = Field(1, ge=1, le=MAX_N)
+    stream: Bool = False
+    stream_options: StreamOptions | None = None
+    stop: Str | list[Str] | None = None
+    stop_token_ids: TokenIds | None = None
+    seed: Int | None = None
+    presence_penalty: Float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: Float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Float = Field(1.0, gt=0)
+    min_tokens: Int = Field(0, ge=0)
+    ignore_eos: Bool = False
+    user: Str | None = None  # accepted, unused
+    return_token_ids: Bool = False  # vLLM's: each choice also carries its token ids (a chunk: the new ones)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """Raises ValueError (naming the field) for combinations pydantic cannot see, e.g. min_tokens > max_tokens."""
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=-1 if self.top_k == 0 else self.top_k,
+            max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
+            stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs,
+            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty)
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(SamplingFields):
+    """``/v1/completions``: one prompt (text or token ids) or a list of them; ``max_tokens`` defaults to 16."""
+    prompt: Str | list[Str] | TokenIds | list[TokenIds]
+    logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a string or a list of token ids."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        return list(prompt)
+
+
+class TextPart(Body):
+    type: Literal["text"]
+    text: Str
+
+
+class ChatMessage(Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Str | list[TextPart] | None = None
+    name: Str | None = None
+
+    def as_dict(self) -> dict:
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(SamplingFields):
+    """``/v1/chat/completions``: ``max_tokens`` (or ``max_completion_tokens``) defaults to what the context leaves
+    after the prompt; ``logprobs`` is a bool and ``top_logprobs`` the count, as OpenAI has them."""
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
+    logprobs: Bool = False
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class TokenizeRequest(Body):
+    """``/tokenize``: the ids the completion endpoints would feed for ``prompt``, or for ``messages`` rendered
+    with the chat template (and the assistant's turn opened)."""
+    model: Str | None = None
+    prompt: Str | None = None
+    messages: list[ChatMessage] | None = None
+
+
+class DetokenizeRequest(Body):
+    model: Str | None = None
+    tokens: TokenIds

@@ -1,0 +1,102 @@
+"""OpenAI's response shapes, built from nanospec's ``RequestOutput`` s: completions, chat completions, their stream
+chunks (server-sent events), log-probabilities, usage and errors."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from nanospec.outputs import RequestOutput, TokenLogprob
+from nanospec.tokenizer import Tokenizer
+
+
+def sse(payload: dict | str) -> str:
+    """One server-sent event: ``data: <json>`` and a blank line (``data: [DONE]`` ends a stream)."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def error_body(status: int, message: str, error_type: str, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type, "param": param, "code": status}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Formatter:
+    """Builds one HTTP request's responses: its id, creation time and model name are fixed at construction."""
+
+    def __init__(self, tokenizer: Tokenizer, model: str, chat: bool, token_ids: bool = False):
+        self.tokenizer = tokenizer
+        self.model = model
+        self.chat = chat
+        self.token_ids = token_ids  # add each choice's token ids (vLLM's return_token_ids)
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}"
+        self.created = int(time.time())
+
+    def _token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # ---------------------------------------------------------------- log-probabilities
+    def logprobs(self, entries: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
+        """Completions: parallel lists; chat: a list of {token, logprob, bytes, top_logprobs}."""
+        if entries is None:
+            return None
+        if self.chat:
+            def item(token_id, logprob):
+                token = self._token(token_id)
+                return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+            return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
+                                for e in entries]}
+        tokens = [self._token(e.token_id) for e in entries]
+        offsets = []
+        for token in tokens:
+            offsets.append(text_offset)
+            text_offset += len(token)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{self._token(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+
+    # ---------------------------------------------------------------- whole responses
+    def response(self, outputs: list[RequestOutput], prompt_tokens: int) -> dict:
+        """The non-streaming response; ``outputs[i]`` is choice ``i``."""
+        choices = []
+        for index, out in enumerate(outputs):
+            logprobs = self.logprobs(out.logprobs)
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
+                                "logprobs": logprobs, "finish_reason": out.finish_reason})
+            else:
+                choices.append({"index": index, "text": out.text, "logprobs": logprobs,
+                                "finish_reason": out.finish_reason})
+            if self.token_ids:
+                choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices,
+                "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in outputs))}
+
+    # ---------------------------------------------------------------- stream chunks
+    def chunk(self, choices: list[dict], usage_: dict | None = None, include_usage: bool = False) -> dict:
+        body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": choices}
+        if include_usage:
+            body["usage"] = usage_
+        return body
+
+    def role_choice(self, index: int) -> dict:
+        """Chat streams open each choice with the assistant's role (OpenAI does)."""
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def delta_choice(self, index: int, text: str, new_tokens: list[int], new_logprobs: list[TokenLogprob] | None,
+                     text_offset: int, reason: str | None) -> dict:
+        logprobs = self.logprobs(new_logprobs, text_offset)
+        if self.chat:
+            choice = {"index": index, "delta": {"content": text} if text or reason is None else {},
+                      "logprobs": logprobs, "finish_reason": reason}
+        else:
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+        if self.token_ids:
+            choice["token_ids"] = new_tokens
+        return choice

@@ -1,0 +1,141 @@
+"""Penalties, log-probabilities and n: speculation stays lossless with penalties on (each verified node is penalized
+with the output up to itself), log-probabilities are the target's under speculation too, and n gives n seeded
+completions."""
+
+import pytest
+import torch
+
+from nanospec import LLM, SamplingParams
+from nanospec.sequence import Sequence
+from nanospec.speculative.penalties import apply_penalties
+from nanospec.speculative.proposal import Proposal
+from tiny import assert_no_leak, make_tiny_llama
+
+PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [11, 12]]
+# negative frequency / presence penalties and a repetition penalty < 1 make the tiny random model repeat itself, so
+# n-gram guesses are accepted and every accepted path changes the counts the next nodes see
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=0.8, frequency_penalty=-0.6,
+                        presence_penalty=0.3, logprobs=2)
+GREEDY_STRONG = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.2,
+                               frequency_penalty=-1.5, presence_penalty=0.5)
+SEEDED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, seed=3, repetition_penalty=0.8,
+                        frequency_penalty=-0.6, presence_penalty=0.3, logprobs=2)
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2},
+    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3},
+    # the target drafts for itself, without the penalties, so its guesses are often right and sometimes not (a
+    # greedy draft guesses the argmax in either acceptance mode; coupled, its seeded guesses are one-hot too)
+    "self_draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False, "acceptance": "coupled"},
+}
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("penalty_target")
+    make_tiny_llama(path, seed=1, tie=True, layers=2, max_pos=256)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    llm = LLM(target, num_blocks=256, block_size=4)
+    return {name: llm.generate(PROMPTS, params) for name, params in
+            (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED))}
+
+
+def _penalized_by_hand(logits, prompt, output, params):
+    x = logits.clone()
+    for v in set(prompt) | set(output):
+        x[v] = x[v] / params.repetition_penalty if x[v] > 0 else x[v] * params.repetition_penalty
+    for v in set(output):
+        x[v] -= params.frequency_penalty * output.count(v) + params.presence_penalty
+    return x
+
+
+def test_each_tree_node_is_penalized_with_its_own_path():
+    params = SamplingParams(repetition_penalty=1.5, frequency_penalty=0.7, presence_penalty=-0.4)
+    prompt, output = [1, 2, 3], [4, 4, 5]
+    seq = Sequence(0, prompt, params, 0, None, [])
+    seq.token_ids += output
+    # root -> 6 -> 4 -> 6, and root -> 7
+    proposal = Proposal([6, 4, 6, 7], [-1, 0, 1, -1])
+    node_paths = [[], [6], [6, 4], [6, 4, 6], [7]]
+    logits = torch.randn(1 + 5, 12)
+    rows = [1, 2, 3, 4, 5]  # row 0 belongs to another sequence, without penalties
+    expected = logits.clone()
+    for row, path in zip(rows, node_paths):
+        expected[row] = _penalized_by_hand(logits[row], prompt, output + path, params)
+    apply_penalties(logits, [Sequence(1, [9], SamplingParams(), 0, None, []), seq], [Proposal(), proposal],
+                    [[0], rows])
+    torch.testing.assert_close(logits, expected)
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_speculation_with_penalties_equals_plain(target, plain, method):
+    """Greedy and seeded (every method here guesses one-hot): the same tokens as plain decoding, and the same
+    log-probabilities, though they come from verify rows."""
+    config = dict(METHODS[method])
+    if config["method"] == "draft":
+        config["model"] = target
+    llm = LLM(target, num_blocks=256, block_size=4, speculative_config=config)
+    for name, params in (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED)):
+        outs = llm.generate(PROMPTS, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain[name]], (method, name)
+        if params.logprobs is not None:  # the target's log-probs of the same tokens, from verify rows
+            for out, ref in zip(outs, plain[name]):
+                assert [lp.token_id for lp in out.logprobs] == out.token_ids
+                for a, b in zip(out.logprobs, ref.logprobs):
+                    assert abs(a.logprob - b.logprob) < 1e-4
+                    assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    stats = llm.stats()
+    assert stats["num_accepted_tokens"] > 0 and stats["num_draft_tokens"] > stats["num_accepted_tokens"]
+    assert_no_leak(llm)
+
+
+def test_penalties_and_logprobs_match_transformers(target):
+    """Greedy with a repetition penalty is transformers' greedy with ``repetition_penalty`` (prompt and output
+    count), and the reported log-probabilities are ``log_softmax`` of transformers' raw logits."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(target).eval()
+    llm = LLM(target, num_blocks=64, block_size=4)
+    prompt = PROMPTS[0]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.7, logprobs=3)
+    out = llm.generate([prompt], params)[0]
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.7,
+                             eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+        logits = model(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1: -1]
+    assert out.token_ids == ref
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    for i, lp in enumerate(out.logprobs):
+        assert abs(lp.logprob - logprobs[i, lp.token_id].item()) < 1e-4
+        top = logprobs[i].topk(3)
+        assert [t for t, _ in lp.top] == top.indices.tolist()
+        assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+def test_n_completions_are_seeded_choices(target):
+    llm = LLM(target, num_blocks=128, block_size=4)
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3, ignore_eos=True)
+    outs = llm.generate([PROMPTS[0], PROMPTS[2]], params)
+    assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
+    for k, prompt in enumerate([PROMPTS[0], PROMPTS[2]]):
+        for i in range(3):
+            alone = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=8, seed=7 + i,
+                                                          ignore_eos=True))[0]
+            assert outs[3 * k + i].token_ids == alone.token_ids
+    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
+    with pytest.raises(ValueError, match="n must be 1"):
+        llm.stream(PROMPTS[0], params)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("n", 0), ("n", 1.5), ("n", 10_000), ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
+    ("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1"), ("repetition_penalty", 0),
+    ("repetition_penalty", float("inf")), ("presence_penalty", float("nan"))])
+def test_bad_values_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -1,0 +1,320 @@
+"""The OpenAI-compatible server as users use it: the real server (uvicorn, in a thread, on a free loopback port)
+queried with the real ``openai`` client, sync and async, streaming and not; its outputs equal the offline ``LLM``'s
+token for token, with and without speculation; errors, limits, auth, disconnects, metrics; and the command line."""
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from nanospec import LLM, SamplingParams
+from nanospec.serve.app import build_app
+from tiny import assert_no_leak, make_tiny_llama
+
+PROMPTS = ["abcabcabcab", "the cat sat on the mat, the cat", "0101010", "hello"]
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "abcabcabc?"}]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+REPEAT = {"frequency_penalty": -1.0, "presence_penalty": 0.2}  # the tiny model repeats itself: n-gram guesses land
+
+
+@contextlib.contextmanager
+def serving(llm, **kwargs):
+    """``build_app(llm)`` served by uvicorn in a thread on a free loopback port; yields the base URL."""
+    server = uvicorn.Server(uvicorn.Config(build_app(llm, model_name="tiny", **kwargs), host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serve_target")
+    make_tiny_llama(path, seed=1, tie=True, layers=2, max_pos=256)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def offline(model_path):
+    return LLM(model_path, num_blocks=256, block_size=4)
+
+
+@pytest.fixture(scope="module", params=["plain", "ngram"])
+def server(request, model_path):
+    """(base URL, the server's LLM) for a plain and an n-gram speculative server."""
+    llm = LLM(model_path, num_blocks=256, block_size=4, speculative_config=NGRAM if request.param == "ngram" else None)
+    with serving(llm) as url:
+        yield url, llm
+
+
+def _client(url, cls=openai.OpenAI, **kwargs):
+    return cls(base_url=f"{url}/v1", api_key="EMPTY", max_retries=0, **kwargs)
+
+
+def _wait_until(condition, timeout=20.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _idle(llm):
+    """Every KV block free and no request queued (read from the test's thread: the loop is idle by then)."""
+    stats = llm.kv_cache_stats()
+    return stats["free_blocks"] == stats["total_blocks"] and not llm.engine.has_unfinished()
+
+
+# ---------------------------------------------------------------------------------------------------- outputs
+def test_sync_completions_and_chat_equal_offline(server, offline):
+    url, llm = server
+    client = _client(url)
+    for extra in ({}, REPEAT):
+        params = SamplingParams(temperature=0, max_tokens=20, **extra)
+        expected = offline.generate(PROMPTS, params)
+        got = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=20, temperature=0,
+                                        extra_body={"return_token_ids": True, **extra})
+        assert [c.index for c in got.choices] == list(range(len(PROMPTS)))
+        assert [c.token_ids for c in got.choices] == [o.token_ids for o in expected]
+        assert [c.text for c in got.choices] == [o.text for o in expected]
+        assert [c.finish_reason for c in got.choices] == [o.finish_reason for o in expected]
+        assert got.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
+        assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
+    expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16))[0]
+    assert chat.choices[0].message.content == expected.text and chat.choices[0].message.role == "assistant"
+    assert chat.usage.completion_tokens == len(expected.token_ids)
+    _wait_until(lambda: _idle(llm))
+    assert_no_leak(llm)
+
+
+def test_async_streams_equal_offline(server, offline):
+    """Concurrent streaming completions and chats (one batch on the server) add up to the offline outputs."""
+    url, llm = server
+    params = SamplingParams(temperature=0, max_tokens=24, **REPEAT)
+    expected = offline.generate(PROMPTS, params)
+    expected_chat = offline.chat(MESSAGES, params)[0]
+
+    async def complete(client, prompt):
+        stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"return_token_ids": True, **REPEAT})
+        text, ids, reasons, usage = "", [], [], None
+        async for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                text += choice.text
+                ids += choice.token_ids
+                reasons.append(choice.finish_reason)
+        return text, ids, reasons, usage
+
+    async def chat(client):
+        stream = await client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=24, temperature=0,
+                                                      stream=True, extra_body=REPEAT)
+        roles, text = [], ""
+        async for chunk in stream:
+            roles += [c.delta.role for c in chunk.choices if c.delta.role]
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        return roles, text
+
+    async def main():
+        async with _client(url, openai.AsyncOpenAI) as client:
+            return await asyncio.gather(*[complete(client, p) for p in PROMPTS], chat(client))
+
+    *completions, (roles, chat_text) = asyncio.run(main())
+    for (text, ids, reasons, usage), out in zip(completions, expected):
+        assert (text, ids) == (out.text, out.token_ids)
+        assert reasons[-1] == out.finish_reason and all(r is None for r in reasons[:-1])
+        assert usage.completion_tokens == len(out.token_ids)
+    assert roles == ["assistant"] and chat_text == expected_chat.text
+    _wait_until(lambda: _idle(llm))
+    if llm.engine.speculator.proposer is not None:
+        assert llm.stats()["num_accepted_tokens"] > 0  # the server did speculate, and guesses landed
+
+
+def test_n_seed_logprobs_equal_offline(server, offline):
+    url, _ = server
+    client = _client(url)
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=5, n=3, logprobs=2, stop=["c"])
+    expected = offline.generate([PROMPTS[0]], params)
+    got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=5, n=3,
+                                    logprobs=2, stop=["c"], extra_body={"return_token_ids": True})
+    assert [c.token_ids for c in got.choices] == [o.token_ids for o in expected]
+    assert [c.text for c in got.choices] == [o.text for o in expected]
+    for choice, out in zip(got.choices, expected):
+        assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in out.logprobs], abs=1e-4)
+        assert [len(top) <= 2 for top in choice.logprobs.top_logprobs]
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                          top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0]
+    assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
+
+
+# ---------------------------------------------------------------------------------------------------- errors
+@pytest.mark.parametrize("body, status, param", [
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "top_p": True}, 400, "top_p"),
+    ({"prompt": "hi", "tools": []}, 400, "tools"),
+    ({"prompt": "hi", "min_tokens": 30, "max_tokens": 10}, 400, "min_tokens"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": [1, 2, 99999]}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": 300}, 400, "max_tokens"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ({}, 400, "prompt"),
+])
+def test_bad_requests_get_openai_errors(server, body, status, param):
+    url, _ = server
+    response = httpx.post(f"{url}/v1/completions", json=body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["code"] == status and error["message"]
+    assert param in error["message"] or status == 404
+
+
+def test_bad_chat_json_and_size_limits(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4)
+    with serving(llm, max_request_bytes=2000) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "x" * 3000}]})
+        assert r.status_code == 413 and "2000" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert "role" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                           "top_logprobs": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+        with pytest.raises(openai.BadRequestError, match="context"):
+            _client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 300}])
+
+
+def test_api_key(model_path, monkeypatch):
+    llm = LLM(model_path, num_blocks=64, block_size=4)
+    with serving(llm, api_key="s3cret") as url:
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi"}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        with pytest.raises(openai.AuthenticationError):
+            _client(url).models.list()
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny"]
+        assert client.completions.create(model="tiny", prompt="hi", max_tokens=3).usage.completion_tokens == 3
+        assert httpx.get(f"{url}/health").status_code == 200  # open, as vLLM's
+
+
+def test_full_queue_503_and_disconnect_frees_kv(model_path):
+    """One request fits (max_num_seqs 1, no queue): a second gets 503 while the first streams; closing the first
+    stream mid-way aborts it and frees every KV block at once; then the server takes requests again."""
+    llm = LLM(model_path, num_blocks=128, block_size=4, max_num_seqs=1)
+    with serving(llm, max_queue_len=0) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", json={"prompt": "abc", "max_tokens": 200, "stream": True,
+                                                                 "ignore_eos": True}) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+            with pytest.raises(openai.InternalServerError):
+                _client(url).completions.create(model="tiny", prompt="hi", max_tokens=2)
+        _wait_until(lambda: _idle(llm))
+        assert_no_leak(llm)
+        metrics = httpx.get(f"{url}/metrics").text
+        assert 'vllm:request_success_total{finished_reason="abort",model_name="tiny"} 1.0' in metrics
+        assert 'vllm:kv_cache_usage_perc{model_name="tiny"} 0.0' in metrics
+        assert _client(url).completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_tokenize_detokenize_health_metrics(server, offline):
+    url, llm = server
+    r = httpx.post(f"{url}/tokenize", json={"prompt": "hello"}).json()
+    assert r["tokens"] == offline.tokenizer.encode("hello") and r["count"] == 5 and r["max_model_len"] == 256
+    r = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
+    assert r["tokens"] == offline._render_chat(MESSAGES)
+    assert httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
+    bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 100000]})
+    assert bad.status_code == 400 and "100000" in bad.json()["error"]["message"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    metrics = httpx.get(f"{url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:time_to_first_token_seconds_bucket",
+                 "vllm:inter_token_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_bucket"):
+        assert name in metrics, name
+    if llm.engine.speculator.proposer is not None:
+        values = {m[0]: float(m[1]) for m in re.findall(r'^(vllm:spec_decode_\w+)\{model_name="tiny"\} (\S+)$', metrics,
+                                                         re.M)}
+        assert values["vllm:spec_decode_num_accepted_tokens_total"] == llm.stats()["num_accepted_tokens"] > 0
+        assert values["vllm:spec_decode_num_draft_tokens_total"] == llm.stats()["num_draft_tokens"]
+        assert values["vllm:spec_decode_num_drafts_total"] > 0
+        per_pos = re.findall(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{model_name="tiny",'
+                             r'position="(\d+)"\} (\S+)$', metrics, re.M)
+        assert sum(float(v) for _, v in per_pos) == llm.stats()["num_accepted_tokens"]
+
+
+# ---------------------------------------------------------------------------------------------------- the command line
+def test_command_line(model_path):
+    """``python -m nanospec.serve`` binds 127.0.0.1, takes the key from NANOSPEC_API_KEY, serves, and on SIGTERM
+    shuts down cleanly and ends by that signal (uvicorn's convention); a bad model exits 2 with one 'error' line."""
+    env = {**os.environ, "NANOSPEC_API_KEY": "k3y", "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--model", model_path, "--port", "0",
+                             "--num-blocks", "64", "--block-size", "4", "--speculative-config",
+                             '{"method": "ngram", "num_speculative_tokens": 3}'],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        for line in proc.stderr:
+            if match := re.search(r"running on (http://[\d.]+:\d+)", line):
+                url = match.group(1)
+                break
+        assert url is not None and url.startswith("http://127.0.0.1:")
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0)
+        model = client.models.list().data[0].id
+        assert model == model_path
+        out = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=4, temperature=0)
+        assert out.choices[0].finish_reason in ("stop", "length")
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        assert "Application shutdown complete" in proc.stderr.read()
+    finally:
+        proc.kill()
+        proc.stderr.close()
+    bad = subprocess.run([sys.executable, "-m", "nanospec.serve", "--model", "/no/such/model"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:")
+
+
+def test_disconnect_while_waiting_aborts(server):
+    """A client that leaves before a non-streaming answer is ready: its request is aborted, its KV freed."""
+    url, llm = server
+    try:
+        httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 250, "ignore_eos": True}, timeout=0.2)
+        pytest.skip("the answer came before the client left")
+    except httpx.TimeoutException:
+        pass
+    _wait_until(lambda: 'finished_reason="abort"' in httpx.get(f"{url}/metrics").text)
+    _wait_until(lambda: _idle(llm))
+    assert_no_leak(llm)
