@@ -1,0 +1,270 @@
+"""The MLP speculator (IBM's "Accelerating Production LLMs with Combined Token/Embedding Speculators",
+arXiv 2404.19124; the format vLLM loads as ``mlp_speculator``): a few small stages that guess the tokens
+after the one the target just emitted, from the target's final hidden state, with no target pass.
+
+Stage ``i`` (``i = 0 .. n_predict - 1``) takes the state and the last token ``t_i`` and gives the next guess:
+
+    state_0   = h                                  the target's final hidden state (after its final norm) at
+                                                   the position whose logits gave t_0 (the emitted token);
+                                                   with scale_input: h / rms(h) / sqrt(2)
+    state_i+1 = GELU(LN_i(proj_i(state_i) + (emb_weight / state_weight) * emb_i(t_i)))
+    logits_i  = head_i(state_i+1)                  t_i+1 = argmax logits_i (a one-hot guess)
+
+    state_weight = 0.5 ** (0.5 / n_predict),  emb_weight = sqrt((1 - state_weight**2) * inner_dim / 2)
+    LN(x)        = weight * x / sqrt(mean(x**2) + 1e-6) + bias          (an RMS-style norm, scale and shift)
+
+``proj_0`` maps ``emb_dim`` (the target's hidden size) to ``inner_dim``; the other stages stay in ``inner_dim``.
+With ``tie_weights`` every stage shares stage 0's ``emb``, ``head`` and ``ln``, and stages 1.. share ``proj_1``.
+
+**On disk**: ``config.json`` (``architectures: ["MLPSpeculatorPreTrainedModel"]``, ``emb_dim``, ``inner_dim``
+(0: emb_dim), ``n_predict``, ``vocab_size``, ``tie_weights``, ``scale_input``) and ``model.safetensors`` with
+``emb.i.weight``, ``proj.i.weight``, ``head.i.weight``, ``ln.i.weight``, ``ln.i.bias``, possibly prefixed
+``speculator.``. One nanospec extension keeps a speculator small on a CPU, a **hot vocabulary**:
+``hot_vocab_size: K`` in the config and a tensor ``hot_token_ids`` ``[K]`` (full-vocabulary ids); then
+``head_i`` scores only those K tokens (``[K, inner_dim]``) and ``emb_i`` has ``K + 1`` rows (row ``K`` embeds
+every token outside the hot set). Guesses are still full-vocabulary ids. The guesses are one-hot, so whatever
+the weights, verification keeps the output exactly the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+ARCHITECTURE = "MLPSpeculatorPreTrainedModel"
+LN_EPS = 1e-6
+
+
+@dataclass
+class MLPSpeculatorConfig:
+    emb_dim: int
+    inner_dim: int
+    n_predict: int
+    vocab_size: int
+    tie_weights: bool = False
+    scale_input: bool = False
+    hot_vocab_size: int = 0  # nanospec: 0 scores the whole vocabulary
+
+    @classmethod
+    def from_dict(cls, config: dict, where: str) -> MLPSpeculatorConfig:
+        archs = config.get("architectures")
+        if archs != [ARCHITECTURE]:
+            raise ValueError(f"{where}: architectures must be [{ARCHITECTURE!r}] for an MLP speculator, got {archs!r}")
+        values = {}
+        for name in ("emb_dim", "inner_dim", "n_predict", "vocab_size", "hot_vocab_size"):
+            value = config.get(name, 0 if name in ("inner_dim", "hot_vocab_size") else None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name in
+                                                                                 ("inner_dim", "hot_vocab_size") else 1):
+                raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+            values[name] = value
+        for name in ("tie_weights", "scale_input"):
+            value = config.get(name, False)
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {name} must be true or false, got {value!r}")
+            values[name] = value
+        values["inner_dim"] = values["inner_dim"] or values["emb_dim"]
+        if values["tie_weights"] and values["n_predict"] < 2:
+            raise ValueError(f"{where}: tie_weights needs n_predict >= 2, got {values['n_predict']}")
+        if values["hot_vocab_size"] > values["vocab_size"]:
+            raise ValueError(f"{where}: hot_vocab_size ({values['hot_vocab_size']}) exceeds vocab_size "
+                             f"({values['vocab_size']})")
+        return cls(**values)
+
+    def to_dict(self) -> dict:
+        config = {"architectures": [ARCHITECTURE], "model_type": "mlp_speculator", **asdict(self)}
+        if not self.hot_vocab_size:
+            del config["hot_vocab_size"]
+        return config
+
+    @property
+    def num_scored(self) -> int:
+        """Rows of each head: the hot vocabulary, or the whole one."""
+        return self.hot_vocab_size or self.vocab_size
+
+
+class SpeculatorNorm(nn.Module):
+    """``weight * x / sqrt(mean(x**2) + eps) + bias`` (no scale and shift: just the division)."""
+
+    def __init__(self, dim: int, scale_and_shift: bool = True):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim)) if scale_and_shift else None
+        self.bias = nn.Parameter(torch.zeros(dim)) if scale_and_shift else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + LN_EPS)
+        return x if self.weight is None else x * self.weight + self.bias
+
+
+class MLPSpeculator(nn.Module):
+    """The stages as torch modules: :meth:`propose` for inference, :meth:`forward` (teacher-forced) to train."""
+
+    def __init__(self, config: MLPSpeculatorConfig):
+        super().__init__()
+        self.config = config
+        c = config
+        rows_in = c.hot_vocab_size + 1 if c.hot_vocab_size else c.vocab_size
+        n = c.n_predict
+        if c.tie_weights:
+            emb, head, ln = nn.Embedding(rows_in, c.inner_dim), nn.Linear(c.inner_dim, c.num_scored, bias=False), \
+                SpeculatorNorm(c.inner_dim)
+            proj_tied = nn.Linear(c.inner_dim, c.inner_dim, bias=False)
+            self.emb = nn.ModuleList([emb] * n)
+            self.head = nn.ModuleList([head] * n)
+            self.ln = nn.ModuleList([ln] * n)
+            self.proj = nn.ModuleList([nn.Linear(c.emb_dim, c.inner_dim, bias=False)] + [proj_tied] * (n - 1))
+        else:
+            self.emb = nn.ModuleList([nn.Embedding(rows_in, c.inner_dim) for _ in range(n)])
+            self.head = nn.ModuleList([nn.Linear(c.inner_dim, c.num_scored, bias=False) for _ in range(n)])
+            self.ln = nn.ModuleList([SpeculatorNorm(c.inner_dim) for _ in range(n)])
+            self.proj = nn.ModuleList([nn.Linear(c.emb_dim if i == 0 else c.inner_dim, c.inner_dim, bias=False)
+                                       for i in range(n)])
+        self.input_norm = SpeculatorNorm(c.emb_dim, scale_and_shift=False) if c.scale_input else None
+        self.state_weight = 0.5 ** (0.5 / n)
+        self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * c.inner_dim / 2)
+        # hot vocabulary: hot index -> token id, and token id -> hot index (K for a token outside the set)
+        hot = torch.arange(c.num_scored)
+        self.register_buffer("hot_token_ids", hot, persistent=False)
+        self.register_buffer("hot_index", torch.arange(c.vocab_size), persistent=False)
+        if c.hot_vocab_size:
+            self.set_hot_vocabulary(hot)
+
+    def set_hot_vocabulary(self, token_ids: torch.Tensor) -> None:
+        c = self.config
+        token_ids = token_ids.to(torch.int64).reshape(-1)
+        if token_ids.numel() != c.num_scored or token_ids.unique().numel() != token_ids.numel() \
+                or token_ids.min() < 0 or token_ids.max() >= c.vocab_size:
+            raise ValueError(f"hot_token_ids must be {c.num_scored} distinct token ids in [0, {c.vocab_size})")
+        device = self.hot_token_ids.device
+        self.hot_token_ids = token_ids.to(device)
+        index = torch.full((c.vocab_size,), c.num_scored if c.hot_vocab_size else 0, dtype=torch.int64)
+        index[token_ids] = torch.arange(token_ids.numel())
+        self.hot_index = index.to(device)
+
+    def first_state(self, hidden: torch.Tensor) -> torch.Tensor:
+        """state_0 from the target's final hidden state."""
+        return self.input_norm(hidden) / math.sqrt(2) if self.input_norm is not None else hidden
+
+    def stage(self, i: int, state: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(state_i+1, logits_i over the scored tokens) from state_i ``[..., dim]`` and token ids ``[...]``."""
+        z = self.emb[i](self.hot_index[token_ids])
+        state = self.proj[i](state) + (self.emb_weight / self.state_weight) * z
+        state = F.gelu(self.ln[i](state))
+        return state, self.head[i](state)
+
+    @torch.inference_mode()
+    def propose(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
+        """Greedy guesses ``[B, k]`` (full-vocabulary ids) after ``token_ids`` ``[B]``, from ``hidden`` ``[B, emb_dim]``."""
+        if not 0 <= k <= self.config.n_predict:
+            raise ValueError(f"this speculator guesses at most {self.config.n_predict} tokens, asked for {k}")
+        state, tokens, guesses = self.first_state(hidden.to(self.proj[0].weight.dtype)), token_ids, []
+        for i in range(k):
+            state, logits = self.stage(i, state, tokens)
+            tokens = self.hot_token_ids[logits.argmax(-1)]
+            guesses.append(tokens)
+        return torch.stack(guesses, -1) if guesses else token_ids.new_zeros(token_ids.shape[0], 0)
+
+    def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> list[torch.Tensor]:
+        """Teacher-forced logits of every stage: ``hidden`` ``[N, emb_dim]`` at position t, ``token_ids``
+        ``[N, n_predict]`` the tokens at t+1 .. t+n_predict (stage i reads token t+1+i and is trained to give
+        t+2+i). Returns n_predict tensors ``[N, num_scored]``."""
+        state, out = self.first_state(hidden), []
+        for i in range(self.config.n_predict):
+            state, logits = self.stage(i, state, token_ids[:, i])
+            out.append(logits)
+        return out
+
+    def stored_tensors(self) -> dict[str, torch.Tensor]:
+        """The tensors of the format, each shared one once (stage 0's, and proj.1 when tied)."""
+        c = self.config
+        stages = [0] if c.tie_weights else range(c.n_predict)
+        proj_stages = [0, 1] if c.tie_weights else range(c.n_predict)
+        tensors = {}
+        for i in stages:
+            tensors[f"emb.{i}.weight"] = self.emb[i].weight
+            tensors[f"head.{i}.weight"] = self.head[i].weight
+            tensors[f"ln.{i}.weight"] = self.ln[i].weight
+            tensors[f"ln.{i}.bias"] = self.ln[i].bias
+        for i in proj_stages:
+            tensors[f"proj.{i}.weight"] = self.proj[i].weight
+        if c.hot_vocab_size:
+            tensors["hot_token_ids"] = self.hot_token_ids
+        return tensors
+
+
+def save_mlp_speculator(model: MLPSpeculator, directory: str | os.PathLike, dtype: torch.dtype = torch.float16,
+                        metadata: dict | None = None) -> Path:
+    """Write ``config.json`` and ``model.safetensors`` (floats in ``dtype``) to ``directory``."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict() | {"torch_dtype": str(dtype).removeprefix("torch.")}
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    tensors = {name: (t.detach().to(dtype) if t.is_floating_point() else t.detach()).contiguous().cpu()
+               for name, t in model.stored_tensors().items()}
+    save_file(tensors, str(directory / "model.safetensors"),
+              metadata={k: str(v) for k, v in (metadata or {}).items()})
+    return directory
+
+
+def load_mlp_speculator(path: str | os.PathLike, emb_dim: int | None = None, vocab_size: int | None = None,
+                        device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> MLPSpeculator:
+    """Load a speculator directory; ``emb_dim`` / ``vocab_size``: the target's, checked when given."""
+    directory = Path(path)
+    config_file = directory / "config.json"
+    if not directory.is_dir():
+        raise FileNotFoundError(f"MLP speculator path is not a directory: {directory}")
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{directory} has no config.json (an MLP speculator directory holds config.json "
+                                f"and model.safetensors)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"not a valid JSON file: {config_file} ({error})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{config_file} must hold a JSON object")
+    config = MLPSpeculatorConfig.from_dict(raw, str(config_file))
+    if emb_dim is not None and config.emb_dim != emb_dim:
+        raise ValueError(f"{config_file}: emb_dim {config.emb_dim} does not match the target's hidden size {emb_dim}")
+    if vocab_size is not None and config.vocab_size != vocab_size:
+        raise ValueError(f"{config_file}: vocab_size {config.vocab_size} does not match the target's vocabulary "
+                         f"({vocab_size})")
+    weights = directory / "model.safetensors"
+    if not weights.is_file():
+        raise FileNotFoundError(f"{directory} has no model.safetensors (only safetensors weights are loaded)")
+    model = MLPSpeculator(config)
+    expected = {name: tuple(t.shape) for name, t in model.stored_tensors().items()}
+    try:
+        handle = safe_open(str(weights), framework="pt")
+    except Exception as error:
+        raise ValueError(f"not a valid safetensors file: {weights} ({error})") from None
+    stored = {name.removeprefix("speculator."): name for name in handle.keys()}
+    missing = [name for name in expected if name not in stored]
+    if missing:
+        raise ValueError(f"{weights} lacks tensors: {', '.join(missing[:8])}")
+    tensors = {}
+    for name, shape in expected.items():
+        try:
+            tensor = handle.get_tensor(stored[name])
+        except Exception as error:
+            raise ValueError(f"cannot read tensor {stored[name]} of {weights} ({error})") from None
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"tensor {stored[name]} in {weights} has shape {tuple(tensor.shape)}, but config.json "
+                             f"implies {shape}")
+        if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+            raise ValueError(f"tensor {stored[name]} in {weights} holds NaN or infinite values")
+        tensors[name] = tensor
+    with torch.no_grad():
+        if config.hot_vocab_size:
+            model.set_hot_vocabulary(tensors.pop("hot_token_ids"))
+        own = model.stored_tensors()
+        for name, tensor in tensors.items():
+            own[name].copy_(tensor.to(own[name].dtype))
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
