@@ -3,9 +3,11 @@
     seqs      = scheduler.schedule()                    which sequences run, KV blocks reserved
     proposals = speculator.propose(seqs)                a token tree of guesses per sequence (maybe empty)
     batch     = build_step_batch(seqs, proposals)       one ragged batch: prefill, decode and verify alike
-    logits    = runner.execute(batch)                   ONE target forward (a CUDA graph for decode / verify)
+    logits, hidden = runner.execute(batch, ...)         ONE target forward (a CUDA graph for decode / verify);
+                                                        the final hidden states only for a proposer that reads them
     verdicts  = speculator.verify(seqs, proposals, ...) accepted path + one token of the target's own
-    commit                                              append tokens, stop checks, roll back rejected KV
+    commit                                              append tokens, stop checks, roll back rejected KV, tell
+                                                        the proposer (with the hidden state behind the last token)
 
 Each sequence feeds ``token_ids[num_cached_tokens:]`` and then its proposal's nodes. The target's
 logits at the root (the last committed token) and at every node judge the nodes below them. After
@@ -148,9 +150,9 @@ class Engine:
             proposals = self.speculator.propose(seqs)
             batch = build_step_batch(seqs, proposals, self.config.block_size)
             forward_start = time.perf_counter()
-            logits = self.runner.execute(batch)
+            logits, hidden = self.runner.execute(batch, hidden_states=self.speculator.needs_hidden_states)
             self.stats.forward_seconds += time.perf_counter() - forward_start
-            verdicts = self.speculator.verify(seqs, proposals, logits)
+            verdicts = self.speculator.verify(seqs, proposals, logits, hidden)
         except Exception as error:  # nothing is committed yet: only the requests that fail alone fail
             return self._isolate(seqs, error)
         self.stats.num_steps += 1

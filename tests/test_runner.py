@@ -55,10 +55,13 @@ def test_padded_logits_equal_eager_logits(target, device):
     for tree_masks in (None, masks):
         batch = build_forward_batch(new, [8, 8, 8], tables, 4, [range(len(t)) for t in new], "cpu",
                                     positions=[None, [8, 9, 9], None] if tree_masks else None, tree_masks=tree_masks)
-        want = eager.engine.runner.execute(batch)
-        got = padded.engine.runner.execute(batch)
+        want, want_hidden = eager.engine.runner.execute(batch, hidden_states=True)
+        got, got_hidden = padded.engine.runner.execute(batch, hidden_states=True)
         assert got.shape == want.shape == (6, eager.config.vocab_size)
+        assert got_hidden.shape == want_hidden.shape == (6, eager.config.hidden_size)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32; on CUDA TF32 is off in the tests
+        torch.testing.assert_close(got_hidden, want_hidden, rtol=1e-5, atol=1e-5)
+        assert padded.engine.runner.execute(batch)[1] is None  # hidden states only when asked for
     assert set(padded.engine.runner.graphs) == {(4, 4, False), (4, 4, True)}
 
 

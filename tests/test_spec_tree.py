@@ -87,7 +87,7 @@ def test_accepted_tree_path_kv_equals_plain_decoding(paths, device):
     proposal = Proposal([(a + 1) % 300, a, (b + 1) % 300, b], parents=[-1, -1, 1, 1])
     root = seq.num_tokens - 1
     engine.block_manager.reserve(seq.block_table, seq.num_tokens + 4)
-    logits = engine.runner.execute(build_step_batch([seq], [proposal], 4))
+    logits, _ = engine.runner.execute(build_step_batch([seq], [proposal], 4))
     (verdict,) = engine.speculator.verify([seq], [proposal], logits)  # walks the tree, compacts the accepted path
     assert verdict.path == [1, 3] and verdict.emitted[:2] == [a, b]
     n = root + 3  # root, a, b now contiguous

@@ -10,7 +10,8 @@ longest sequence, up to the most a step feeds). Sequence ``s`` owns rows ``s*q .
 first, then padding rows that write no K/V (slot -1) and that no real row sees (they come later: causal, and
 outside every tree mask). Its ``seq_len`` counts the padding, so real row ``j`` still sits at
 ``context + j``; padding sequences own no blocks (their rows read block 0 and are thrown away). Every
-row's logits are computed and the real rows are picked out on the device.
+row's logits are computed and the real rows are picked out on the device (and their final hidden states, for a
+proposer that reads them: the MLP speculator; a graph keeps both outputs in static tensors).
 
 On CUDA (``enforce_eager=False``, the default there) each bucket's forward is captured once, the first time
 it is needed, as a CUDA graph (after a warm-up run that compiles the Triton kernels) and then replayed: one
@@ -47,7 +48,8 @@ def buckets(limit: int) -> list[int]:
 class _Graph:
     batch: ForwardBatch                  # views of the static buffers, at the bucket's size
     graph: torch.cuda.CUDAGraph | None   # None on a CPU: the static path runs eagerly
-    logits: torch.Tensor | None          # the captured output
+    logits: torch.Tensor | None          # the captured outputs: every row's logits
+    hidden: torch.Tensor | None          # and final hidden states
 
 
 class ModelRunner:
@@ -82,20 +84,26 @@ class ModelRunner:
             tree_mask=zeros(rows, num_words(max_query_len)))
 
     # ---------------------------------------------------------------- one step
-    def execute(self, batch: ForwardBatch) -> torch.Tensor:
-        """``[R, vocab]`` float32 logits of ``batch.logits_indices``; ``batch`` lives on the host."""
+    def execute(self, batch: ForwardBatch, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[R, vocab]`` float32 logits of ``batch.logits_indices`` and, when ``hidden_states``, the final hidden
+        states they were computed from (after the final norm, ``[R, hidden]``; else None); ``batch`` lives on the
+        host. The hidden states come from the same forward: asking for them costs one gather on the static path."""
         key = None if self.enforce_eager else self._bucket(batch)
         if key is None:
-            return self.model.compute_logits(self.model.forward(self._to_device(batch), self.kv_cache))
+            hidden = self.model.forward(self._to_device(batch), self.kv_cache)
+            return self.model.compute_logits(hidden), hidden if hidden_states else None
         num_seqs, q, masked = key
         entry = self.graphs.get(key)
         if entry is None:
             entry = self.graphs[key] = self._prepare(num_seqs, q, masked)
         rows = self._fill(entry.batch, batch, q)
         if entry.graph is None:
-            return self.model.compute_logits(self.model.forward(entry.batch, self.kv_cache))[rows]
-        entry.graph.replay()
-        return entry.logits[rows]
+            hidden = self.model.forward(entry.batch, self.kv_cache)
+            logits = self.model.compute_logits(hidden)
+        else:
+            entry.graph.replay()
+            hidden, logits = entry.hidden, entry.logits
+        return logits[rows], hidden[rows] if hidden_states else None
 
     def _bucket(self, batch: ForwardBatch) -> tuple[int, int, bool] | None:
         """The bucket of a decode / verify batch (every row wants logits), or None: run it eagerly."""
@@ -182,7 +190,7 @@ class ModelRunner:
                              max_query_len=q, logits_indices=s.logits_indices[:rows],
                              tree_mask=s.tree_mask[:rows] if masked else None)
         if not self.use_graphs:
-            return _Graph(batch, None, None)
+            return _Graph(batch, None, None, None)
         # warm-up (compiles the kernels) and capture on the buffers as they are: padding-only rows, slot -1
         batch.slot_mapping.fill_(-1)
         batch.seq_lens.fill_(q)
@@ -191,5 +199,6 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
-        return _Graph(batch, graph, logits)
+            hidden = self.model.forward(batch, self.kv_cache)
+            logits = self.model.compute_logits(hidden)
+        return _Graph(batch, graph, logits, hidden)

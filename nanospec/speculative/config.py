@@ -6,10 +6,13 @@
     {"method": "draft", "model": PATH, "num_speculative_tokens": 4, "tree_top_k": 2, "tree_budget": 12}
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
     {"method": "draft", "model": PATH, "acceptance": "coupled"}     # outputs equal plain seeded sampling
+    {"method": "mlp_speculator"}                                    # the speculator shipped for the embedded model
+    {"method": "mlp_speculator", "model": "path/to/speculator", "num_speculative_tokens": 3}
 
 ``num_speculative_tokens`` is the most guesses verified per step. With ``"adaptive": True`` (the
 default) each step verifies only as many as pay off on this machine (``nanospec.speculative.policy``);
-``False`` always verifies every guess the proposer has.
+``False`` always verifies every guess the proposer has. An MLP speculator (IBM's format) guesses from the
+target's hidden state; its ``num_speculative_tokens`` defaults to, and may not exceed, its ``n_predict``.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 from nanospec.speculative.draft import DraftProposer
 from nanospec.speculative.lookahead import LookaheadProposer
+from nanospec.speculative.mlp import MLPSpeculatorProposer
 from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.proposer import Proposer
 
@@ -29,13 +33,14 @@ _KEYS = {
     "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive", "tree_top_k", "tree_budget",
               "acceptance"},
     "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
+    "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype"},
 }
 
 
 @dataclass
 class SpeculativeConfig:
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int  # 0: the proposer's own (lookahead: its window; an MLP speculator: its n_predict)
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     model: str | None = None
@@ -77,7 +82,10 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         return SpeculativeConfig(method, 0, window_size=_positive_int(config, "window_size", 5),
                                  ngram_size=_positive_int(config, "ngram_size", 4),
                                  guess_set_size=_positive_int(config, "guess_set_size", 5), adaptive=False)
-    k = _positive_int(config, "num_speculative_tokens", 5 if method == "ngram" else 4)
+    if method == "mlp_speculator":
+        k = _positive_int(config, "num_speculative_tokens", 1) if "num_speculative_tokens" in config else 0
+    else:
+        k = _positive_int(config, "num_speculative_tokens", 5 if method == "ngram" else 4)
     tree_budget = _positive_int(config, "tree_budget", 1) if "tree_budget" in config else None
     adaptive = config.get("adaptive", True)
     if not isinstance(adaptive, bool):
@@ -89,6 +97,20 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
         return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
                                  max_candidates=_positive_int(config, "max_candidates", 1), tree_budget=tree_budget)
+    dtype = config.get("dtype")
+    if dtype is not None and not isinstance(dtype, str):
+        raise ValueError(f"speculative_config['dtype'] must be a dtype name such as 'float32', got {dtype!r}")
+    if method == "mlp_speculator":  # without a model: the shipped one, if the target is the embedded model
+        model = config.get("model")
+        if model is not None:
+            if not model or not isinstance(model, (str, os.PathLike)):
+                raise ValueError(f"speculative_config['model'] for method 'mlp_speculator' must be the path of an "
+                                 f"MLP speculator directory (config.json + model.safetensors), got {model!r}")
+            if not Path(model).exists():
+                raise FileNotFoundError(f"speculative_config['model']: the MLP speculator path does not exist: "
+                                        f"{model}")
+            model = str(model)
+        return SpeculativeConfig(method, k, model=model, dtype=dtype, adaptive=adaptive)
     model = config.get("model")
     if not model or not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"speculative_config for method 'draft' needs 'model': the path of a small Llama, "
@@ -97,9 +119,6 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     acceptance = config.get("acceptance", "rejection")
     if acceptance not in ("rejection", "coupled"):
         raise ValueError(f"speculative_config['acceptance'] must be 'rejection' or 'coupled', got {acceptance!r}")
-    dtype = config.get("dtype")
-    if dtype is not None and not isinstance(dtype, str):
-        raise ValueError(f"speculative_config['dtype'] must be a dtype name such as 'float32', got {dtype!r}")
     if not Path(model).exists():
         raise FileNotFoundError(f"speculative_config['model']: the draft model path does not exist: {model}")
     return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
@@ -114,4 +133,6 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
                              config.max_candidates, config.tree_budget)
     if config.method == "lookahead":
         return LookaheadProposer(config.window_size, config.ngram_size, config.guess_set_size)
+    if config.method == "mlp_speculator":
+        return MLPSpeculatorProposer.from_config(config, target_config, device, dtype)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len)

@@ -96,6 +96,9 @@ class Verdict:
     path: list[int] = field(default_factory=list)  # node indices of the accepted path, the root's child first
     extra_argmax: list[int] | None = None  # the target's argmax at each fed-only node
     logprobs: list[TokenLogprob] | None = None  # per emitted token, when the request asks for them
+    # the target's final hidden state ([hidden], on the device) at the row whose logits drew the last emitted
+    # token: the root's when no guess was accepted, else the last accepted node's (for a proposer that reads it)
+    hidden_state: torch.Tensor | None = None
 
     @property
     def num_accepted(self) -> int:

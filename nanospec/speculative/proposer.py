@@ -6,7 +6,8 @@ forward each makes that many; one whose guesses are free may return more, and th
 what it verifies and checks the first left-over guess against the outcome); ``commit`` after the
 sequence grew by the tokens its verdict emitted (not called for a sequence that finished);
 ``preempt`` when its KV is dropped for recompute; ``free`` when it finishes. Hooks a proposer has no
-use for keep these do-nothing defaults.
+use for keep these do-nothing defaults. A proposer with ``needs_hidden_states`` (the MLP speculator) finds in
+each verdict it is given the target's final hidden state behind the last emitted token (``Verdict.hidden_state``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ class Proposer(abc.ABC):
     max_tokens_per_step: int  # the most nodes one proposal holds: KV slots to reserve beyond the root
     adaptive_k = True  # chains: the speculator may verify fewer guesses than proposed (nanospec.speculative.policy)
     max_model_len: int | None = None  # the longest sequence it can guess for (a draft model's context); None: any
+    needs_hidden_states = False  # True: verdicts carry the target's hidden state behind the last emitted token
 
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:

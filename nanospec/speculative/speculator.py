@@ -4,7 +4,8 @@
               proposer's token tree for each (a chain is a tree)
     verify    one pass over the target's logits: each sequence's accepted path and the token after it
               (plain sampling for a sequence that does not speculate); the accepted path's K/V is
-              then moved next to the root, so the sequence's K/V is contiguous again
+              then moved next to the root, so the sequence's K/V is contiguous again; for a proposer
+              that reads hidden states, each verdict gets the one behind its last emitted token
     commit    the outcome goes back to the proposer (its own state, draft K/V rollback) and into the
               sequence's acceptance estimate
 
@@ -36,6 +37,7 @@ class Speculator:
         self.block_size = block_manager.block_size
         self.max_model_len = max_model_len
         self.max_tokens_per_step = proposer.max_tokens_per_step if proposer is not None else 0
+        self.needs_hidden_states = proposer is not None and proposer.needs_hidden_states
         self.policy: GoodputPolicy | None = None
         if proposer is None:
             return
@@ -56,7 +58,7 @@ class Speculator:
         while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
                                                             self.max_model_len // 2):
             larger.append(m)
-        costs = time_forwards(self.runner.execute, block_manager, list(range(1, k + 2)) + larger, per_seq=k + 1,
+        costs = time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager, list(range(1, k + 2)) + larger, per_seq=k + 1,
                               device=self.model.device, batch_device="cpu", max_len=self.max_model_len)
         return GoodputPolicy(k, costs[:k + 1], self.proposer.measure_cost(),
                              larger_forwards=dict(zip(larger, costs[k + 1:])))
@@ -119,11 +121,27 @@ class Speculator:
         num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
         return self.policy.choose_ks([seqs[i].acceptance for i in guessing], num_tokens, len(seqs))
 
-    def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor) -> list[Verdict]:
-        """Each sequence's verdict; an accepted path off the chain has its K/V moved next to the root."""
+    def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
+               hidden: torch.Tensor | None = None) -> list[Verdict]:
+        """Each sequence's verdict; an accepted path off the chain has its K/V moved next to the root. With the
+        step's final hidden states (``hidden``, a row per logits row) each verdict gets its ``hidden_state``."""
         verdicts = verify(seqs, proposals, logits, self.runner.to_device)
         self._compact_accepted_paths(seqs, verdicts)
+        if hidden is not None:
+            self._attach_hidden_states(proposals, verdicts, hidden)
         return verdicts
+
+    def _attach_hidden_states(self, proposals: list[Proposal], verdicts: list[Verdict], hidden: torch.Tensor) -> None:
+        """The last emitted token was drawn from the logits of the root's row when no guess was accepted, else of
+        the last accepted node's (rows: per sequence the root's, then one per node); one gather picks each
+        sequence's hidden state there, and it stays on the device."""
+        rows, start = [], 0
+        for proposal, verdict in zip(proposals, verdicts):
+            rows.append(start + (1 + verdict.path[-1] if verdict.path else 0))
+            start += 1 + len(proposal.token_ids)
+        (rows_t,) = self.runner.to_device([torch.tensor(rows, dtype=torch.int64)])
+        for verdict, state in zip(verdicts, hidden[rows_t].unbind(0)):
+            verdict.hidden_state = state
 
     def _compact_accepted_paths(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
         """Node i's K/V sits at root + 1 + i; the accepted path's moves to root + 1 .. root + depth."""
