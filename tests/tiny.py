@@ -154,3 +154,55 @@ def assert_same_tokens_up_to_a_near_tie(got: list[int], expected: list[int], ref
             f"(logits {row[got[first]].item():.6f} and {row[expected[first]].item():.6f}, max {row.max().item():.6f})"
             f"\n got:      {got}\n expected: {expected}")
     return first
+
+
+# ---------------------------------------------------------------- an MLP speculator that a tiny target accepts
+def forward_hidden(llm, ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states (after its final norm) after every prefix of ``ids``, ``[len(ids), H]``
+    (row i is the state whose logits predict token i + 1), by one prefill as in :func:`forward_logits`."""
+    from nanospec.model.forward_batch import build_forward_batch
+
+    engine = llm.engine
+    table: list[int] = []
+    engine.block_manager.reserve(table, len(ids))
+    try:
+        batch = build_forward_batch([ids], [0], [table], engine.config.block_size, [list(range(len(ids)))],
+                                    llm.device)
+        return llm.model.forward(batch, engine.kv_cache).float()
+    finally:
+        engine.block_manager.free(table)
+
+
+def successor_speculator(successors: dict[int, int], emb_dim: int, vocab_size: int, n_predict: int = 3):
+    """An MLP speculator built by hand (no training) whose every stage guesses ``successors[t]`` after token ``t``
+    (an arbitrary token after one outside the table): inner_dim = vocab_size, ``emb_i`` the identity, so after the
+    norm and GELU the state is ``sqrt(V) * one_hot(t)`` up to the tiny ``proj_i`` term (the hidden state flows in,
+    but cannot change a guess), and ``head_i[successors[t], t] = 1``. Guesses chain: t_2 = successors[t_1], ...
+    Built from a target's own outputs, it guesses them often but not always."""
+    from nanospec.model.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+
+    model = MLPSpeculator(MLPSpeculatorConfig(emb_dim=emb_dim, inner_dim=vocab_size, n_predict=n_predict,
+                                              vocab_size=vocab_size))
+    head = torch.zeros(vocab_size, vocab_size)
+    for token, successor in successors.items():
+        head[successor, token] = 1.0
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for i in range(n_predict):
+            model.emb[i].weight.copy_(torch.eye(vocab_size))
+            model.proj[i].weight.copy_(1e-3 * torch.randn(model.proj[i].weight.shape, generator=generator))
+            model.ln[i].weight.fill_(1.0)
+            model.ln[i].bias.zero_()
+            model.head[i].weight.copy_(head)
+    return model
+
+
+def most_common_successors(sequences: list[list[int]]) -> dict[int, int]:
+    """Token -> the token that follows it most often in ``sequences`` (the first seen among equals)."""
+    from collections import Counter
+
+    counts: dict[int, Counter] = {}
+    for ids in sequences:
+        for token, successor in zip(ids, ids[1:]):
+            counts.setdefault(token, Counter())[successor] += 1
+    return {token: c.most_common(1)[0][0] for token, c in counts.items()}

@@ -1,0 +1,471 @@
+"""The MLP speculator (IBM's MLPSpeculator, the format vLLM loads as ``mlp_speculator``) and method
+``"mlp_speculator"``:
+
+* the model against its formula written out again here with plain torch ops on the same weights (tied and untied,
+  scale_input on and off, inner_dim 0 meaning emb_dim, a hot vocabulary), in float64 so that argmaxes agree;
+* checkpoints in the published layout, written by the test (names with and without ``speculator.``; tied ones that
+  store every stage's names or only stage 0's and proj.1), and every loading error, each naming the bad thing;
+* the engine: greedy output and seeded sampling equal plain decoding's token for token (alone, batched, mixed with
+  requests that do not speculate, on the static path, under preemption; no KV block leaked); each sequence gets the
+  target's hidden state at the row whose logits drew its last token; sampled tokens converge to the target's
+  distribution; the config's errors;
+* the speculator shipped for the embedded SmolLM2.
+
+Engines run in fp32 on the test device, speculative against plain on the same device and backend: exactly equal.
+They use a speculator built by hand from the target's own outputs (``tiny.successor_speculator``): its guesses are
+accepted often but not always, so acceptance, the bonus token and the KV rollback all run."""
+
+import dataclasses
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nanospec import LLM, SamplingParams
+from nanospec.model.mlp_speculator import load_mlp_speculator, save_mlp_speculator
+from nanospec.speculative.config import parse_speculative_config
+from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer
+from tiny import (KV_TOLERANCE, assert_no_leak, forward_hidden, forward_logits, make_tiny_llama,
+                  most_common_successors, successor_speculator)
+
+# ---------------------------------------------------------------- the published format, written by hand
+
+EMB_DIM, VOCAB, N_PREDICT = 16, 97, 3
+
+
+def published_tensors(*, inner_dim: int, tie: bool, hot: int = 0, every_stage: bool = False,
+                      emb_dim: int = EMB_DIM, vocab: int = VOCAB, n_predict: int = N_PREDICT, seed: int = 0) -> dict:
+    """Random tensors under the format's names (no prefix): ``emb.i``, ``proj.i``, ``head.i``, ``ln.i`` per stage,
+    or when tied stage 0's, ``proj.0`` and ``proj.1`` (``every_stage``: every stage's names too, as copies)."""
+    g = torch.Generator().manual_seed(seed)
+    inner = inner_dim or emb_dim
+    rows_in, scored = (hot + 1, hot) if hot else (vocab, vocab)
+    tensors = {}
+    for i in range(1 if tie else n_predict):
+        tensors[f"emb.{i}.weight"] = torch.randn(rows_in, inner, generator=g)
+        tensors[f"head.{i}.weight"] = torch.randn(scored, inner, generator=g) / math.sqrt(inner)
+        tensors[f"ln.{i}.weight"] = 1 + 0.3 * torch.randn(inner, generator=g)
+        tensors[f"ln.{i}.bias"] = 0.3 * torch.randn(inner, generator=g)
+    for i in range(2 if tie else n_predict):
+        fan_in = emb_dim if i == 0 else inner
+        tensors[f"proj.{i}.weight"] = torch.randn(inner, fan_in, generator=g) / math.sqrt(fan_in)
+    if tie and every_stage:
+        for i in range(1, n_predict):
+            for name in ("emb.{}.weight", "head.{}.weight", "ln.{}.weight", "ln.{}.bias"):
+                tensors[name.format(i)] = tensors[name.format(0)].clone()
+            if i >= 2:
+                tensors[f"proj.{i}.weight"] = tensors["proj.1.weight"].clone()
+    if hot:
+        tensors["hot_token_ids"] = torch.randperm(vocab, generator=g)[:hot]
+    return tensors
+
+
+def published_config(*, inner_dim: int, tie: bool, scale_input: bool = False, hot: int = 0, emb_dim: int = EMB_DIM,
+                     vocab: int = VOCAB, n_predict: int = N_PREDICT) -> dict:
+    config = {"architectures": ["MLPSpeculatorPreTrainedModel"], "model_type": "mlp_speculator", "emb_dim": emb_dim,
+              "inner_dim": inner_dim, "n_predict": n_predict, "vocab_size": vocab, "tie_weights": tie,
+              "scale_input": scale_input, "n_candidates": 5, "top_k_tokens_per_head": [1] * n_predict,
+              "torch_dtype": "float32"}  # (the last three: keys of published configs that nanospec ignores)
+    if hot:
+        config["hot_vocab_size"] = hot
+    return config
+
+
+def write_checkpoint(directory: Path, tensors: dict, config: dict, prefix: str = "") -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config))
+    save_file({prefix + name: t.contiguous() for name, t in tensors.items()}, str(directory / "model.safetensors"))
+    return directory
+
+
+def reference(tensors: dict, config: dict, hidden: torch.Tensor, first_tokens: torch.Tensor, k: int,
+              teacher: torch.Tensor | None = None) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The format's math, stage by stage, in float64 on the stored tensors: (guesses ``[B, k]``, each stage's
+    logits). Stage i reads ``teacher[:, i]`` when given (teacher forcing), else the previous guess.
+
+        state_0 = h, or h / sqrt(mean(h^2) + 1e-6) / sqrt(2) with scale_input
+        x       = proj_i(state_i) + (emb_weight / state_weight) * emb_i[row of t_i]
+        state_i+1 = GELU(ln_weight * x / sqrt(mean(x^2) + 1e-6) + ln_bias)       (GELU with erf)
+        logits_i  = head_i(state_i+1);  t_i+1 = argmax (through hot_token_ids when there is a hot vocabulary)
+        state_weight = 0.5 ** (0.5 / n_predict),  emb_weight = sqrt((1 - state_weight^2) * inner_dim / 2)
+    Tied: every stage uses stage 0's emb, head and ln, and stages 1.. use proj.1."""
+    n, inner = config["n_predict"], config["inner_dim"] or config["emb_dim"]
+    state_weight = 0.5 ** (0.5 / n)
+    emb_weight = math.sqrt((1 - state_weight ** 2) * inner / 2)
+
+    def w(name: str, i: int) -> torch.Tensor:
+        if config["tie_weights"]:
+            i = min(i, 1) if name.startswith("proj") else 0
+        return tensors[name.format(i)].double()
+
+    hot = tensors.get("hot_token_ids")
+    state = hidden.double()
+    if config["scale_input"]:
+        state = state / torch.sqrt(state.pow(2).mean(-1, keepdim=True) + 1e-6) / math.sqrt(2)
+    tokens, guesses, logits_list = first_tokens, [], []
+    for i in range(k):
+        rows = tokens
+        if hot is not None:  # a token's position in the hot set, or the last row for any other token
+            match = hot[None, :] == tokens[:, None]
+            rows = torch.where(match.any(1), match.int().argmax(1), torch.full_like(tokens, len(hot)))
+        x = state @ w("proj.{}.weight", i).T + (emb_weight / state_weight) * w("emb.{}.weight", i)[rows]
+        x = w("ln.{}.weight", i) * x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) + w("ln.{}.bias", i)
+        state = 0.5 * x * (1 + torch.erf(x / math.sqrt(2)))
+        logits = state @ w("head.{}.weight", i).T
+        guess = logits.argmax(-1) if hot is None else hot[logits.argmax(-1)]
+        guesses.append(guess)
+        logits_list.append(logits)
+        tokens = teacher[:, i + 1] if teacher is not None and i + 1 < teacher.shape[1] else guess
+    return torch.stack(guesses, 1), logits_list
+
+
+def check_against_reference(model, tensors: dict, config: dict, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    hidden = 3 * torch.randn(64, config["emb_dim"], generator=g, dtype=torch.float64)
+    first = torch.randint(0, config["vocab_size"], (64,), generator=g)
+    for k in (1, config["n_predict"]):
+        want, _ = reference(tensors, config, hidden, first, k)
+        assert torch.equal(model.propose(hidden, first, k), want)
+    teacher = torch.randint(0, config["vocab_size"], (64, config["n_predict"]), generator=g)
+    _, want_logits = reference(tensors, config, hidden, teacher[:, 0], config["n_predict"], teacher=teacher)
+    got_logits = model(hidden, teacher)
+    assert len(got_logits) == len(want_logits)
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("scale_input", [False, True], ids=["raw", "scale_input"])
+@pytest.mark.parametrize("inner_dim, hot", [(0, 0), (24, 0), (24, 40)], ids=["inner0", "inner24", "hot40"])
+def test_model_follows_the_formula(tmp_path, tie, scale_input, inner_dim, hot):
+    tensors = published_tensors(inner_dim=inner_dim, tie=tie, hot=hot)
+    config = published_config(inner_dim=inner_dim, tie=tie, scale_input=scale_input, hot=hot)
+    model = load_mlp_speculator(write_checkpoint(tmp_path, tensors, config), EMB_DIM, VOCAB, dtype=torch.float64)
+    inner = inner_dim or EMB_DIM
+    assert model.config.inner_dim == inner and model.proj[1].weight.shape == (inner, inner)
+    check_against_reference(model, tensors, config)
+    if hot:
+        guesses = model.propose(torch.randn(32, EMB_DIM, dtype=torch.float64), torch.arange(32), 3)
+        assert set(guesses.flatten().tolist()) <= set(tensors["hot_token_ids"].tolist())
+
+
+@pytest.mark.parametrize("prefix", ["", "speculator."], ids=["bare", "prefixed"])
+@pytest.mark.parametrize("layout", ["untied", "tied_stage0", "tied_every_stage"])
+def test_published_layouts_load_and_save_round_trips(tmp_path, prefix, layout):
+    tie = layout != "untied"
+    tensors = published_tensors(inner_dim=24, tie=tie, every_stage=layout == "tied_every_stage")
+    config = published_config(inner_dim=24, tie=tie, scale_input=True)
+    model = load_mlp_speculator(write_checkpoint(tmp_path / "in", tensors, config, prefix), EMB_DIM, VOCAB,
+                                dtype=torch.float64)
+    check_against_reference(model, tensors, config)
+    if tie:  # one set of weights shared by the stages
+        assert model.emb[2] is model.emb[0] and model.proj[2] is model.proj[1] and model.proj[1] is not model.proj[0]
+    saved = save_mlp_speculator(model, tmp_path / "out", dtype=torch.float32)
+    again = load_mlp_speculator(saved, EMB_DIM, VOCAB, dtype=torch.float64)
+    check_against_reference(again, tensors, config)
+
+
+def _mutate(config_changes: dict | None = None, drop: str | None = None, replace: dict | None = None):
+    def apply(config: dict, tensors: dict) -> None:
+        config.update(config_changes or {})
+        if drop:
+            del tensors[drop]
+        tensors.update(replace or {})
+    return apply
+
+
+def _with_nan(name: str):
+    def apply(config: dict, tensors: dict) -> None:
+        tensors[name] = tensors[name].clone()
+        tensors[name][3] = float("nan")
+    return apply
+
+
+LOAD_ERRORS = {
+    "architecture": (_mutate({"architectures": ["LlamaForCausalLM"]}), ["architectures", "LlamaForCausalLM"]),
+    "n_predict": (_mutate({"n_predict": 0}), ["n_predict", "0"]),
+    "inner_dim": (_mutate({"inner_dim": -3}), ["inner_dim", "-3"]),
+    "tie_weights": (_mutate({"tie_weights": "yes"}), ["tie_weights", "yes"]),
+    "missing tensor": (_mutate(drop="head.1.weight"), ["head.1.weight"]),
+    "misshaped tensor": (_mutate(replace={"proj.2.weight": torch.zeros(24, 23)}), ["proj.2.weight", "(24, 23)",
+                                                                                   "(24, 24)"]),
+    "NaN tensor": (_with_nan("ln.1.bias"), ["ln.1.bias", "NaN"]),
+    "config vs tensors": (_mutate({"vocab_size": 98}), ["emb.0.weight", "(97, 24)", "(98, 24)"]),
+}
+
+
+@pytest.mark.parametrize("prefix", ["", "speculator."], ids=["bare", "prefixed"])
+@pytest.mark.parametrize("case", sorted(LOAD_ERRORS))
+def test_load_errors_name_the_bad_thing(tmp_path, case, prefix):
+    mutate, words = LOAD_ERRORS[case]
+    tensors = published_tensors(inner_dim=24, tie=False)
+    config = published_config(inner_dim=24, tie=False)
+    mutate(config, tensors)
+    write_checkpoint(tmp_path, tensors, config, prefix)
+    with pytest.raises(ValueError) as error:
+        load_mlp_speculator(tmp_path)
+    for word in words:
+        assert word in str(error.value), (word, str(error.value))
+
+
+def test_target_mismatch_and_missing_files_are_named(tmp_path):
+    directory = write_checkpoint(tmp_path / "spec", published_tensors(inner_dim=0, tie=False),
+                                 published_config(inner_dim=0, tie=False))
+    with pytest.raises(ValueError, match=r"emb_dim 16 does not match the target's hidden size 32"):
+        load_mlp_speculator(directory, emb_dim=32, vocab_size=VOCAB)
+    with pytest.raises(ValueError, match=r"vocab_size 97 does not match the target's vocabulary \(98\)"):
+        load_mlp_speculator(directory, emb_dim=EMB_DIM, vocab_size=98)
+    with pytest.raises(FileNotFoundError, match="not a directory"):
+        load_mlp_speculator(tmp_path / "nowhere")
+    (directory / "model.safetensors").rename(directory / "weights.bin")
+    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+        load_mlp_speculator(directory)
+    (directory / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not a valid JSON file"):
+        load_mlp_speculator(directory)
+    (directory / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_mlp_speculator(directory)
+
+
+# ---------------------------------------------------------------- the engine
+
+PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 104, 105, 3], [11, 12],
+           [42]]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=11, ignore_eos=True),
+           SamplingParams(temperature=0.5, top_k=20, max_tokens=20, seed=-5, ignore_eos=True)]
+ALL_PARAMS = [GREEDY, *SAMPLED]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("mlp_target")
+    make_tiny_llama(path, seed=1, tie=True, layers=3, max_pos=256)
+    return path
+
+
+@pytest.fixture(scope="module")
+def plain(target, device):
+    return LLM(str(target), num_blocks=256, block_size=4, device=device, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    """Plain decoding's tokens: ``expected[j][i]`` for ``ALL_PARAMS[j]`` and ``PROMPTS[i]``."""
+    return [[o.token_ids for o in plain.generate(PROMPTS, params)] for params in ALL_PARAMS]
+
+
+@pytest.fixture(scope="module")
+def speculator(tmp_path_factory, expected, plain):
+    """A speculator that guesses, after each token, the token that most often followed it in plain decoding."""
+    sequences = [prompt + out for outputs in expected for prompt, out in zip(PROMPTS, outputs)]
+    model = successor_speculator(most_common_successors(sequences), plain.config.hidden_size, plain.config.vocab_size)
+    return save_mlp_speculator(model, tmp_path_factory.mktemp("mlp_speculator"), dtype=torch.float32)
+
+
+def mlp_llm(target, speculator, device, *, k: int | None = None, adaptive: bool = False, **kwargs) -> LLM:
+    config = {"method": "mlp_speculator", "model": str(speculator), "adaptive": adaptive}
+    if k is not None:
+        config["num_speculative_tokens"] = k
+    kwargs = {"num_blocks": 256, "block_size": 4, "device": device, "dtype": "float32", **kwargs}
+    return LLM(str(target), speculative_config=config, **kwargs)
+
+
+def assert_guesses_accepted_and_rejected(llm) -> None:
+    stats = llm.stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+
+
+@pytest.mark.parametrize("k, enforce_eager", [(3, True), (2, False)], ids=["k3-eager", "k2-static"])
+def test_greedy_equals_plain(target, speculator, expected, device, k, enforce_eager):
+    llm = mlp_llm(target, speculator, device, k=k, enforce_eager=enforce_eager, max_num_seqs=8)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
+    for i in (0, 5):  # alone, the one-token prompt too (it may guess at once, with no hidden state yet)
+        assert llm.generate([PROMPTS[i]], GREEDY)[0].token_ids == expected[0][i]
+    assert_guesses_accepted_and_rejected(llm)
+    if not enforce_eager:
+        assert llm.engine.runner.graphs  # the static path did run
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["every_guess", "adaptive"])
+def test_seeded_sampling_equals_plain(target, speculator, expected, device, adaptive):
+    llm = mlp_llm(target, speculator, device, adaptive=adaptive)
+    for j, params in enumerate(SAMPLED, 1):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert llm.generate([PROMPTS[1]], params)[0].token_ids == expected[j][1], j
+    if not adaptive:  # (with the policy on, a tiny target on a CPU may find few guesses worth verifying)
+        assert_guesses_accepted_and_rejected(llm)
+    assert_no_leak(llm)
+
+
+def test_batch_mixing_speculating_and_plain_requests(target, speculator, expected, device):
+    plain_params = [dataclasses.replace(p, speculate=False) for p in ALL_PARAMS]
+    runs = [(i, j, params) for i in range(len(PROMPTS)) for j in range(len(ALL_PARAMS))
+            for params in (ALL_PARAMS[j], plain_params[j])]
+    llm = mlp_llm(target, speculator, device)
+    outs = llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])
+    assert [o.token_ids for o in outs] == [expected[j][i] for i, j, _ in runs]
+    assert all(o.num_draft_tokens == 0 for o, (_, _, p) in zip(outs, runs) if not p.speculate)
+    assert_guesses_accepted_and_rejected(llm)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "static"])
+def test_preemption_keeps_outputs_and_frees_every_block(target, speculator, expected, device, enforce_eager):
+    """A pool of 24 blocks of 4 tokens holds the longest request (65 tokens with its guesses) but not all six at
+    once: requests are preempted, recomputed, and guess again from the recompute's hidden state."""
+    llm = mlp_llm(target, speculator, device, num_blocks=24, enforce_eager=enforce_eager, max_num_seqs=8)
+    for j, params in enumerate(ALL_PARAMS[:2]):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+    assert llm.stats()["num_preemptions"] > 0
+    assert_guesses_accepted_and_rejected(llm)
+    assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("num_blocks, enforce_eager", [(256, True), (256, False), (20, True)],
+                         ids=["eager", "static", "preempting"])
+def test_each_sequence_gets_the_hidden_state_behind_its_last_token(target, speculator, plain, device, num_blocks,
+                                                                    enforce_eager):
+    """After every step, each running sequence's state is the target's final hidden state at the position before
+    its last token (the row whose logits drew it: after a prefill, a recompute, an accepted guess, a rejection), as
+    a fresh prefill of the sequence computes it, to fp32 rounding; the neighbouring positions' states, where they
+    were fed other tokens, are far off."""
+    llm = mlp_llm(target, speculator, device, num_blocks=num_blocks, enforce_eager=enforce_eager, max_num_seqs=8)
+    engine = llm.engine
+    for prompt in PROMPTS[:5]:
+        engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    tolerance = KV_TOLERANCE[torch.device(device).type]
+    checked = far_neighbours = 0
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.sequences.values():
+            if seq.is_finished or seq.spec_state is None:
+                continue
+            assert seq.spec_state.num_tokens == seq.num_tokens
+            fresh = forward_hidden(plain, seq.token_ids)  # row j: the state whose logits predict token j + 1
+            ours = seq.spec_state.hidden.float()
+            torch.testing.assert_close(ours, fresh[-2], **tolerance)
+            for j in (-1, -3):  # (a neighbour fed the same token, in a repeating text, may have the same state)
+                if seq.token_ids[j] != seq.token_ids[-2]:
+                    assert (ours - fresh[j]).abs().max() > 100 * tolerance["atol"]
+                    far_neighbours += 1
+            checked += 1
+    assert checked >= 30 and far_neighbours >= 15
+    assert_guesses_accepted_and_rejected(llm)
+    if num_blocks < 256:
+        assert llm.stats()["num_preemptions"] > 0
+    assert_no_leak(llm)
+
+
+def test_sampled_tokens_converge_to_the_target_distribution(target, speculator, plain, device):
+    """n requests with different seeds sample 3 tokens after one prompt at temperature 1, top-k 4 (64 possible
+    outputs), the speculator guessing: the second token is a verified guess or the target's correction, the third
+    a bonus token or a plain one. Their empirical joint distribution is within the Bretagnolle-Huber-Carol bound of
+    the target's own, computed here from its logits: P(TV >= t) <= 2^V exp(-2 n t^2), t for a false alarm at
+    probability 1e-6 (the seeds are fixed: deterministic), as in tests/test_rejection.py."""
+    n, vocab_size, top_k = 2000, 64, 4
+    prompt = PROMPTS[0]
+    llm = mlp_llm(target, speculator, device, max_num_seqs=512, num_blocks=4 * 512)
+    params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, seed=seed, ignore_eos=True)
+              for seed in range(n)]
+    counts = Counter(tuple(o.token_ids) for o in llm.generate([prompt] * n, params))
+    assert_guesses_accepted_and_rejected(llm)
+
+    def top_k_probs(ids: list[int]) -> dict[int, float]:
+        logits = forward_logits(plain, ids)[-1].double().cpu()
+        top = logits.topk(top_k)
+        return dict(zip(top.indices.tolist(), torch.softmax(top.values, 0).tolist()))
+
+    exact: dict[tuple, float] = {}
+    for t0, p0 in top_k_probs(prompt).items():
+        for t1, p1 in top_k_probs(prompt + [t0]).items():
+            for t2, p2 in top_k_probs(prompt + [t0, t1]).items():
+                exact[(t0, t1, t2)] = p0 * p1 * p2
+    assert set(counts) <= set(exact)
+    tv = 0.5 * sum(abs(counts.get(outcome, 0) / n - p) for outcome, p in exact.items())
+    bound = math.sqrt((vocab_size * math.log(2) + math.log(1e6)) / (2 * n))
+    assert tv < bound, (tv, bound)
+
+
+# ---------------------------------------------------------------- configuration
+
+def test_num_speculative_tokens_defaults_to_n_predict_and_may_not_exceed_it(target, speculator, device):
+    assert mlp_llm(target, speculator, device).engine.speculator.max_tokens_per_step == 3
+    assert mlp_llm(target, speculator, device, k=1).engine.speculator.max_tokens_per_step == 1
+    with pytest.raises(ValueError, match=r"num_speculative_tokens'\] = 4 exceeds the MLP speculator's n_predict "
+                                         r"\(3\)"):
+        mlp_llm(target, speculator, device, k=4)
+
+
+@pytest.mark.parametrize("config, error, words", [
+    ({"num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
+    ({"num_speculative_tokens": "3"}, ValueError, "num_speculative_tokens"),
+    ({"tree_top_k": 2}, ValueError, "tree_top_k"),
+    ({"adaptive": "no"}, ValueError, "adaptive"),
+    ({"dtype": 16}, ValueError, "dtype"),
+    ({"model": 7}, ValueError, "model"),
+    ({"model": "/no/such/speculator"}, FileNotFoundError, "/no/such/speculator"),
+])
+def test_config_errors(config, error, words):
+    with pytest.raises(error, match=words):
+        parse_speculative_config({"method": "mlp_speculator", **config})
+
+
+def test_errors_about_the_target(target, tmp_path, device):
+    with pytest.raises(ValueError, match="needs 'model'"):  # no shipped speculator for a tiny random target
+        LLM(str(target), num_blocks=64, block_size=4, device=device, speculative_config={"method": "mlp_speculator"})
+    other = save_mlp_speculator(successor_speculator({}, emb_dim=32, vocab_size=320), tmp_path / "emb32")
+    with pytest.raises(ValueError, match="emb_dim 32 does not match the target's hidden size 64"):
+        LLM(str(target), num_blocks=64, block_size=4, device=device,
+            speculative_config={"method": "mlp_speculator", "model": str(other)})
+    with pytest.raises(ValueError, match=r"speculative_config\['dtype'\]"):
+        LLM(str(target), num_blocks=64, block_size=4, device=device,
+            speculative_config={"method": "mlp_speculator", "model": str(other), "dtype": "float7"})
+
+
+def test_proposer_guesses_nothing_without_a_current_state(target, speculator, device):
+    llm = mlp_llm(target, speculator, device)
+    proposer = llm.engine.speculator.proposer
+    assert isinstance(proposer, MLPSpeculatorProposer) and proposer.needs_hidden_states
+    seq_id = llm.engine.add_request([42], GREEDY)
+    seq = llm.engine.sequences[seq_id]
+    assert proposer.propose([seq], [3])[0].token_ids == []  # no step has run: no hidden state yet
+    llm.engine.step()
+    assert len(proposer.propose([seq], [3])[0].token_ids) == 3
+    proposer.preempt(seq)
+    assert proposer.propose([seq], [3])[0].token_ids == []
+    llm.abort(seq_id)
+    assert_no_leak(llm)
+
+
+# ---------------------------------------------------------------- the shipped speculator
+
+@pytest.mark.slow
+def test_shipped_speculator_for_the_embedded_model():
+    """``{"method": "mlp_speculator"}`` with no model: the speculator shipped for the embedded SmolLM2. Where the
+    embedded model is installed and the shipped speculator is missing, this FAILS (the weights come from the
+    training branch and must be merged before release)."""
+    from nanospec.model.embedded import embedded_model_path
+
+    try:
+        embedded_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    assert (SHIPPED_FOR_EMBEDDED / "config.json").is_file() and (SHIPPED_FOR_EMBEDDED / "model.safetensors").is_file(), (
+        f"the MLP speculator shipped for the embedded SmolLM2 is missing: {SHIPPED_FOR_EMBEDDED}")
+    llm = LLM(dtype="float32", device="cpu", speculative_config={"method": "mlp_speculator", "adaptive": False})
+    prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]))
+               for q in ("What is the capital of France?", "List three fruits that are red.")]
+    params = SamplingParams(temperature=0, max_tokens=32)
+    speculative = llm.generate(prompts, params)
+    baseline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, speculate=False))
+    assert [o.token_ids for o in speculative] == [o.token_ids for o in baseline]
+    stats = llm.stats()
+    assert stats["num_accepted_tokens"] > 0.3 * stats["num_draft_tokens"], stats
+    assert_no_leak(llm)
