@@ -1,9 +1,10 @@
-"""Speculative decoding on a prompt set: nanospec plain / n-gram / draft model vs transformers, greedy.
+"""Speculative decoding on a prompt set: nanospec plain / n-gram / draft model / MLP speculator vs transformers, greedy.
 
     python benchmarks/bench_spec.py                        # embedded SmolLM2, fp32 on CPU, every prompt
     python benchmarks/bench_spec.py --limit 1 --max-tokens 16 --categories summarization   # a quick look
     python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --draft path/to/small-llama --json spec.json
     python benchmarks/bench_spec.py --batch 16 --methods plain ngram   # 16 requests at a time
+    python benchmarks/bench_spec.py --methods plain ngram mlp_speculator    # the shipped MLP speculator, k=3
 
 Each prompt of prompts.jsonl goes through the chat template and runs once per method, after one warm-up
 request, batch 1, greedy, until eos or --max-tokens; each prompt goes through every method in turn, so that a
@@ -30,6 +31,10 @@ the batches' throughput. Per category and overall:
 The default draft is the target cut to its first --draft-layers layers (``python -m nanospec.convert
 --num-layers``), cached under benchmarks/.cache/. It shares the tokenizer but was never trained to stop
 early, so it agrees with the target rarely: it exercises the draft path, a trained small model is a real draft.
+
+``mlp_speculator`` guesses from the target's hidden state with the speculator shipped for the embedded SmolLM2
+(or --mlp-speculator PATH), k=3 by default; its targets (tau, speed against plain, where it beats n-gram) are
+printed after the tables.
 """
 
 from __future__ import annotations
@@ -53,12 +58,14 @@ from nanospec.model.embedded import embedded_model_path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # the first three have a transformers counterpart; the others are nanospec only
-METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead", "draft_coupled")
+METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead", "draft_coupled", "mlp_speculator")
 HF_LABELS = {"plain": "plain", "ngram": "prompt-lookup", "draft": "assisted"}
-DEFAULT_K = {"ngram": 5, "draft": 4}
+DEFAULT_K = {"ngram": 5, "draft": 4, "mlp_speculator": 3}
 # the issue's targets for ngram: speedup over plain per category (others: 0.9x), and faster than prompt lookup
 NGRAM_TARGETS = {"summarization": 1.5, "code_edit": 1.5, "rag_qa": 1.5}
 NGRAM_FLOOR = 0.9
+# the issue's targets for the MLP speculator, per category at k=3: tau, and speed over plain (batch 1; a GPU's)
+MLP_TAU, MLP_CPU_SPEEDUP, MLP_GPU_SPEEDUP = 2.0, 1.0, 1.8
 
 
 @dataclass
@@ -130,6 +137,12 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
     if method.startswith("lookahead"):
         w, n, g = args.lookahead_configs[method]
         return {"method": "lookahead", "window_size": w, "ngram_size": n, "guess_set_size": g}
+    if method == "mlp_speculator":  # without --mlp-speculator: the one shipped for the embedded model
+        config = {"method": "mlp_speculator", "num_speculative_tokens": args.k["mlp_speculator"],
+                  "adaptive": not args.no_adaptive}
+        if args.mlp_speculator:
+            config["model"] = args.mlp_speculator
+        return config
     return None
 
 
@@ -297,6 +310,27 @@ def print_targets(summary: dict, batch: int) -> None:
         print("\n".join(lines))
 
 
+def print_mlp_targets(summary: dict, batch: int, device) -> None:
+    """The MLP speculator's targets per category (tau, speed against plain at batch 1), and where it beats n-gram."""
+    need = MLP_GPU_SPEEDUP if device.type == "cuda" else MLP_CPU_SPEEDUP
+    lines = []
+    for category, rows in summary.items():
+        mlp, plain, ngram = (rows.get(("nanospec", m)) for m in ("mlp_speculator", "plain", "ngram"))
+        if mlp is None:
+            continue
+        line = f"  {category:<15} tau {mlp['tau']:.2f} (>= {MLP_TAU}) {'ok' if mlp['tau'] >= MLP_TAU else 'MISSED'}"
+        if plain is not None and batch == 1:
+            got = mlp["tok_per_s"] / plain["tok_per_s"]
+            line += f"   {got:.2f}x plain (>= {need}x) {'ok' if got >= need else 'MISSED'}"
+        if ngram is not None:
+            beats = mlp["tok_per_s"] > ngram["tok_per_s"]
+            line += f"   {mlp['tok_per_s'] / ngram['tok_per_s']:.2f}x ngram ({'beats' if beats else 'behind'})"
+        lines.append(line)
+    if lines:
+        print(f"\ntargets (mlp_speculator, k as set; tau over the prompts{', speed at batch 1' if batch == 1 else ''}):")
+        print("\n".join(lines))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="target: a .gguf file or HF directory (default: the embedded SmolLM2)")
@@ -314,6 +348,8 @@ def main():
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--draft", default=None, help="draft model path (default: the target's first --draft-layers layers)")
     p.add_argument("--draft-layers", type=int, default=4)
+    p.add_argument("--mlp-speculator", default=None, metavar="PATH",
+                   help="MLP speculator directory for mlp_speculator (default: the one shipped for the embedded model)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"k for every method (default: {DEFAULT_K})")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram methods match")
@@ -354,6 +390,8 @@ def main():
           f"{len(prompts)} prompts")
     print(f"target {model_path.name}; ngram k={args.k['ngram']} n-gram<={args.prompt_lookup_max}"
           + (f"; draft {draft} k={args.k['draft']}" if draft else "")
+          + (f"; mlp speculator {args.mlp_speculator or '(shipped)'} k={args.k['mlp_speculator']}"
+             if "mlp_speculator" in args.methods else "")
           + ("; nanospec verifies every guess" if args.no_adaptive else "; nanospec k adaptive (goodput)"))
     print("tok/s = generated tokens / wall time of the request, prefill included")
 
@@ -404,6 +442,7 @@ def main():
         print(f"\nbatch {args.batch}: tok/s is the throughput of the batches, which mix categories; "
               "tau and match are per request")
     print_targets(summary, args.batch)
+    print_mlp_targets(summary, args.batch, device)
 
     nanospec_plain = {i: t for (engine, _, i), t in plain_tokens.items() if engine == "nanospec"}
     hf_plain = {i: t for (engine, _, i), t in plain_tokens.items() if engine == "transformers"}
@@ -422,7 +461,8 @@ def main():
 
     if args.json:
         report = {
-            "settings": {"model": str(model_path), "draft": str(draft) if draft else None, "device": str(device),
+            "settings": {"model": str(model_path), "draft": str(draft) if draft else None,
+                         "mlp_speculator": args.mlp_speculator, "device": str(device),
                          "dtype": str(dtype), "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
                          "batch": args.batch,
                          "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive,

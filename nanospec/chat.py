@@ -46,7 +46,8 @@ def parse_args(argv=None):
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--spec", default=None,
                    help="speculative decoding: 'ngram', 'draft:PATH' (a small Llama with the same vocabulary), "
-                        "'lookahead'")
+                        "'lookahead', 'mlp' (the MLP speculator shipped for the embedded model) or 'mlp:PATH' (an "
+                        "MLP speculator directory for this model)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
     p.add_argument("--device", default=None)
@@ -71,8 +72,14 @@ def spec_config_from_arg(spec: str | None, k: int | None) -> dict | None:
         if k is not None:
             raise ValueError("-k does not apply to --spec lookahead (its window sizes set how much it guesses)")
         config = {"method": "lookahead"}
+    elif spec == "mlp" or spec.startswith("mlp:") and spec != "mlp:":
+        config = {"method": "mlp_speculator"}  # k: the speculator's number of stages unless -k says fewer
+        if spec != "mlp":
+            config["model"] = spec[len("mlp:"):]
+        if k is not None:
+            config["num_speculative_tokens"] = k
     else:
-        raise ValueError(f"--spec {spec!r}: use 'ngram', 'draft:PATH' or 'lookahead'")
+        raise ValueError(f"--spec {spec!r}: use 'ngram', 'draft:PATH', 'lookahead', 'mlp' or 'mlp:PATH'")
     return config
 
 
@@ -100,7 +107,11 @@ def load(args):
                             max_tokens=args.max_tokens, seed=args.seed)
     spec_config = spec_config_from_arg(args.spec, args.num_speculative_tokens)
     name = args.model if args.model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)"
-    draft = f" with the draft {spec_config['model']}" if spec_config and spec_config["method"] == "draft" else ""
+    draft = ""
+    if spec_config and spec_config["method"] == "draft":
+        draft = f" with the draft {spec_config['model']}"
+    elif spec_config and spec_config["method"] == "mlp_speculator":
+        draft = f" with the MLP speculator {spec_config.get('model', '(shipped)')}"
     print(f"loading {name}{draft} ...", file=sys.stderr, flush=True)
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config)
     return llm, params

@@ -163,12 +163,27 @@ def test_ctrl_c_while_loading_exits_130_in_process(monkeypatch, use_llm, capsys)
     (["--spec", "bogus"], "--spec 'bogus'"),
     (["--spec", "ngram", "-k", "0"], "must be >= 1"),
     (["--spec", "lookahead", "-k", "2"], "-k does not apply"),
+    (["--spec", "mlp:"], "--spec 'mlp:'"),
+    (["--spec", "mlp", "-k", "0"], "must be >= 1"),
 ])
 def test_bad_arguments_exit_2_with_one_line_before_loading(monkeypatch, use_llm, capsys, argv, message):
     use_llm(AssertionError("nothing is loaded for bad arguments"))
     assert main_with_stdin(monkeypatch, argv, b"hi\n") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_spec_mlp_configs():
+    assert chat.spec_config_from_arg("mlp", None) == {"method": "mlp_speculator"}
+    assert chat.spec_config_from_arg("mlp", 2) == {"method": "mlp_speculator", "num_speculative_tokens": 2}
+    assert chat.spec_config_from_arg("mlp:some/dir", None) == {"method": "mlp_speculator", "model": "some/dir"}
+
+
+def test_spec_mlp_without_a_speculator_for_the_model_exits_2(tiny_path, capsys, monkeypatch):
+    """A tiny random model has no shipped speculator: one line says what to pass."""
+    assert main_with_stdin(monkeypatch, ["--model", str(tiny_path), "--spec", "mlp"], b"hi\n") == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "needs 'model'" in err and "Traceback" not in err
 
 
 @pytest.mark.parametrize("argv", [["--dtype", "float8"], ["--device", "tpu"]])

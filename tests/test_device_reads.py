@@ -15,7 +15,8 @@ import torch
 import nanospec
 from nanospec import LLM, SamplingParams
 from nanospec.kernels.backend import backend
-from tiny import make_tiny_llama
+from nanospec.model.mlp_speculator import save_mlp_speculator
+from tiny import make_tiny_llama, successor_speculator
 
 READS = ("tolist", "item", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero")
 PACKAGE = str(Path(nanospec.__file__).parent)
@@ -53,7 +54,9 @@ def paths(tmp_path_factory):
     make_tiny_llama(target, seed=3, layers=2, hidden=32, num_heads=4, num_kv_heads=2, head_dim=8, ffn=48)
     draft = tmp_path_factory.mktemp("reads_draft")
     make_tiny_llama(draft, seed=4, layers=1, hidden=32, num_heads=2, num_kv_heads=1, head_dim=16, ffn=48)
-    return target, draft
+    speculator = save_mlp_speculator(successor_speculator({t: (t + 1) % 320 for t in range(320)}, 32, 320),
+                                     tmp_path_factory.mktemp("reads_mlp"))
+    return target, draft, speculator
 
 
 CONFIGS = {
@@ -64,21 +67,30 @@ CONFIGS = {
     "draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False, "acceptance": "coupled"},
     "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
     "draft_tree": {"method": "draft", "num_speculative_tokens": 2, "tree_top_k": 2, "tree_budget": 4},
+    "mlp": {"method": "mlp_speculator", "num_speculative_tokens": 3, "adaptive": False},
 }
 # A draft model reads its guesses once, after its last draft step (they stay on the device between draft
-# steps), and a draft tree once per level; every other method reads once, the verdicts.
-READS_PER_STEP = {"draft": 2, "draft_coupled": 2, "draft_tree": 3}
+# steps), and a draft tree once per level; the MLP speculator once, its guesses (the hidden states it starts from
+# stay on the device); every other method reads once, the verdicts.
+READS_PER_STEP = {"draft": 2, "draft_coupled": 2, "draft_tree": 3, "mlp": 2}
 
 
 CASES = [(name, 0.0) for name in sorted(CONFIGS)] + [(name, 0.8) for name in ("plain", "ngram", "draft",
-                                                                                "draft_coupled")]
+                                                                                "draft_coupled", "mlp")]
+
+
+def with_model(config: dict | None, paths) -> dict | None:
+    """The config with its model path: the draft's or the MLP speculator's."""
+    if config is not None and config["method"] == "draft":
+        return {**config, "model": str(paths[1])}
+    if config is not None and config["method"] == "mlp_speculator":
+        return {**config, "model": str(paths[2])}
+    return config
 
 
 @pytest.mark.parametrize("name, temperature", CASES, ids=[f"{n}-{'greedy' if t == 0 else 'sampled'}" for n, t in CASES])
 def test_one_device_read_per_decode_step(paths, name, temperature, device):
-    config = CONFIGS[name]
-    if config is not None and config["method"] == "draft":
-        config = {**config, "model": str(paths[1])}
+    config = with_model(CONFIGS[name], paths)
     llm = LLM(str(paths[0]), num_blocks=32, block_size=4, device=device, speculative_config=config)
     params = SamplingParams(temperature=temperature, max_tokens=6, seed=1, ignore_eos=True)
     with backend("triton"):
@@ -91,12 +103,10 @@ def test_one_device_read_per_decode_step(paths, name, temperature, device):
             assert len(reads) == READS_PER_STEP.get(name, 1), reads
 
 
-@pytest.mark.parametrize("name", ["plain", "ngram_tree", "draft"])
+@pytest.mark.parametrize("name", ["plain", "ngram_tree", "draft", "mlp"])
 def test_logprobs_and_penalties_keep_one_read(paths, name):
     """Log-probabilities and penalties ride along in the verdicts' read."""
-    config = CONFIGS[name]
-    if config is not None and config["method"] == "draft":
-        config = {**config, "model": str(paths[1])}
+    config = with_model(CONFIGS[name], paths)
     llm = LLM(str(paths[0]), num_blocks=32, block_size=4, speculative_config=config)
     params = SamplingParams(temperature=0.8, max_tokens=6, seed=1, ignore_eos=True, logprobs=2,
                             repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=-0.1)

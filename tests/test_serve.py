@@ -19,8 +19,10 @@ import pytest
 import uvicorn
 
 from nanospec import LLM, SamplingParams
+from nanospec.model.mlp_speculator import save_mlp_speculator
+from nanospec.serve import __main__ as serve_main
 from nanospec.serve.app import build_app
-from tiny import assert_no_leak, make_tiny_llama
+from tiny import assert_no_leak, make_tiny_llama, most_common_successors, successor_speculator
 
 PROMPTS = ["abcabcabcab", "the cat sat on the mat, the cat", "0101010", "hello"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "abcabcabc?"}]
@@ -272,6 +274,28 @@ def test_tokenize_detokenize_health_metrics(server, offline):
         per_pos = re.findall(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{model_name="tiny",'
                              r'position="(\d+)"\} (\S+)$', metrics, re.M)
         assert sum(float(v) for _, v in per_pos) == llm.stats()["num_accepted_tokens"]
+
+
+def test_mlp_speculator_server_equals_offline(model_path, offline, tmp_path, capsys):
+    """An MLP speculator behind the server (one built from the target's own outputs, so its guesses land); and on
+    the command line, ``{"method": "mlp_speculator"}`` for a model with no shipped speculator exits 2 saying what
+    to pass."""
+    params = SamplingParams(temperature=0, max_tokens=20)
+    expected = offline.generate(PROMPTS, params)
+    ids = [offline.tokenizer.encode(p) + o.token_ids for p, o in zip(PROMPTS, expected)]
+    speculator = save_mlp_speculator(successor_speculator(most_common_successors(ids), offline.config.hidden_size,
+                                                          offline.config.vocab_size), tmp_path / "speculator")
+    llm = LLM(model_path, num_blocks=256, block_size=4,
+              speculative_config={"method": "mlp_speculator", "model": str(speculator), "adaptive": False})
+    with serving(llm) as url:
+        got = _client(url).completions.create(model="tiny", prompt=PROMPTS, max_tokens=20, temperature=0,
+                                              extra_body={"return_token_ids": True})
+        assert [c.token_ids for c in got.choices] == [o.token_ids for o in expected]
+        _wait_until(lambda: _idle(llm))
+    assert llm.stats()["num_accepted_tokens"] > 0
+    assert serve_main.main(["--model", model_path, "--speculative-config", '{"method": "mlp_speculator"}']) == 2
+    err = capsys.readouterr().err
+    assert "error: " in err and "needs 'model'" in err
 
 
 # ---------------------------------------------------------------------------------------------------- the command line
