@@ -327,7 +327,8 @@ def print_mlp_targets(summary: dict, batch: int, device) -> None:
             line += f"   {mlp['tok_per_s'] / ngram['tok_per_s']:.2f}x ngram ({'beats' if beats else 'behind'})"
         lines.append(line)
     if lines:
-        print(f"\ntargets (mlp_speculator, k as set; tau over the prompts{', speed at batch 1' if batch == 1 else ''}):")
+        speed = ", speed at batch 1" if batch == 1 else ""
+        print(f"\ntargets (mlp_speculator, k as set; tau over the prompts{speed}):")
         print("\n".join(lines))
 
 

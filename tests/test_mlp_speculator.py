@@ -457,8 +457,8 @@ def test_shipped_speculator_for_the_embedded_model():
         embedded_model_path()
     except FileNotFoundError as error:
         pytest.skip(str(error))
-    assert (SHIPPED_FOR_EMBEDDED / "config.json").is_file() and (SHIPPED_FOR_EMBEDDED / "model.safetensors").is_file(), (
-        f"the MLP speculator shipped for the embedded SmolLM2 is missing: {SHIPPED_FOR_EMBEDDED}")
+    shipped = [SHIPPED_FOR_EMBEDDED / "config.json", SHIPPED_FOR_EMBEDDED / "model.safetensors"]
+    assert all(f.is_file() for f in shipped), f"the speculator shipped for the embedded SmolLM2 is missing: {shipped}"
     llm = LLM(dtype="float32", device="cpu", speculative_config={"method": "mlp_speculator", "adaptive": False})
     prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]))
                for q in ("What is the capital of France?", "List three fruits that are red.")]

@@ -163,7 +163,8 @@ class MLPSpeculator(nn.Module):
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
-        """Greedy guesses ``[B, k]`` (full-vocabulary ids) after ``token_ids`` ``[B]``, from ``hidden`` ``[B, emb_dim]``."""
+        """Greedy guesses ``[B, k]`` (full-vocabulary ids) after ``token_ids`` ``[B]``, from ``hidden``
+        ``[B, emb_dim]``."""
         if not 0 <= k <= self.config.n_predict:
             raise ValueError(f"this speculator guesses at most {self.config.n_predict} tokens, asked for {k}")
         state, tokens, guesses = self.first_state(hidden.to(self.proj[0].weight.dtype)), token_ids, []

@@ -58,8 +58,9 @@ class Speculator:
         while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
                                                             self.max_model_len // 2):
             larger.append(m)
-        costs = time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager, list(range(1, k + 2)) + larger, per_seq=k + 1,
-                              device=self.model.device, batch_device="cpu", max_len=self.max_model_len)
+        costs = time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager,
+                              list(range(1, k + 2)) + larger, per_seq=k + 1, device=self.model.device,
+                              batch_device="cpu", max_len=self.max_model_len)
         return GoodputPolicy(k, costs[:k + 1], self.proposer.measure_cost(),
                              larger_forwards=dict(zip(larger, costs[k + 1:])))
 
