@@ -3,9 +3,9 @@
 Every step's forward already computes, for each sequence, the target's final hidden state ``h`` (after its final
 norm) at the row whose logits drew the sequence's last emitted token ``t_0``: the root's row when no guess was
 accepted, else the last accepted node's; after a prefill (or a recompute after preemption), the last prompt row.
-The speculator verifies nothing itself; the engine asks the runner for the hidden states, the Speculator picks
-that row in one gather and hands it over in the verdict (``Verdict.hidden_state``), and the next step's guesses
-start from ``(h, t_0)`` (:mod:`nanospec.model.mlp_speculator`):
+Because this proposer ``needs_hidden_states``, the engine asks the runner for them, the Speculator picks that row
+of every sequence in one gather and hands it over in the verdict (``Verdict.hidden_state``, kept on the device),
+and the next step's guesses start from ``(h, t_0)`` (:mod:`nanospec.model.mlp_speculator`):
 
     state_0 = h  (h / rms(h) / sqrt(2) with scale_input)
     for i = 0 .. k-1:   state_i+1 = GELU(LN_i(proj_i(state_i) + (emb_weight / state_weight) * emb_i(t_i)))
