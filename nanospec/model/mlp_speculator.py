@@ -61,11 +61,10 @@ class MLPSpeculatorConfig:
             raise ValueError(f"{where}: architectures must be [{ARCHITECTURE!r}] for an MLP speculator, got {archs!r}")
         values = {}
         for name in ("emb_dim", "inner_dim", "n_predict", "vocab_size", "hot_vocab_size"):
-            may_be_zero = name in ("inner_dim", "hot_vocab_size")  # 0: emb_dim / the whole vocabulary
-            value = config.get(name, 0 if may_be_zero else None)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if may_be_zero else 1):
-                kind = "a non-negative" if may_be_zero else "a positive"
-                raise ValueError(f"{where}: {name} must be {kind} integer, got {value!r}")
+            optional = name in ("inner_dim", "hot_vocab_size")
+            value = config.get(name, 0 if optional else None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if optional else 1):
+                raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
             values[name] = value
         for name in ("tie_weights", "scale_input"):
             value = config.get(name, False)
