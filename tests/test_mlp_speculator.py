@@ -293,6 +293,18 @@ def test_greedy_equals_plain(target, speculator, expected, device, k, enforce_ea
     assert_no_leak(llm)
 
 
+def test_tied_hot_vocabulary_speculator_is_lossless(target, expected, tmp_path, device):
+    """The shape a trained speculator ships in (tied stages, scale_input, a hot vocabulary, ``speculator.``
+    names), random weights, through the engine: greedy output equals plain."""
+    tensors = published_tensors(emb_dim=64, vocab=320, inner_dim=32, tie=True, hot=100)
+    config = published_config(emb_dim=64, vocab=320, inner_dim=32, tie=True, scale_input=True, hot=100)
+    speculator = write_checkpoint(tmp_path, tensors, config, prefix="speculator.")
+    llm = mlp_llm(target, speculator, device)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("adaptive", [False, True], ids=["every_guess", "adaptive"])
 def test_seeded_sampling_equals_plain(target, speculator, expected, device, adaptive):
     llm = mlp_llm(target, speculator, device, adaptive=adaptive)
