@@ -25,7 +25,7 @@ from nanospec.model.loader import Checkpoint, load_checkpoint
 from nanospec.model.random_model import random_checkpoint
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
-from nanospec.model.parallel import TensorParallelError, check_shardable
+from nanospec.model.parallel import check_shardable
 from nanospec.speculative.config import draft_tensor_parallel_size, make_proposer, parse_speculative_config
 from nanospec.worker import ModelSpec, TensorParallel, WorkerSetup
 from nanospec.worker import start as start_tensor_parallel
@@ -322,7 +322,7 @@ class LLM:
             return
         self._finalizer()  # parallel.shutdown(), once
         if parallel.broken is None:
-            parallel.broken = TensorParallelError("this LLM was shut down")
+            parallel.broken = "this LLM was shut down"
 
     def __enter__(self) -> LLM:
         return self

@@ -90,7 +90,7 @@ class TensorParallel:
                  processes: list | None = None):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.processes = processes or []
-        self.broken: TensorParallelError | None = None
+        self.broken: str | None = None  # why the group failed (then every command raises TensorParallelError)
         self.closed = False
         self.target = ParallelGroup(dist.group.WORLD, rank, world_size)
         self.channel = CommandChannel(dist.new_group(backend="gloo", timeout=IDLE), rank)
@@ -111,15 +111,15 @@ class TensorParallel:
 
     def check(self, grace: float = 0.0) -> None:
         """Raise TensorParallelError if a spawned worker has exited (waiting up to ``grace`` seconds for one to)."""
-        if self.broken is not None:
-            raise self.broken
         deadline = time.monotonic() + grace
         while True:
+            if self.broken is not None:
+                raise TensorParallelError(self.broken)
             for rank, process in enumerate(self.processes, start=1):
                 if not process.is_alive():
-                    self.broken = TensorParallelError(
-                        f"tensor-parallel worker rank {rank} (pid {process.pid}) died (exit code {process.exitcode})")
-                    raise self.broken
+                    self.broken = (f"tensor-parallel worker rank {rank} (pid {process.pid}) died "
+                                   f"(exit code {process.exitcode})")
+                    raise TensorParallelError(self.broken)
             if time.monotonic() >= deadline:
                 return
             time.sleep(0.05)

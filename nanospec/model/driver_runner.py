@@ -23,10 +23,11 @@ from nanospec.model.runner import ModelRunner
 
 
 class GroupHealth(Protocol):
-    broken: TensorParallelError | None  # set once the group has failed
+    broken: str | None  # why the group failed, once it has (kept as text: an exception would keep its frames alive)
 
     def check(self, grace: float) -> None:
-        """Raise TensorParallelError if a worker is gone (waiting up to ``grace`` seconds for one to be)."""
+        """Raise TensorParallelError if the group is broken or a worker is gone (waiting up to ``grace`` seconds
+        for one to be); a dead worker breaks the group."""
 
 
 class DriverRunner:
@@ -53,20 +54,17 @@ class DriverRunner:
 
     def _mirrored(self, send: Callable[[], None], run: Callable[[], object]):
         health = self.health
-        if health.broken is not None:
-            raise health.broken
         try:
             health.check(0.0)
             send()
             return run()
+        except TensorParallelError:
+            raise
         except BaseException as error:
-            if isinstance(error, TensorParallelError):
-                health.broken = error
-                raise
             try:  # a worker that died makes a collective fail a moment before its exit can be seen
                 health.check(2.0)
-                health.broken = TensorParallelError(f"a tensor-parallel command failed part-way and the ranks are "
-                                                    f"out of step: {type(error).__name__}: {error}")
             except TensorParallelError as died:
-                health.broken = died
-            raise health.broken from error
+                raise died from error
+            health.broken = (f"a tensor-parallel command failed part-way and the ranks are out of step: "
+                             f"{type(error).__name__}: {error}")
+            raise TensorParallelError(health.broken) from error
