@@ -222,30 +222,30 @@ def test_torchrun_runs_example_07(target_path, draft_path):
 
 
 # ---------------------------------------------------------------- NCCL, on one GPU
-@pytest.mark.gpu
-def test_nccl_collectives_at_world_size_1():
-    """NCCL with several ranks needs several GPUs, which the machines here do not have: this runs the sharded
-    code path (every all-reduce and all-gather through NCCL) at world size 1 and compares with the plain model."""
+@pytest.mark.parametrize("backend, device", [("gloo", "cpu"), pytest.param("nccl", "cuda", marks=pytest.mark.gpu)])
+def test_collectives_at_world_size_1(backend, device, target_path):
+    """NCCL with several ranks needs several GPUs, and the GPU machines here have one each: this runs the sharded
+    code path (every all-reduce and the logits' all-gather through the backend) at world size 1 and compares it
+    with the plain model. On the CPU the same test runs with gloo."""
     from nanospec.cache.kv_cache import KVCache
     from nanospec.model.forward_batch import build_forward_batch
     from nanospec.model.llama import Llama
     from nanospec.model.parallel import ParallelGroup
-    from nanospec.model.random_model import random_checkpoint
+    from nanospec.model.loader import load_checkpoint
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
-    dist.init_process_group("nccl", store=store, rank=0, world_size=1)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
     try:
-        checkpoint = random_checkpoint(dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                            num_attention_heads=4, num_key_value_heads=2), device="cpu")
+        checkpoint = load_checkpoint(target_path, torch.float32)
         group = ParallelGroup(dist.group.WORLD, 0, 1, force_collectives=True)
-        models = [Llama(checkpoint.config, checkpoint.tensors, "cuda", torch.float32, max_len=256, tp=tp)
+        models = [Llama(checkpoint.config, checkpoint.tensors, device, torch.float32, max_len=256, tp=tp)
                   for tp in (None, group)]
+        assert models[0].tp is None and models[1].tp is group
         logits = []
         for model in models:
-            kv = KVCache(2, 4, 16, model.num_kv_heads, model.head_dim, torch.float32, "cuda")
-            batch = build_forward_batch([[5, 6, 7, 8]], [0], [[0]], 16, [[0, 1, 2, 3]], "cuda")
+            kv = KVCache(model.config.num_hidden_layers, 4, 16, model.num_kv_heads, model.head_dim, torch.float32, device)
+            batch = build_forward_batch([[5, 6, 7, 8]], [0], [[0]], 16, [[0, 1, 2, 3]], device)
             logits.append(model.compute_logits(model.forward(batch, kv)))
-        assert models[1].tp is not None
-        torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
     finally:
         dist.destroy_process_group()
