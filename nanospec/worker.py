@@ -92,6 +92,8 @@ class TensorParallel:
         self.processes = processes or []
         self.broken: str | None = None  # why the group failed (then every command raises TensorParallelError)
         self.closed = False
+        self.setup_sent = False  # before it, the workers wait for their setup, not for a command
+        self.owns_process_group = True  # False: torchrun's script made the group, and destroys it
         self.target = ParallelGroup(dist.group.WORLD, rank, world_size)
         self.channel = CommandChannel(dist.new_group(backend="gloo", timeout=IDLE), rank)
         self.draft: ParallelGroup | None = None  # None on a rank outside the draft's group
@@ -108,6 +110,7 @@ class TensorParallel:
 
     def send_setup(self, setup: WorkerSetup) -> None:
         dist.broadcast_object_list([setup], src=0, group=self.channel.group)
+        self.setup_sent = True
 
     def check(self, grace: float = 0.0) -> None:
         """Raise TensorParallelError if a spawned worker has exited (waiting up to ``grace`` seconds for one to)."""
@@ -130,14 +133,15 @@ class TensorParallel:
         if self.closed:
             return
         self.closed = True
-        if self.rank == 0 and self.broken is None:
+        leaving = self.rank == 0 and self.broken is None and self.setup_sent
+        if leaving:
             try:
                 self.check()
                 self.channel.send(Op.SHUTDOWN)
-            except Exception:  # a dead worker: terminated below
-                pass
+            except Exception:  # a dead worker: the others are terminated below
+                leaving = False
         for process in self.processes:
-            process.join(timeout=10 if self.broken is None else 0.5)
+            process.join(timeout=10 if leaving else 0.5)
         for process in self.processes:
             if process.is_alive():
                 process.terminate()
@@ -146,7 +150,12 @@ class TensorParallel:
                 process.kill()
                 process.join()
         try:
-            dist.destroy_process_group()
+            if self.owns_process_group:
+                dist.destroy_process_group()
+            else:  # the world is the script's: only the groups made here go
+                dist.destroy_process_group(self.channel.group)
+                if self.draft is not None and self.draft.group is not dist.group.WORLD:
+                    dist.destroy_process_group(self.draft.group)
         except Exception:
             pass
         torch.set_num_threads(self._saved_threads)
@@ -199,11 +208,11 @@ def _threads_per_rank(world_size: int) -> int:
 def start(world_size: int, draft_size: int | None, device: torch.device) -> TensorParallel:
     """Join (torchrun) or create (spawn) the group of ``world_size`` ranks; returns this process's place in it.
     Raises ValueError for a group this machine cannot run, RuntimeError when a worker fails to start."""
+    if in_torchrun():
+        return _join_torchrun(world_size, draft_size, device)
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this process: one "
                            "tensor-parallel LLM at a time (shut the other down first)")
-    if in_torchrun():
-        return _join_torchrun(world_size, draft_size, device)
     if device.type == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs (one per rank), this machine "
                          f"has {torch.cuda.device_count()}")
@@ -280,6 +289,10 @@ def _join_torchrun(world_size: int, draft_size: int | None, device: torch.device
     rank_device = _rank_device(device, local_rank)
     if rank_device.type == "cuda":
         torch.cuda.set_device(rank_device)
-    dist.init_process_group(_backend(device), init_method="env://", rank=rank, world_size=world_size,
-                            timeout=COLLECTIVE_TIMEOUT)
-    return TensorParallel(rank, world_size, rank_device, draft_size)
+    made_here = not dist.is_initialized()  # the script may have made the world group itself
+    if made_here:
+        dist.init_process_group(_backend(device), init_method="env://", rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    tp = TensorParallel(rank, world_size, rank_device, draft_size)
+    tp.owns_process_group = made_here
+    return tp

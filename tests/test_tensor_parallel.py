@@ -129,15 +129,15 @@ class TestDraftOnTwoRanks:
 
 def test_ngram_tree_equals_tp1(target_path):
     """Prompts that hold the model's own continuation, so that n-gram trees get accepted paths off the chain (their
-    K/V moved on both ranks)."""
+    K/V moved on both ranks); decode and verify steps through the static buffers (``enforce_eager=False``)."""
     spec = {"method": "ngram", "num_speculative_tokens": 3, "max_candidates": 3, "adaptive": False}
-    one = LLM(target_path, **KW, speculative_config=spec)
+    one = LLM(target_path, **KW, speculative_config=spec, enforce_eager=False)
     prompts = []
     for prompt in PROMPTS:
         ids = one.tokenizer.encode(prompt)
         prompts.append(ids + one.generate([ids], dataclasses.replace(GREEDY, speculate=False))[0].token_ids + ids)
     expected = [out.token_ids for out in one.generate(prompts, GREEDY)]
-    with LLM(target_path, tensor_parallel_size=2, **KW, speculative_config=spec) as two:
+    with LLM(target_path, tensor_parallel_size=2, **KW, speculative_config=spec, enforce_eager=False) as two:
         assert [out.token_ids for out in two.generate(prompts, GREEDY)] == expected
         assert two.stats()["num_accepted_tokens"] == one.stats()["num_accepted_tokens"] > 0
         assert_no_leak(two)
