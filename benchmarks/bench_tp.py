@@ -14,7 +14,8 @@ The models have random weights (the vocabulary and tokenizer are SmolLM2's) in s
 
 For each: the median over --repeats of one target forward after 64 cached tokens over 1 token (a decode) and
 over k+1 tokens (a verify of k guesses), and of one single-token draft forward, each through the runner the
-engine uses (so under TP 2 with the command to the worker, the all-reduces and the logits' all-gather); then a
+engine uses (so under TP 2 with the command to the worker, the all-reduces and the logits' all-gather), and of
+one command that does nothing (what sending a command costs the driver; at TP 1 a local call); then a
 greedy generation (draft speculation, k fixed) with the time per step spent in target forwards and in the
 proposer. On a CPU the ranks share the cores (each of T ranks gets 1/T of the threads), so TP 2 cannot be faster
 here: it shows what the collectives and the commands cost, not what a second GPU buys.
@@ -107,6 +108,9 @@ def _run(name: str, target: str, draft: str, tp: int, draft_tp: int, args) -> di
         result["target_decode_ms"] = time_forward(engine.runner, engine.block_manager, 1, args.repeats)
         result["target_verify_ms"] = time_forward(engine.runner, engine.block_manager, args.k + 1, args.repeats)
         result["draft_forward_ms"] = time_forward(proposer.runner, proposer.block_manager, 1, args.repeats)
+        # a command with no work (copy no K/V slots): what the driver pays to send one, on top of the forward
+        none = torch.zeros(0, dtype=torch.int64)
+        result["command_ms"] = median_ms(lambda: engine.runner.copy_kv_slots(none, none), args.repeats)
         propose_seconds = [0.0]
         propose = proposer.propose
 
@@ -149,12 +153,12 @@ def main():
     results = [run("TP 1", target, draft, 1, 1, args), run("TP 1, 1 thread", target, draft, 1, 1, args, threads=1),
                run("TP 2, draft TP 2", target, draft, 2, 2, args), run("TP 2, draft TP 1", target, draft, 2, 1, args)]
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    header = (f"{'setup':<18} {'decode ms':>9} {f'verify {args.k + 1} ms':>11} {'draft ms':>8} {'step ms':>8} "
-              f"{'target/step':>11} {'draft/step':>10} {'tok/s':>6}")
+    header = (f"{'setup':<18} {'decode ms':>9} {f'verify {args.k + 1} ms':>11} {'draft ms':>8} {'command ms':>10} "
+              f"{'step ms':>8} {'target/step':>11} {'draft/step':>10} {'tok/s':>6}")
     print(header)
     for r in results:
         print(f"{r['setup']:<18} {r['target_decode_ms']:>9.2f} {r['target_verify_ms']:>11.2f} "
-              f"{r['draft_forward_ms']:>8.2f} {r['step_ms']:>8.2f} {r['step_target_ms']:>11.2f} "
+              f"{r['draft_forward_ms']:>8.2f} {r['command_ms']:>10.3f} {r['step_ms']:>8.2f} {r['step_target_ms']:>11.2f} "
               f"{r['step_draft_ms']:>10.2f} {r['tok_per_s']:>6.1f}")
     same = all(r["token_ids"] == results[0]["token_ids"] for r in results)
     print("same greedy tokens in every set-up:", same)
