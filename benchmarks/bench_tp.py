@@ -158,8 +158,8 @@ def main():
     print(header)
     for r in results:
         print(f"{r['setup']:<18} {r['target_decode_ms']:>9.2f} {r['target_verify_ms']:>11.2f} "
-              f"{r['draft_forward_ms']:>8.2f} {r['command_ms']:>10.3f} {r['step_ms']:>8.2f} {r['step_target_ms']:>11.2f} "
-              f"{r['step_draft_ms']:>10.2f} {r['tok_per_s']:>6.1f}")
+              f"{r['draft_forward_ms']:>8.2f} {r['command_ms']:>10.3f} {r['step_ms']:>8.2f} "
+              f"{r['step_target_ms']:>11.2f} {r['step_draft_ms']:>10.2f} {r['tok_per_s']:>6.1f}")
     same = all(r["token_ids"] == results[0]["token_ids"] for r in results)
     print("same greedy tokens in every set-up:", same)
     if args.json:

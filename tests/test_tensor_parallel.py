@@ -4,8 +4,8 @@ What must hold: greedy output identical to tensor_parallel_size=1 for plain deco
 paths' K/V moved on every rank), a draft on the driver alone (draft TP 1) and a sharded draft (draft TP 2, whose
 one KV head is replicated on both ranks); seeded sampling identical too; no KV block left in any pool (the block
 tables are the driver's alone: the workers' pools are indexed only through them); a worker that dies raises
-TensorParallelError within seconds; shutdown, the context manager and interpreter exit leave no process behind;
-torchrun runs example 07 with 2 processes. The target's vocabulary (321) does not split evenly, so the head's
+TensorParallelError within seconds; shutdown, the context manager, interpreter exit and a killed driver leave no
+process behind; torchrun runs example 07 with 2 processes. The target's vocabulary (321) does not split evenly, so the head's
 padding is exercised.
 
 Why "identical" can be asked of fp32 that is summed differently: the row-parallel all-reduce adds two partial
@@ -179,23 +179,28 @@ def test_dead_worker_raises_within_seconds_and_shutdown_ends_everything(target_p
         llm.generate(PROMPTS[:1], GREEDY)
 
 
-def test_interpreter_exit_ends_the_workers(target_path):
-    """A script that never calls shutdown(): its worker is gone once it exits."""
+@pytest.mark.parametrize("ending", ["exit", "killed"])
+def test_the_workers_end_with_their_driver(target_path, ending):
+    """A script that never calls shutdown() and exits, or whose driver is killed (no atexit, no finalizer): its
+    worker is gone within seconds either way (in the second case its receive fails on the closed connection)."""
     script = textwrap.dedent(f"""
+        import os, signal
         from nanospec import LLM, SamplingParams
         if __name__ == "__main__":
             llm = LLM({target_path!r}, tensor_parallel_size=2, num_blocks=32, device="cpu", dtype="float32")
             llm.generate(["hi"], SamplingParams(max_tokens=2))
             print(llm.parallel.processes[0].pid, flush=True)
+            if {ending!r} == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == (0 if ending == "exit" else -signal.SIGKILL), done.stderr
     pid = int(done.stdout.split()[-1])
     deadline = time.monotonic() + 10
     while _alive(pid) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not _alive(pid), f"worker {pid} outlived its driver"
+    assert not _alive(pid), f"worker {pid} outlived its driver ({ending})"
 
 
 def _alive(pid: int) -> bool:
@@ -243,7 +248,8 @@ def test_collectives_at_world_size_1(backend, device, target_path):
         assert models[0].tp is None and models[1].tp is group
         logits = []
         for model in models:
-            kv = KVCache(model.config.num_hidden_layers, 4, 16, model.num_kv_heads, model.head_dim, torch.float32, device)
+            kv = KVCache(model.config.num_hidden_layers, 4, 16, model.num_kv_heads, model.head_dim, torch.float32,
+                         device)
             batch = build_forward_batch([[5, 6, 7, 8]], [0], [[0]], 16, [[0, 1, 2, 3]], device)
             logits.append(model.compute_logits(model.forward(batch, kv)))
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
