@@ -5,8 +5,8 @@ paths' K/V moved on every rank), a draft on the driver alone (draft TP 1) and a 
 one KV head is replicated on both ranks); seeded sampling identical too; no KV block left in any pool (the block
 tables are the driver's alone: the workers' pools are indexed only through them); a worker that dies raises
 TensorParallelError within seconds; shutdown, the context manager, interpreter exit and a killed driver leave no
-process behind; torchrun runs example 07 with 2 processes. The target's vocabulary (321) does not split evenly, so the head's
-padding is exercised.
+process behind; torchrun runs example 07 with 2 processes. The target's vocabulary (321) does not split evenly,
+so the head's padding is exercised.
 
 Why "identical" can be asked of fp32 that is summed differently: the row-parallel all-reduce adds two partial
 sums where one rank's matmul adds all terms in one order, a ~1e-7 relative difference; greedy tokens flip only
