@@ -42,6 +42,12 @@ class LLM:
     full contexts). ``speculative_config``: see :mod:`nanospec.speculative.config`. ``enforce_eager``
     (vLLM's name): False runs decode and verify steps from static buffers as CUDA graphs (the default on
     CUDA); on a CPU, False runs the same static-buffer path eagerly (the default there is True).
+
+    ``tensor_parallel_size`` T > 1: the model is split over T processes (``nanospec.worker``): this one, the
+    driver, and T-1 workers it spawns (or that torchrun started: then on ranks > 0 this constructor serves as a
+    worker and exits the process when the driver shuts down). NCCL with one GPU per rank on CUDA, gloo on a CPU.
+    ``shutdown()``, leaving a ``with`` block, garbage collection or interpreter exit end the workers. A draft model
+    runs on ``speculative_config["draft_tensor_parallel_size"]`` ranks: 1 (the driver alone) or T (the default).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype=None, device=None, *,
