@@ -13,6 +13,12 @@ Each sequence feeds ``token_ids[num_cached_tokens:]`` and then its proposal's no
 logits at the root (the last committed token) and at every node judge the nodes below them. After
 verification the rejected nodes' K/V is dead: ``num_cached_tokens`` moves to just before the newly
 emitted token and the blocks past it return to the pool.
+
+Under tensor parallelism (``parallel``, the driver's ``nanospec.worker.TensorParallel``) this engine runs on the
+driver, rank 0; ``model`` is its shard and the runner a ``DriverRunner`` that sends every forward and K/V copy to
+the workers first. Nothing else changes: block tables, proposals and verification are the driver's. A failure of
+the group (:class:`~nanospec.model.parallel.TensorParallelError`) is not one request's: it ends the step and
+reaches the caller.
 """
 
 from __future__ import annotations
@@ -24,7 +30,9 @@ from dataclasses import dataclass
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
 from nanospec.detokenizer import TextStream
+from nanospec.model.commands import TARGET
 from nanospec.model.llama import Llama
+from nanospec.model.parallel import TensorParallelError
 from nanospec.model.runner import ModelRunner
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
@@ -58,17 +66,19 @@ class EngineStats:
 
 class Engine:
     def __init__(self, model: Llama, tokenizer: Tokenizer, config: EngineConfig, proposer: Proposer | None = None,
-                 seed: int = 0, adaptive_speculation: bool = True):
+                 seed: int = 0, adaptive_speculation: bool = True, parallel=None):
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         mc = model.config
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
-        self.kv_cache = KVCache(mc.num_hidden_layers, config.num_blocks, config.block_size, mc.num_key_value_heads,
+        self.kv_cache = KVCache(mc.num_hidden_layers, config.num_blocks, config.block_size, model.num_kv_heads,
                                 mc.head_dim, model.dtype, model.device)
-        max_query_len = 1 + (proposer.max_tokens_per_step if proposer is not None else 0)
-        self.runner = ModelRunner(model, self.kv_cache, max_num_seqs=config.max_num_seqs, max_query_len=max_query_len,
-                                  max_model_len=config.max_model_len, enforce_eager=config.enforce_eager)
+        self.runner = ModelRunner(model, self.kv_cache, max_num_seqs=config.max_num_seqs,
+                                  max_query_len=max_query_len(proposer), max_model_len=config.max_model_len,
+                                  enforce_eager=config.enforce_eager)
+        if parallel is not None:
+            self.runner = parallel.driver_runner(self.runner, TARGET)
         self.speculator = Speculator(proposer, self.runner, self.block_manager,
                                      max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                                      max_num_batched_tokens=config.max_num_batched_tokens,
@@ -153,6 +163,8 @@ class Engine:
             logits, hidden = self.runner.execute(batch, hidden_states=self.speculator.needs_hidden_states)
             self.stats.forward_seconds += time.perf_counter() - forward_start
             verdicts = self.speculator.verify(seqs, proposals, logits, hidden)
+        except TensorParallelError:  # the whole group failed, not these requests
+            raise
         except Exception as error:  # nothing is committed yet: only the requests that fail alone fail
             return self._isolate(seqs, error)
         self.stats.num_steps += 1
@@ -229,6 +241,11 @@ class Engine:
             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,
             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,
             error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None)
+
+
+def max_query_len(proposer: Proposer | None) -> int:
+    """The most rows one sequence feeds in a step: its root and the proposal's nodes."""
+    return 1 + (proposer.max_tokens_per_step if proposer is not None else 0)
 
 
 def _as_int64(seed: int) -> int:

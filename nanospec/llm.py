@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections import deque
 from typing import Sequence as Seq
 
@@ -18,13 +19,16 @@ from tqdm import tqdm
 
 from nanospec.cache.kv_cache import kv_bytes_per_block
 from nanospec.device import resolve_device, resolve_dtype
-from nanospec.engine import Engine, EngineConfig
+from nanospec.engine import Engine, EngineConfig, max_query_len
 from nanospec.model.llama import Llama
 from nanospec.model.loader import Checkpoint, load_checkpoint
 from nanospec.model.random_model import random_checkpoint
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
-from nanospec.speculative.config import make_proposer, parse_speculative_config
+from nanospec.model.parallel import check_shardable
+from nanospec.speculative.config import draft_tensor_parallel_size, make_proposer, parse_speculative_config
+from nanospec.worker import ModelSpec, TensorParallel, WorkerSetup
+from nanospec.worker import start as start_tensor_parallel
 
 Prompt = str | list[int]
 
@@ -38,12 +42,19 @@ class LLM:
     full contexts). ``speculative_config``: see :mod:`nanospec.speculative.config`. ``enforce_eager``
     (vLLM's name): False runs decode and verify steps from static buffers as CUDA graphs (the default on
     CUDA); on a CPU, False runs the same static-buffer path eagerly (the default there is True).
+
+    ``tensor_parallel_size`` T > 1: the model is split over T processes (``nanospec.worker``): this one, the
+    driver, and T-1 workers it spawns (or that torchrun started: then on ranks > 0 this constructor serves as a
+    worker and exits the process when the driver shuts down). NCCL with one GPU per rank on CUDA, gloo on a CPU.
+    ``shutdown()``, leaving a ``with`` block, garbage collection or interpreter exit end the workers. A draft model
+    runs on ``speculative_config["draft_tensor_parallel_size"]`` ranks: 1 (the driver alone) or T (the default).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, dtype=None, device=None, *,
                  speculative_config: dict | None = None, num_blocks: int | None = None, block_size: int = 16,
                  kv_cache_memory: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
-                 max_model_len: int | None = None, seed: int = 0, enforce_eager: bool | None = None):
+                 max_model_len: int | None = None, seed: int = 0, enforce_eager: bool | None = None,
+                 tensor_parallel_size: int = 1):
         if model is not None and not isinstance(model, (str, os.PathLike, Checkpoint)):
             raise ValueError(f"model must be a path or None, got {model!r}")
         _check_int("block_size", block_size, 1, 4096)
@@ -52,6 +63,8 @@ class LLM:
         _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
         _check_int("kv_cache_memory", kv_cache_memory, 1, optional=True, unit=" (bytes)")
         _check_int("max_model_len", max_model_len, 2, optional=True)
+        _check_int("tensor_parallel_size", tensor_parallel_size, 1, 1024)
+        self._source = model
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise ValueError(f"seed must be an int, got {seed!r}")
         if enforce_eager is not None and not isinstance(enforce_eager, bool):
@@ -64,6 +77,7 @@ class LLM:
                 resolve_dtype(spec_config.dtype, self.device)
             except ValueError as e:
                 raise ValueError(f"speculative_config['dtype']: {e}") from None
+        draft_tp = draft_tensor_parallel_size(spec_config, tensor_parallel_size)
         checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model, self.dtype)
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -73,15 +87,44 @@ class LLM:
             max_model_len = context
         elif not 1 < max_model_len <= context:
             raise ValueError(f"max_model_len must be in (1, {context}], got {max_model_len}")
-        self.model = Llama(checkpoint.config, checkpoint.tensors, self.device, self.dtype, max_len=max_model_len)
+        self.parallel: TensorParallel | None = None
+        if tensor_parallel_size > 1:
+            check_shardable(self.config, tensor_parallel_size)
+            self.parallel = start_tensor_parallel(tensor_parallel_size, draft_tp, self.device)
+            if self.parallel.rank != 0:  # under torchrun: this process is a worker until the driver shuts down
+                del checkpoint
+                try:
+                    self.parallel.serve()
+                finally:
+                    self.parallel.shutdown()
+                raise SystemExit(0)
+            self.device = self.parallel.device
+            # shutdown() at garbage collection or at interpreter exit, whichever comes first
+            self._finalizer = weakref.finalize(self, self.parallel.shutdown)
+        try:
+            self._build(checkpoint, spec_config, num_blocks, block_size, kv_cache_memory, max_num_seqs,
+                        max_num_batched_tokens, max_model_len, asked_model_len, seed, enforce_eager)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _build(self, checkpoint, spec_config, num_blocks, block_size, kv_cache_memory, max_num_seqs,
+               max_num_batched_tokens, max_model_len, asked_model_len, seed, enforce_eager) -> None:
+        """The model (this rank's shard under tensor parallelism), the KV pool, the proposer and the engine; under
+        tensor parallelism the workers get their setup just before the engine's first forward."""
+        parallel = self.parallel
+        self.model = Llama(checkpoint.config, checkpoint.tensors, self.device, self.dtype, max_len=max_model_len,
+                           tp=parallel.target if parallel is not None else None)
+        target_source = checkpoint if isinstance(self._source, Checkpoint) else self._source
         del checkpoint
         if num_blocks is None:
             num_blocks = self._blocks_from_memory(kv_cache_memory, block_size, max_model_len, max_num_seqs)
         self._check_kv_memory(num_blocks, block_size)
         proposer = None
+        target_max_len = max_model_len
         if spec_config is not None:
             proposer = make_proposer(spec_config, self.config, self.tokenizer, num_blocks, block_size, self.device,
-                                     self.dtype, max_model_len)
+                                     self.dtype, max_model_len, parallel)
             if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
                 if asked_model_len is not None:
                     raise ValueError(f"max_model_len={asked_model_len} is longer than the draft model's context "
@@ -92,8 +135,15 @@ class LLM:
         config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                               max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                               enforce_eager=enforce_eager)
+        if parallel is not None:
+            draft = None
+            if getattr(proposer, "sharded", False):
+                draft = ModelSpec(spec_config.model, proposer.dtype, proposer.max_len, num_blocks, block_size)
+            parallel.send_setup(WorkerSetup(
+                ModelSpec(target_source, self.dtype, target_max_len, num_blocks, block_size, max_num_seqs,
+                          max_query_len(proposer), max_model_len, enforce_eager), draft))
         self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer, seed=seed,
-                             adaptive_speculation=spec_config is None or spec_config.adaptive)
+                             adaptive_speculation=spec_config is None or spec_config.adaptive, parallel=parallel)
         # outputs not yet taken by the call that owns their request: every engine step serves every
         # request, so a generate() call also advances an open stream (and the stream must get them)
         self._outputs: dict[int, list[RequestOutput]] = {}
@@ -109,7 +159,7 @@ class LLM:
     def _check_kv_memory(self, num_blocks: int, block_size: int) -> None:
         """Refuse, before allocating, a KV pool larger than the device's memory."""
         c = self.config
-        need = num_blocks * kv_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim,
+        need = num_blocks * kv_bytes_per_block(c.num_hidden_layers, block_size, self.model.num_kv_heads, c.head_dim,
                                                self.dtype)
         if self.device.type == "cuda":
             have = torch.cuda.mem_get_info(self.device)[0]
@@ -121,7 +171,8 @@ class LLM:
 
     def _blocks_from_memory(self, kv_cache_memory, block_size, max_model_len, max_num_seqs) -> int:
         c = self.config
-        per_block = kv_bytes_per_block(c.num_hidden_layers, block_size, c.num_key_value_heads, c.head_dim, self.dtype)
+        per_block = kv_bytes_per_block(c.num_hidden_layers, block_size, self.model.num_kv_heads, c.head_dim,
+                                       self.dtype)  # this rank's KV heads
         if kv_cache_memory is None:
             if self.device.type == "cuda":
                 free, _ = torch.cuda.mem_get_info(self.device)
@@ -267,6 +318,23 @@ class LLM:
 
     def stream_chat(self, messages, params: SamplingParams | None = None) -> RequestStream:
         return self.stream(self._render_chat(messages), params)
+
+    # ---------------------------------------------------------------- lifecycle
+    def shutdown(self) -> None:
+        """End the tensor-parallel workers and the process group (nothing to do at ``tensor_parallel_size=1``).
+        Also done on leaving a ``with LLM(...)`` block and at interpreter exit. The LLM cannot run afterwards."""
+        parallel = getattr(self, "parallel", None)
+        if parallel is None or parallel.closed:
+            return
+        self._finalizer()  # parallel.shutdown(), once
+        if parallel.broken is None:
+            parallel.broken = "this LLM was shut down"
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
 
     # ---------------------------------------------------------------- introspection
     def kv_cache_stats(self) -> dict:

@@ -14,12 +14,17 @@ q/k/v and gate/up are fused into single matrices (one matmul each); the residual
 into RMSNorm. Matmuls stay in torch (cuBLAS, or oneDNN on CPU: ``nanospec.model.linear``);
 everything else is a kernel from
 ``nanospec.kernels`` (Triton on CUDA, the torch reference on CPU).
+
+Under tensor parallelism (``tp``, a :class:`~nanospec.model.parallel.ParallelGroup` of ``T`` ranks) each rank
+builds only its shard (layout and collectives in :mod:`nanospec.model.parallel`): its q/k/v heads and gate/up
+rows (column-parallel), the matching columns of o and down (row-parallel, one all-reduce after each), its
+vocabulary rows of the embedding and the head; ``compute_logits`` all-gathers the full ``[R, V]`` logits.
+``num_heads`` / ``num_kv_heads`` are then this rank's counts.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from nanospec.cache.kv_cache import KVCache
 from nanospec.model.forward_batch import ForwardBatch
@@ -29,35 +34,72 @@ from nanospec.kernels.rope import build_rope_cache
 from nanospec.model.attention import Attention
 from nanospec.model.config import LlamaConfig
 from nanospec.model.linear import Linear
+from nanospec.model.parallel import (ParallelGroup, VocabParallelEmbedding, check_shardable, columns, head_range,
+                                     rows, vocab_range)
 
 
 class LlamaLayer:
-    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], prefix: str):
+    """One layer's weights: all of them, or (``tp``) this rank's shard: rows of q/k/v and gate/up, columns of o and
+    down (see :mod:`nanospec.model.parallel`)."""
+
+    def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], prefix: str, device: torch.device,
+                 dtype: torch.dtype, tp: ParallelGroup | None = None):
         t = lambda name: tensors[prefix + name]  # noqa: E731
-        self.input_norm = t("input_layernorm.weight")
-        self.post_attention_norm = t("post_attention_layernorm.weight")
-        self.qkv_proj = Linear(torch.cat([t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"),
-                                          t("self_attn.v_proj.weight")]).contiguous())
-        self.o_proj = Linear(t("self_attn.o_proj.weight"))
-        self.gate_up_proj = Linear(torch.cat([t("mlp.gate_proj.weight"), t("mlp.up_proj.weight")]).contiguous())
-        self.down_proj = Linear(t("mlp.down_proj.weight"))
+        place = lambda w: w.to(device=device, dtype=dtype)  # noqa: E731  (after slicing: only the shard moves)
+        self.input_norm = place(t("input_layernorm.weight"))
+        self.post_attention_norm = place(t("post_attention_layernorm.weight"))
+        q, k, v = t("self_attn.q_proj.weight"), t("self_attn.k_proj.weight"), t("self_attn.v_proj.weight")
+        o, gate, up, down = (t("self_attn.o_proj.weight"), t("mlp.gate_proj.weight"), t("mlp.up_proj.weight"),
+                             t("mlp.down_proj.weight"))
+        if tp is not None and tp.communicates:
+            D, F = config.head_dim, config.intermediate_size
+            q0, q1 = head_range(config.num_attention_heads, tp.rank, tp.size)
+            k0, k1 = head_range(config.num_key_value_heads, tp.rank, tp.size)
+            f0, f1 = tp.rank * F // tp.size, (tp.rank + 1) * F // tp.size
+            q, k, v = rows(q, q0 * D, q1 * D), rows(k, k0 * D, k1 * D), rows(v, k0 * D, k1 * D)
+            o = columns(o, q0 * D, q1 * D)
+            gate, up, down = rows(gate, f0, f1), rows(up, f0, f1), columns(down, f0, f1)
+        self.qkv_proj = Linear(place(torch.cat([q, k, v])).contiguous())
+        self.o_proj = Linear(place(o).contiguous())
+        self.gate_up_proj = Linear(place(torch.cat([gate, up])).contiguous())
+        self.down_proj = Linear(place(down).contiguous())
 
 
 class Llama:
     def __init__(self, config: LlamaConfig, tensors: dict[str, torch.Tensor], device: torch.device | str,
-                 dtype: torch.dtype, max_len: int | None = None):
+                 dtype: torch.dtype, max_len: int | None = None, tp: ParallelGroup | None = None):
         """``max_len``: the longest sequence it will run (default: the model's context); the RoPE table covers
-        that many positions (a 10M-token context would otherwise cost gigabytes of table)."""
+        that many positions (a 10M-token context would otherwise cost gigabytes of table). ``tp``: build this
+        rank's shard of the model and run its forward with the group's collectives (None: the whole model)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        tensors = {name: w.to(device=device, dtype=dtype) for name, w in tensors.items()}
-        self.embed_tokens = tensors["model.embed_tokens.weight"]
-        self.lm_head = Linear(self.embed_tokens if config.tie_word_embeddings else tensors["lm_head.weight"])
-        self.norm = tensors["model.norm.weight"]
-        self.layers = [LlamaLayer(config, tensors, f"model.layers.{i}.") for i in range(config.num_hidden_layers)]
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        self.tp = tp if tp is not None and tp.communicates else None
+        if self.tp is not None:
+            check_shardable(config, self.tp.size)
+        place = lambda w: w.to(device=device, dtype=dtype)  # noqa: E731
+        embed = tensors["model.embed_tokens.weight"]
+        head = tensors["lm_head.weight"] if not config.tie_word_embeddings else None
+        if self.tp is None:
+            embed = place(embed)
+            head = embed if head is None else place(head)
+        else:  # this rank's vocabulary rows, sliced before they move
+            v0, v1 = vocab_range(config.vocab_size, self.tp.rank, self.tp.size)
+            head = embed if head is None else head
+            embed = place(rows(embed, v0, v1))
+            # the head's rows padded with zeros to V' = ceil(V / T), so the all-gather is even
+            padded = torch.zeros(-(-config.vocab_size // self.tp.size), head.shape[1], dtype=dtype, device=device)
+            padded[: v1 - v0] = head[v0:v1]
+            head = padded
+        self.embed = VocabParallelEmbedding(embed, config.vocab_size, self.tp)
+        self.embed_tokens = embed  # this rank's rows (all of them at T = 1)
+        self.lm_head = Linear(head)
+        self.norm = place(tensors["model.norm.weight"])
+        self.layers = [LlamaLayer(config, tensors, f"model.layers.{i}.", self.device, dtype, self.tp)
+                       for i in range(config.num_hidden_layers)]
+        size = self.tp.size if self.tp is not None else 1
+        self.num_heads = config.num_attention_heads // size
+        self.num_kv_heads = max(config.num_key_value_heads // size, 1)  # one replicated head when size > KV
         self.head_dim = config.head_dim
         positions = min(config.max_position_embeddings, max_len or config.max_position_embeddings)
         self.cos_sin_cache = build_rope_cache(self.head_dim, positions, config.rope_theta, config.rope_scaling,
@@ -68,7 +110,7 @@ class Llama:
     def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
         """Hidden states (after the final norm) of the rows ``batch.logits_indices``: ``[R, hidden]``."""
         plan = self.attention.plan(batch, kv_cache.block_size)  # what every layer's attention shares
-        hidden = F.embedding(batch.input_ids, self.embed_tokens)
+        hidden = self.embed(batch.input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
             if residual is None:
@@ -77,13 +119,19 @@ class Llama:
             else:
                 x, residual = rms_norm(hidden, layer.input_norm, self.config.rms_norm_eps, residual=residual)
             hidden = layer.o_proj(self.attention(layer.qkv_proj(x), kv_cache, i, batch, plan))
+            if self.tp is not None:  # row-parallel o: sum the ranks' shares
+                hidden = self.tp.all_reduce(hidden)
             x, residual = rms_norm(hidden, layer.post_attention_norm, self.config.rms_norm_eps, residual=residual)
             hidden = layer.down_proj(silu_and_mul(layer.gate_up_proj(x)))
+            if self.tp is not None:  # row-parallel down: sum the ranks' shares
+                hidden = self.tp.all_reduce(hidden)
         if residual is None:  # a model with no layers
             residual, hidden = hidden, torch.zeros_like(hidden)
         rows = batch.logits_indices
         return rms_norm(hidden[rows], self.norm, self.config.rms_norm_eps, residual=residual[rows])[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[R, vocab]`` float32 logits."""
-        return self.lm_head(hidden).float()
+        """``[R, vocab]`` float32 logits (under tensor parallelism: every rank's slice, gathered on every rank)."""
+        if self.tp is None:
+            return self.lm_head(hidden).float()
+        return self.tp.all_gather_last(self.lm_head(hidden))[:, : self.config.vocab_size].float()

@@ -29,6 +29,7 @@ import torch
 
 from nanospec.cache.kv_cache import KVCache
 from nanospec.kernels.attention_mask import num_words
+from nanospec.kernels.kv_store import copy_kv_slots
 from nanospec.model.forward_batch import ForwardBatch
 from nanospec.model.llama import Llama
 
@@ -105,6 +106,12 @@ class ModelRunner:
             hidden, logits = entry.hidden, entry.logits
         return logits[rows], hidden[rows] if hidden_states else None
 
+    def copy_kv_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        """``cache[dst] = old cache[src]`` for K and V of every layer (slot indices, on any device)."""
+        src_slots, dst_slots = src_slots.to(self.device), dst_slots.to(self.device)
+        for layer in range(self.model.config.num_hidden_layers):
+            copy_kv_slots(*self.kv_cache.layer(layer), src_slots, dst_slots)
+
     def _bucket(self, batch: ForwardBatch) -> tuple[int, int, bool] | None:
         """The bucket of a decode / verify batch (every row wants logits), or None: run it eagerly."""
         num_seqs = batch.seq_lens.shape[0]
@@ -157,8 +164,8 @@ class ModelRunner:
         """Host integer tensors on the device, through one pinned buffer and one asynchronous copy (as they are
         on a CPU). The buffers are used in turn (a step's forward, then its verification), and a buffer is only
         refilled once the copy that last read it has run; a step ends in a device read, so that has long
-        happened."""
-        if self.device.type != "cuda":
+        happened. Tensors already on the device (a draft's own batches) stay where they are."""
+        if self.device.type != "cuda" or all(t.device == self.device for t in tensors):
             return tensors
         flat = [t.reshape(-1).to(torch.int64) for t in tensors]
         total = sum(t.numel() for t in flat)

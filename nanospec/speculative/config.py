@@ -6,6 +6,7 @@
     {"method": "draft", "model": PATH, "num_speculative_tokens": 4, "tree_top_k": 2, "tree_budget": 12}
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
     {"method": "draft", "model": PATH, "acceptance": "coupled"}     # outputs equal plain seeded sampling
+    {"method": "draft", "model": PATH, "draft_tensor_parallel_size": 1}  # the draft on rank 0 alone (TP > 1)
     {"method": "mlp_speculator"}                                    # the speculator shipped for the embedded model
     {"method": "mlp_speculator", "model": "path/to/speculator", "num_speculative_tokens": 3}
 
@@ -31,7 +32,7 @@ _KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive",
               "max_candidates", "tree_budget"},
     "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive", "tree_top_k", "tree_budget",
-              "acceptance"},
+              "acceptance", "draft_tensor_parallel_size"},
     "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
     "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype"},
 }
@@ -53,6 +54,7 @@ class SpeculativeConfig:
     ngram_size: int = 4
     guess_set_size: int = 5
     acceptance: str = "rejection"
+    draft_tensor_parallel_size: int | None = None  # None: the target's (vLLM's default); else 1 or the target's
 
 
 # The largest value each size may take: beyond these a step would feed hundreds of guesses per sequence.
@@ -119,15 +121,35 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     acceptance = config.get("acceptance", "rejection")
     if acceptance not in ("rejection", "coupled"):
         raise ValueError(f"speculative_config['acceptance'] must be 'rejection' or 'coupled', got {acceptance!r}")
+    draft_tp = config.get("draft_tensor_parallel_size")
+    if draft_tp is not None and (not isinstance(draft_tp, int) or isinstance(draft_tp, bool) or draft_tp < 1):
+        raise ValueError(f"speculative_config['draft_tensor_parallel_size'] must be a positive integer, got "
+                         f"{draft_tp!r}")
     if not Path(model).exists():
         raise FileNotFoundError(f"speculative_config['model']: the draft model path does not exist: {model}")
     return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
-                             tree_budget=tree_budget or k * tree_top_k, acceptance=acceptance)
+                             tree_budget=tree_budget or k * tree_top_k, acceptance=acceptance,
+                             draft_tensor_parallel_size=draft_tp)
+
+
+def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel_size: int) -> int | None:
+    """How many ranks the draft runs on (None: there is no draft model): 1 (rank 0 alone) or the target's
+    ``tensor_parallel_size`` (the default). ValueError for anything else, naming it."""
+    if config is None or config.method != "draft":
+        return None
+    size = config.draft_tensor_parallel_size
+    if size is None:
+        return tensor_parallel_size
+    if size not in (1, tensor_parallel_size):
+        raise ValueError(f"speculative_config['draft_tensor_parallel_size']={size}: the draft runs on rank 0 alone "
+                         f"(1) or on as many ranks as the target (tensor_parallel_size={tensor_parallel_size})")
+    return size
 
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
-                  dtype, max_model_len: int | None = None) -> Proposer:
-    """The proposer the speculator drives (see ``nanospec.speculative.proposer.Proposer``)."""
+                  dtype, max_model_len: int | None = None, parallel=None) -> Proposer:
+    """The proposer the speculator drives (see ``nanospec.speculative.proposer.Proposer``). ``parallel``: the
+    driver's ``nanospec.worker.TensorParallel`` under tensor parallelism (the draft's group and command channel)."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                              config.max_candidates, config.tree_budget)
@@ -135,4 +157,5 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         return LookaheadProposer(config.window_size, config.ngram_size, config.guess_set_size)
     if config.method == "mlp_speculator":
         return MLPSpeculatorProposer.from_config(config, target_config, device, dtype)
-    return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len)
+    return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
+                         parallel)

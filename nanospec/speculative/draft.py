@@ -17,6 +17,11 @@ the target). Two ways to sample, ``speculative_config["acceptance"]``:
 
 After verification the draft KV of rejected guesses is rolled back with the target's.
 
+Under tensor parallelism the draft runs on its own group (``draft_tensor_parallel_size``): on rank 0 alone (1:
+a plain, unsharded model, no collective, no command to the workers), or sharded over as many ranks as the
+target, each forward sent to the workers as a command (its guesses fed back travel in that command's batch).
+Its block tables, like the target's, are the driver's alone; each rank's draft KV pool has the same blocks.
+
 **Trees** (``tree_top_k > 1``): from the root, every frontier node branches on its ``tree_top_k``
 most probable next tokens; of all those children the ``tree_budget`` most probable (by cumulative
 draft log-probability) are kept, level by level, up to depth k. Each level is one draft forward over
@@ -36,8 +41,11 @@ from nanospec.device import resolve_dtype
 from nanospec.kernels.attention_mask import tree_mask_from_parents
 from nanospec.kernels.sampling import sample_from_probs
 from nanospec.model.forward_batch import build_forward_batch
+from nanospec.model.commands import DRAFT
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
+from nanospec.model.parallel import check_shardable
+from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import time_forwards
 from nanospec.speculative.proposal import Proposal, Verdict
@@ -56,7 +64,7 @@ class DraftState:
 
 class DraftProposer(Proposer):
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int | None = None):
+                 device: torch.device, dtype: torch.dtype, max_model_len: int | None = None, parallel=None):
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
         self.coupled = config.acceptance == "coupled"
@@ -70,7 +78,15 @@ class DraftProposer(Proposer):
         if checkpoint.tokenizer.encode(probe) != target_tokenizer.encode(probe):
             raise ValueError(f"the draft model {config.model!r} tokenizes text differently from the target: "
                              f"they must share one vocabulary")
-        self.model = Llama(checkpoint.config, checkpoint.tensors, device, dtype, max_len=max_model_len)
+        tp = parallel.draft if parallel is not None else None
+        if tp is not None and tp.size > 1:
+            try:
+                check_shardable(checkpoint.config, tp.size, "draft_tensor_parallel_size")
+            except ValueError as e:
+                raise ValueError(f"the draft model {config.model!r}: {e}") from None
+        self.dtype = dtype
+        self.max_len = max_model_len  # (the workers build their shards with the same RoPE table)
+        self.model = Llama(checkpoint.config, checkpoint.tensors, device, dtype, max_len=max_model_len, tp=tp)
         del checkpoint
         c = self.model.config
         self.max_model_len = c.max_position_embeddings
@@ -79,8 +95,14 @@ class DraftProposer(Proposer):
         self.adaptive_k = self.tree_top_k == 1
         self.block_size = block_size
         self.block_manager = BlockManager(num_blocks, block_size)
-        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, c.num_key_value_heads, c.head_dim,
+        self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, self.model.num_kv_heads, c.head_dim,
                                 self.model.dtype, device)
+        # eager: a draft forward runs on batches built on the device; on the workers too, when sharded
+        self.runner = ModelRunner(self.model, self.kv_cache, max_num_seqs=1, max_query_len=1,
+                                  max_model_len=self.max_model_len, enforce_eager=True)
+        self.sharded = tp is not None and tp.size > 1
+        if self.sharded:
+            self.runner = parallel.driver_runner(self.runner, DRAFT)
 
     def start(self, seq: Sequence) -> None:
         seq.spec_state = DraftState()
@@ -109,7 +131,7 @@ class DraftProposer(Proposer):
                 previous_rows, previous = drawn[-1]
                 where = {i: r for r, i in enumerate(previous_rows)}
                 batch.input_ids = previous[torch.tensor([where[i] for i in rows], device=previous.device)]
-            logits = self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+            logits, _ = self.runner.execute(batch)
             guesses, q = self._draw([seqs[i] for i in rows], logits, j)
             drawn.append((rows, guesses))
             for r, i in enumerate(rows):
@@ -139,7 +161,7 @@ class DraftProposer(Proposer):
         feed = [seq.token_ids[st.num_cached:] for seq, st in zip(seqs, states)]  # backfill, ends with the root
         batch = build_forward_batch(feed, [st.num_cached for st in states], [st.block_table for st in states],
                                     self.block_size, [[len(f) - 1] for f in feed], self.model.device)
-        logprobs = torch.log_softmax(self.model.compute_logits(self.model.forward(batch, self.kv_cache)), dim=-1)
+        logprobs = torch.log_softmax(self.runner.execute(batch)[0], dim=-1)
         for seq, st in zip(seqs, states):
             st.num_cached = seq.num_tokens  # the root's draft K/V now exists; tree nodes are scratch
             st.num_reusable = 0
@@ -182,7 +204,7 @@ class DraftProposer(Proposer):
                 self.block_size, [[n for n, _, _ in frontier[i]] for i in grown], self.model.device,
                 positions=[[seqs[i].num_tokens - 1 + d for d in depths[i]] for i in grown],
                 tree_masks=[tree_mask_from_parents(parents[i]) for i in grown])
-            rows = iter(torch.log_softmax(self.model.compute_logits(self.model.forward(batch, self.kv_cache)), dim=-1))
+            rows = iter(torch.log_softmax(self.runner.execute(batch)[0], dim=-1))
             for i in grown:
                 frontier[i] = [(n, score, next(rows)) for n, score, _ in frontier[i]]
         return [Proposal(t, p) for t, p in zip(tokens, parents)]
@@ -190,9 +212,8 @@ class DraftProposer(Proposer):
     def measure_cost(self) -> float:
         """Seconds of one single-token draft forward after 64 cached tokens."""
         model = self.model
-        return time_forwards(lambda batch: model.compute_logits(model.forward(batch, self.kv_cache)),
-                             self.block_manager, [1], per_seq=1, device=model.device, batch_device=model.device,
-                             max_len=model.config.max_position_embeddings)[0]
+        return time_forwards(lambda batch: self.runner.execute(batch)[0], self.block_manager, [1], per_seq=1,
+                             device=model.device, batch_device=model.device, max_len=model.config.max_position_embeddings)[0]
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Guess j for every sequence (a device tensor) and, in rejection mode when any samples, the draft

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from nanospec.cache.block_manager import BlockManager, slots_of
-from nanospec.kernels.kv_store import copy_kv_slots
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import time_forwards
@@ -154,11 +153,8 @@ class Speculator:
             dst += slots_of(seq.block_table, self.block_size, [b for _, b in moves])
         if not src:
             return
-        device = self.model.device
-        src_slots = torch.tensor(src, dtype=torch.int64, device=device)
-        dst_slots = torch.tensor(dst, dtype=torch.int64, device=device)
-        for layer in range(self.model.config.num_hidden_layers):
-            copy_kv_slots(*self.kv_cache.layer(layer), src_slots, dst_slots)
+        # through the runner: under tensor parallelism every rank moves its own heads' K/V
+        self.runner.copy_kv_slots(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """After ``seq`` grew by ``verdict.emitted`` (and did not finish): tell the proposer and the estimate."""

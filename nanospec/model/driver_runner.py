@@ -1,0 +1,71 @@
+"""The driver's (rank 0's) runner of a tensor-parallel model: every call is sent to the workers as a command
+(:mod:`nanospec.model.commands`), then run on the driver's own shard, so that all ranks enter the model's
+collectives together. The workers run the same :class:`~nanospec.model.runner.ModelRunner` calls on theirs
+(``nanospec.worker``).
+
+A call that fails part-way leaves the ranks out of step (a worker may wait in an all-reduce the driver never
+reaches), so any failure inside one is fatal: it raises :class:`~nanospec.model.parallel.TensorParallelError`
+(naming the worker that died, when one did), and the group's ``health`` remembers it: every later call of any
+model on the group raises it again. ``health.check(grace)`` raises it when a worker is gone; it is called before
+each command, so a worker that died between steps is reported at once, without entering a collective.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol
+
+import torch
+
+from nanospec.model.commands import CommandChannel, Op
+from nanospec.model.forward_batch import ForwardBatch
+from nanospec.model.parallel import TensorParallelError
+from nanospec.model.runner import ModelRunner
+
+
+class GroupHealth(Protocol):
+    broken: str | None  # why the group failed, once it has (kept as text: an exception would keep its frames alive)
+
+    def check(self, grace: float) -> None:
+        """Raise TensorParallelError if the group is broken or a worker is gone (waiting up to ``grace`` seconds
+        for one to be); a dead worker breaks the group."""
+
+
+class DriverRunner:
+    def __init__(self, local: ModelRunner, channel: CommandChannel, model_id: int, health: GroupHealth):
+        self.local = local
+        self.channel = channel
+        self.model_id = model_id
+        self.health = health
+        self.model = local.model
+        self.kv_cache = local.kv_cache
+        self.device = local.device
+
+    def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        return self.local.to_device(tensors)
+
+    def execute(self, batch: ForwardBatch, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``[R, vocab]`` logits (and the final hidden states when asked: every rank holds them whole, after the
+        last all-reduce), on the driver; every rank ran its shard of the forward."""
+        return self._mirrored(lambda: self.channel.send_batch(Op.EXECUTE, self.model_id, batch),
+                              lambda: self.local.execute(batch, hidden_states))
+
+    def copy_kv_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+        self._mirrored(lambda: self.channel.send(Op.COPY_KV, self.model_id, [src_slots.cpu(), dst_slots.cpu()]),
+                       lambda: self.local.copy_kv_slots(src_slots, dst_slots))
+
+    def _mirrored(self, send: Callable[[], None], run: Callable[[], object]):
+        health = self.health
+        try:
+            health.check(0.0)
+            send()
+            return run()
+        except TensorParallelError:
+            raise
+        except BaseException as error:
+            try:  # a worker that died makes a collective fail a moment before its exit can be seen
+                health.check(2.0)
+            except TensorParallelError as died:
+                raise died from error
+            health.broken = (f"a tensor-parallel command failed part-way and the ranks are out of step: "
+                             f"{type(error).__name__}: {error}")
+            raise TensorParallelError(health.broken) from error

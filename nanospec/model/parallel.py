@@ -1,0 +1,129 @@
+"""Tensor parallelism: which rank holds which slice of a Llama, and the collectives that put it back together.
+
+A model runs on a **tensor-parallel group** of ``T`` ranks (a ``torch.distributed`` process group: NCCL on CUDA,
+one GPU per rank; gloo on a CPU). Rank ``r`` of the group holds (Megatron-LM's layout, as vLLM's):
+
+    q heads        [r H/T, (r+1) H/T)                                         H = num_attention_heads
+    k, v heads     [r KV/T, (r+1) KV/T)        when T <= KV                   KV = num_key_value_heads
+                   the one head  r KV // T     when T > KV (replicated: T/KV ranks share each KV head)
+    gate, up rows  [r F/T, (r+1) F/T)                                         F = intermediate_size
+    vocab rows     [r V', (r+1) V') of the embedding and the head             V' = ceil(V / T), the last shorter
+
+so the q heads of a rank use exactly the KV heads it holds (q head h reads KV head h // (H/KV)). Per layer:
+
+    qkv     = x W_qkv[r]^T                     column-parallel: this rank's heads, no communication
+    o       = all_reduce_r( attn_r W_o[:, r]^T )       row-parallel: each rank's heads' share of o, summed
+    gate_up = x W_gate_up[r]^T                 column-parallel
+    down    = all_reduce_r( act_r W_down[:, r]^T )     row-parallel: each rank's slice of F, summed
+
+two all-reduces per layer of ``[tokens, hidden]`` each; everything else (norms, residuals) is replicated. The
+embedding is vocab-parallel: a rank looks up the ids in its rows, zeros the others, and one all-reduce sums the
+ranks' rows (exactly one is non-zero per token, so the sum is exact). The head gives each rank its vocabulary
+slice of the logits and one all-gather puts them side by side on every rank (sampling runs on rank 0 only).
+
+Each rank keeps its own paged KV cache of its KV heads, indexed by the same block tables (the driver's).
+
+At ``T = 1`` (``tp`` None or of size 1) a model is the plain, unsharded one and makes no distributed call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class ParallelGroup:
+    """One tensor-parallel group as seen from one of its ranks: ``rank`` of ``size`` in ``group``. A group of size
+    1 runs no collective; ``force_collectives`` runs them anyway (to test a backend, e.g. NCCL, at world size 1)."""
+
+    group: object  # a torch.distributed ProcessGroup
+    rank: int
+    size: int
+    force_collectives: bool = False
+
+    @property
+    def communicates(self) -> bool:
+        return self.size > 1 or self.force_collectives
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over the group's ranks of ``x`` (in place). Two ranks get bit-identical sums (a + b == b + a)."""
+        if self.communicates:
+            dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        """The ranks' ``x`` ``[R, n]`` side by side along the last axis, in rank order: ``[R, size * n]``."""
+        if not self.communicates:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts, dim=-1)
+
+
+def check_shardable(config, size: int, what: str = "tensor_parallel_size") -> None:
+    """ValueError, naming the value, when a model of ``config`` (a LlamaConfig) cannot be split over ``size`` ranks:
+    its q heads and MLP width must divide evenly, and its KV heads must either divide evenly or be replicated evenly
+    (``size`` a multiple of num_key_value_heads)."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"{what} must be a positive integer, got {size!r}")
+    heads, kv_heads, ffn = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    if heads % size:
+        raise ValueError(f"{what}={size} does not divide the model's {heads} attention heads")
+    if kv_heads % size and size % kv_heads:
+        raise ValueError(f"{what}={size} neither divides the model's {kv_heads} KV heads nor is a multiple of them")
+    if ffn % size:
+        raise ValueError(f"{what}={size} does not divide the model's intermediate_size {ffn}")
+
+
+def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
+    """The heads ``[start, end)`` rank ``rank`` of ``size`` holds: an even split, or, with more ranks than heads
+    (KV heads under GQA), the one head ``rank * num_heads // size``, replicated over ``size / num_heads`` ranks."""
+    if size <= num_heads:
+        per_rank = num_heads // size
+        return rank * per_rank, (rank + 1) * per_rank
+    head = rank * num_heads // size
+    return head, head + 1
+
+
+def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
+    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last rank's shorter (maybe
+    empty). The head's all-gather pads every slice to ``ceil(V / size)`` and cuts the padding off."""
+    per_rank = -(-vocab_size // size)
+    return min(rank * per_rank, vocab_size), min((rank + 1) * per_rank, vocab_size)
+
+
+def rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return weight[start:end].contiguous()
+
+
+def columns(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    return weight[:, start:end].contiguous()
+
+
+class VocabParallelEmbedding:
+    """Rank ``r`` holds rows ``vocab_range(V, r, T)`` of the embedding (``weight``: those rows already). ``h[t] =
+    sum_r (E_r[x_t - start_r] if x_t in rank r's rows else 0)``: one all-reduce, exact (one non-zero term)."""
+
+    def __init__(self, weight: torch.Tensor, vocab_size: int, tp: ParallelGroup | None):
+        self.tp = tp if tp is not None and tp.communicates else None
+        self.weight = weight
+        self.start, self.end = (0, vocab_size) if self.tp is None else vocab_range(vocab_size, tp.rank, tp.size)
+        assert weight.shape[0] == self.end - self.start
+
+    def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return torch.nn.functional.embedding(ids, self.weight)
+        mine = (ids >= self.start) & (ids < self.end)
+        local = torch.where(mine, ids - self.start, 0)
+        hidden = torch.nn.functional.embedding(local, self.weight) if self.weight.shape[0] else \
+            torch.zeros(ids.shape[0], self.weight.shape[1], dtype=self.weight.dtype, device=ids.device)
+        hidden = hidden * mine.unsqueeze(-1).to(hidden.dtype)
+        return self.tp.all_reduce(hidden)
+
+
+class TensorParallelError(RuntimeError):
+    """The tensor-parallel group cannot go on: a worker died, or a command failed part-way (the ranks' collectives
+    are then out of step). Fatal for the ``LLM``: every later call raises it again; ``shutdown()`` ends the workers."""

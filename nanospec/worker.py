@@ -1,0 +1,298 @@
+"""The processes of tensor parallelism: starting them, the workers' loop, and ending them.
+
+``LLM(..., tensor_parallel_size=T)`` makes this process the **driver**, rank 0 of ``T``: it runs the engine
+(scheduler, proposer, sampling) and its own shard of the model. Ranks 1 .. T-1 are **workers**: each holds its
+shard of the target (and of the draft, when the draft is sharded too) with its own paged KV cache, and runs what
+the driver sends, command by command (:mod:`nanospec.model.commands`), entering the model's collectives together
+with the driver (:mod:`nanospec.model.driver_runner`). Block tables, sampling and every decision stay on the driver.
+
+The workers start in one of two ways:
+
+* **spawned** by the ``LLM`` (``torch.multiprocessing``, the spawn method, daemon processes): the driver opens a
+  ``TCPStore`` on 127.0.0.1 at a free port, each worker checks in there (a worker that dies while starting is
+  reported, not waited for), and all join ``init_process_group``;
+* under **torchrun** (``WORLD_SIZE`` / ``RANK`` set by the launcher, ``WORLD_SIZE == T``), every rank runs the
+  same script: on rank 0 ``LLM(...)`` returns the driver's LLM; on the other ranks it serves as a worker until
+  the driver shuts down, then exits the process (``SystemExit(0)``).
+
+Groups, created on every rank in the same order, as ``torch.distributed`` requires:
+
+    the world         the target's tensor-parallel group: NCCL on CUDA (one GPU per rank), gloo on a CPU
+    control           gloo over every rank: the driver's commands (host tensors; no timeout while idle)
+    draft             the draft's own group: [0] (draft TP 1, the draft runs on the driver alone) or every rank
+
+A worker needs nothing but its rank to start: the driver broadcasts what to build (:class:`WorkerSetup`: the
+checkpoint path, or an in-memory checkpoint itself, and the KV pool's and runner's sizes) once it knows them.
+
+Ending: ``shutdown()`` sends ``SHUTDOWN`` and joins the workers (terminating any that do not leave within
+seconds), then destroys the process group. A worker that dies is seen before the next command
+(``process.is_alive``) or by the failed collective (gloo reports a closed connection at once), and raises
+:class:`~nanospec.model.parallel.TensorParallelError` in the caller. When the driver dies, its workers' next
+receive fails the same way and they exit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanospec.cache.kv_cache import KVCache
+from nanospec.model.commands import DRAFT, TARGET, CommandChannel, Op
+from nanospec.model.driver_runner import DriverRunner
+from nanospec.model.llama import Llama
+from nanospec.model.loader import Checkpoint, load_checkpoint
+from nanospec.model.parallel import ParallelGroup, TensorParallelError
+from nanospec.model.runner import ModelRunner
+
+START_TIMEOUT = datetime.timedelta(seconds=120)   # for every worker to check in
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)  # a collective of the model's that never completes
+IDLE = datetime.timedelta(days=365)               # a worker waits for the driver's next command as long as it takes
+
+
+@dataclass
+class ModelSpec:
+    """What a rank needs to build its shard of one model and the runner around it (the driver's very numbers)."""
+    source: str | os.PathLike | Checkpoint | None  # a checkpoint path (None: the embedded model), or the checkpoint
+    dtype: torch.dtype
+    max_len: int | None  # the RoPE table's length (Llama's max_len)
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int = 1
+    max_query_len: int = 1
+    max_model_len: int = 1
+    enforce_eager: bool = True
+
+
+@dataclass
+class WorkerSetup:
+    target: ModelSpec
+    draft: ModelSpec | None  # None: no draft, or one on the driver alone
+
+
+def in_torchrun() -> bool:
+    """Started by torchrun (or any launcher that sets WORLD_SIZE and RANK) with more than one rank."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+class TensorParallel:
+    """This process's place in the tensor-parallel group: its rank, device, groups; on the driver also the command
+    channel and the spawned workers. ``check`` / ``broken`` are the group's health (``GroupHealth``)."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, draft_size: int | None,
+                 processes: list | None = None):
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.processes = processes or []
+        self.broken: str | None = None  # why the group failed (then every command raises TensorParallelError)
+        self.closed = False
+        self.setup_sent = False  # before it, the workers wait for their setup, not for a command
+        self.owns_process_group = True  # False: torchrun's script made the group, and destroys it
+        self.target = ParallelGroup(dist.group.WORLD, rank, world_size)
+        self.channel = CommandChannel(dist.new_group(backend="gloo", timeout=IDLE), rank)
+        self.draft: ParallelGroup | None = None  # None on a rank outside the draft's group
+        if draft_size is not None:
+            ranks = list(range(draft_size))
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                self.draft = ParallelGroup(group, rank, draft_size)
+        self._saved_threads = torch.get_num_threads()
+
+    # ---------------------------------------------------------------- the driver
+    def driver_runner(self, local: ModelRunner, model_id: int) -> DriverRunner:
+        return DriverRunner(local, self.channel, model_id, self)
+
+    def send_setup(self, setup: WorkerSetup) -> None:
+        dist.broadcast_object_list([setup], src=0, group=self.channel.group)
+        self.setup_sent = True
+
+    def check(self, grace: float = 0.0) -> None:
+        """Raise TensorParallelError if a spawned worker has exited (waiting up to ``grace`` seconds for one to)."""
+        deadline = time.monotonic() + grace
+        while True:
+            if self.broken is not None:
+                raise TensorParallelError(self.broken)
+            for rank, process in enumerate(self.processes, start=1):
+                if not process.is_alive():
+                    self.broken = (f"tensor-parallel worker rank {rank} (pid {process.pid}) died "
+                                   f"(exit code {process.exitcode})")
+                    raise TensorParallelError(self.broken)
+            if time.monotonic() >= deadline:
+                return
+            time.sleep(0.05)
+
+    def shutdown(self) -> None:
+        """End every worker (a SHUTDOWN command, then terminate what is left after seconds) and the process group.
+        Safe to call more than once, and after a failure."""
+        if self.closed:
+            return
+        self.closed = True
+        leaving = self.rank == 0 and self.broken is None and self.setup_sent
+        if leaving:
+            try:
+                self.check()
+                self.channel.send(Op.SHUTDOWN)
+            except Exception:  # a dead worker: the others are terminated below
+                leaving = False
+        for process in self.processes:
+            process.join(timeout=10 if leaving else 0.5)
+        for process in self.processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        try:
+            if self.owns_process_group:
+                dist.destroy_process_group()
+            else:  # the world is the script's: only the groups made here go
+                dist.destroy_process_group(self.channel.group)
+                if self.draft is not None and self.draft.group is not dist.group.WORLD:
+                    dist.destroy_process_group(self.draft.group)
+        except Exception:
+            pass
+        torch.set_num_threads(self._saved_threads)
+
+    # ---------------------------------------------------------------- a worker
+    def serve(self) -> None:
+        """A worker's life: build what the driver's setup says, then run its commands until SHUTDOWN."""
+        setup: list = [None]
+        dist.broadcast_object_list(setup, src=0, group=self.channel.group)
+        setup: WorkerSetup = setup[0]
+        runners = {TARGET: build_runner(setup.target, self.device, self.target)}
+        if setup.draft is not None:
+            runners[DRAFT] = build_runner(setup.draft, self.device, self.draft)
+        while True:
+            command = self.channel.receive()
+            if command.op == Op.SHUTDOWN:
+                return
+            runner = runners[command.model]
+            if command.op == Op.EXECUTE:
+                runner.execute(command.batch())
+            elif command.op == Op.COPY_KV:
+                runner.copy_kv_slots(*command.tensors)
+
+
+def build_runner(spec: ModelSpec, device: torch.device, tp: ParallelGroup | None) -> ModelRunner:
+    """This rank's shard of a model, its KV pool (its KV heads, the driver's number of blocks) and its runner."""
+    checkpoint = spec.source if isinstance(spec.source, Checkpoint) else load_checkpoint(spec.source, spec.dtype)
+    model = Llama(checkpoint.config, checkpoint.tensors, device, spec.dtype, max_len=spec.max_len, tp=tp)
+    del checkpoint
+    c = model.config
+    kv_cache = KVCache(c.num_hidden_layers, spec.num_blocks, spec.block_size, model.num_kv_heads, c.head_dim,
+                       spec.dtype, device)
+    return ModelRunner(model, kv_cache, max_num_seqs=spec.max_num_seqs, max_query_len=spec.max_query_len,
+                       max_model_len=spec.max_model_len, enforce_eager=spec.enforce_eager)
+
+
+def _rank_device(device: torch.device, local_rank: int) -> torch.device:
+    return torch.device("cuda", local_rank) if device.type == "cuda" else torch.device("cpu")
+
+
+def _backend(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def _threads_per_rank(world_size: int) -> int:
+    """On a CPU the ranks share the cores: each gets its share of this process's threads."""
+    return max(1, torch.get_num_threads() // world_size)
+
+
+def start(world_size: int, draft_size: int | None, device: torch.device) -> TensorParallel:
+    """Join (torchrun) or create (spawn) the group of ``world_size`` ranks; returns this process's place in it.
+    Raises ValueError for a group this machine cannot run, RuntimeError when a worker fails to start."""
+    if in_torchrun():
+        return _join_torchrun(world_size, draft_size, device)
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed process group is already initialized in this process: one "
+                           "tensor-parallel LLM at a time (shut the other down first)")
+    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs (one per rank), this machine "
+                         f"has {torch.cuda.device_count()}")
+    threads = _threads_per_rank(world_size) if device.type == "cpu" else torch.get_num_threads()
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False)
+    context = mp.get_context("spawn")
+    processes = []
+    try:
+        for rank in range(1, world_size):
+            process = context.Process(target=_spawned_worker, daemon=True, name=f"nanospec-tp-worker-{rank}",
+                                      args=(rank, world_size, draft_size, device.type, store.port, threads))
+            process.start()
+            processes.append(process)
+        _wait_for_check_ins(store, processes, world_size - 1)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        dist.init_process_group(_backend(device), store=store, rank=0, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+        tp = TensorParallel(0, world_size, _rank_device(device, 0), draft_size, processes)
+        tp._saved_threads = saved
+        return tp
+    except BaseException:
+        for process in processes:
+            process.kill()
+            process.join()
+        raise
+
+
+def _wait_for_check_ins(store, processes, count: int) -> None:
+    deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+    while store.add("checked_in", 0) < count:
+        for rank, process in enumerate(processes, start=1):
+            if not process.is_alive():
+                raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) exited while starting "
+                                   f"(exit code {process.exitcode}); its error is above, on stderr")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"tensor-parallel workers did not start within {START_TIMEOUT.total_seconds():.0f} s")
+        time.sleep(0.02)
+
+
+def _spawned_worker(rank: int, world_size: int, draft_size: int | None, device_type: str, port: int,
+                    threads: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle (it then ends the workers)
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=START_TIMEOUT)
+    store.add("checked_in", 1)
+    device = _rank_device(torch.device(device_type), rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(_backend(device), store=store, rank=rank, world_size=world_size,
+                            timeout=COLLECTIVE_TIMEOUT)
+    tp = TensorParallel(rank, world_size, device, draft_size)
+    try:
+        tp.serve()
+    except Exception as error:
+        # the driver went away (its connections closed): leave quietly; anything else is worth a line
+        print(f"nanospec tensor-parallel worker rank {rank}: {type(error).__name__}: {str(error)[:500]}",
+              file=sys.stderr)
+        sys.exit(1)
+    finally:
+        tp.closed = True
+        try:
+            dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def _join_torchrun(world_size: int, draft_size: int | None, device: torch.device) -> TensorParallel:
+    launched = int(os.environ["WORLD_SIZE"])
+    if launched != world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} but torchrun started {launched} processes "
+                         f"(WORLD_SIZE): they must be equal")
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    rank_device = _rank_device(device, local_rank)
+    if rank_device.type == "cuda":
+        torch.cuda.set_device(rank_device)
+    made_here = not dist.is_initialized()  # the script may have made the world group itself
+    if made_here:
+        dist.init_process_group(_backend(device), init_method="env://", rank=rank, world_size=world_size,
+                                timeout=COLLECTIVE_TIMEOUT)
+    tp = TensorParallel(rank, world_size, rank_device, draft_size)
+    tp.owns_process_group = made_here
+    return tp

@@ -1,0 +1,257 @@
+"""Tensor parallelism on a CPU with gloo: 2 ranks (the driver and one spawned worker) against 1.
+
+What must hold: greedy output identical to tensor_parallel_size=1 for plain decoding, n-gram (a tree: accepted
+paths' K/V moved on every rank), a draft on the driver alone (draft TP 1) and a sharded draft (draft TP 2, whose
+one KV head is replicated on both ranks); seeded sampling identical too; no KV block left in any pool (the block
+tables are the driver's alone: the workers' pools are indexed only through them); a worker that dies raises
+TensorParallelError within seconds; shutdown, the context manager, interpreter exit and a killed driver leave no
+process behind; torchrun runs example 07 with 2 processes. The target's vocabulary (321) does not split evenly,
+so the head's padding is exercised.
+
+Why "identical" can be asked of fp32 that is summed differently: the row-parallel all-reduce adds two partial
+sums where one rank's matmul adds all terms in one order, a ~1e-7 relative difference; greedy tokens flip only
+at near ties, which these random models (weights of std 0.2, logits far from uniform) do not have on these
+prompts. A flip would fail the test, not be tolerated.
+
+Each 2-rank LLM costs a process start (seconds on the 2-core CI machine), so each is built once per module and
+serves several checks; one torch.distributed group per process means one 2-rank LLM at a time.
+"""
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from nanospec import LLM, SamplingParams
+from nanospec.model.parallel import TensorParallelError, check_shardable, head_range, vocab_range
+from tiny import assert_no_leak, make_tiny_llama
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = ["The quick brown fox", "abc abc abc abc abc", "Hello, world! Hello, world!", "x = [1, 2, 3]; y = [1, 2,"]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, seed=7, ignore_eos=True)
+KW = dict(num_blocks=64, block_size=8, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def target_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp_target")
+    make_tiny_llama(path, seed=3, num_heads=4, num_kv_heads=1, layers=2, vocab=321)  # its KV head on both ranks
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def draft_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tp_draft")  # another shape than the target's: a mix-up would show
+    make_tiny_llama(path, seed=4, num_heads=2, num_kv_heads=2, head_dim=8, hidden=32, ffn=64, layers=1, vocab=321)
+    return str(path)
+
+
+def _run(llm, params, **overrides):
+    params = dataclasses.replace(params, **overrides)
+    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+
+
+def _assert_workers_gone(llm):
+    for process in llm.parallel.processes:
+        assert not process.is_alive(), f"worker pid {process.pid} still running"
+    assert not multiprocessing.active_children()
+    assert not dist.is_initialized()
+
+
+# ---------------------------------------------------------------- the sharding arithmetic
+def test_head_and_vocab_ranges():
+    assert [head_range(4, r, 2) for r in range(2)] == [(0, 2), (2, 4)]
+    assert [head_range(2, r, 4) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]  # KV heads replicated
+    assert [vocab_range(321, r, 2) for r in range(2)] == [(0, 161), (161, 321)]
+    assert [vocab_range(5, r, 4) for r in range(4)] == [(0, 2), (2, 4), (4, 5), (5, 5)]
+
+
+def test_bad_sizes_are_refused_before_any_process_starts(target_path, draft_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        LLM(target_path, tensor_parallel_size=3, **KW)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer in"):
+        LLM(target_path, tensor_parallel_size=0, **KW)
+    with pytest.raises(ValueError, match=r"draft_tensor_parallel_size'\]=3"):
+        LLM(target_path, tensor_parallel_size=2, **KW,
+            speculative_config={"method": "draft", "model": draft_path, "draft_tensor_parallel_size": 3})
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        LLM(target_path, tensor_parallel_size=2, **KW,
+            speculative_config={"method": "ngram", "draft_tensor_parallel_size": 1})
+    from nanospec.model.config import LlamaConfig
+    with pytest.raises(ValueError, match="neither divides the model's 3 KV heads"):
+        check_shardable(LlamaConfig(num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
+                                    intermediate_size=64), 2)
+    assert not multiprocessing.active_children()
+
+
+# ---------------------------------------------------------------- TP 2 against TP 1
+class TestDraftOnTwoRanks:
+    """Target and draft both on 2 ranks; plain requests through ``speculate=False``. (A class, so that its 2-rank
+    LLM is shut down before the next test starts one: one process group per process.)"""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def llms(cls, target_path, draft_path):
+        spec = {"method": "draft", "model": draft_path, "num_speculative_tokens": 3, "adaptive": False}
+        one = LLM(target_path, **KW, speculative_config=spec)
+        with LLM(target_path, tensor_parallel_size=2, **KW, speculative_config=spec) as two:
+            yield one, two
+        _assert_workers_gone(two)
+
+    def test_plain_greedy_and_seeded_sampling_equal_tp1(self, llms):
+        one, two = llms
+        assert two.engine.model.num_heads == 2 and two.engine.model.num_kv_heads == 1  # half the q heads, the KV head
+        for params in (GREEDY, SAMPLED):
+            assert _run(two, params, speculate=False) == _run(one, params, speculate=False)
+        assert_no_leak(two)
+
+    def test_sharded_draft_equals_tp1(self, llms):
+        one, two = llms
+        proposer = two.engine.speculator.proposer
+        assert proposer.sharded and proposer.model.num_heads == proposer.model.num_kv_heads == 1
+        for params in (GREEDY, SAMPLED):  # sampled: rejection sampling's tokens depend on the draft's distributions
+            assert _run(two, params) == _run(one, params)
+            assert two.stats()["num_accepted_tokens"] == one.stats()["num_accepted_tokens"]
+        assert two.stats()["num_draft_tokens"] == one.stats()["num_draft_tokens"] > 0
+        assert_no_leak(two)
+
+
+def test_ngram_tree_equals_tp1(target_path):
+    """Prompts that hold the model's own continuation, so that n-gram trees get accepted paths off the chain (their
+    K/V moved on both ranks); decode and verify steps through the static buffers (``enforce_eager=False``)."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "max_candidates": 3, "adaptive": False}
+    one = LLM(target_path, **KW, speculative_config=spec, enforce_eager=False)
+    prompts = []
+    for prompt in PROMPTS:
+        ids = one.tokenizer.encode(prompt)
+        prompts.append(ids + one.generate([ids], dataclasses.replace(GREEDY, speculate=False))[0].token_ids + ids)
+    expected = [out.token_ids for out in one.generate(prompts, GREEDY)]
+    with LLM(target_path, tensor_parallel_size=2, **KW, speculative_config=spec, enforce_eager=False) as two:
+        assert [out.token_ids for out in two.generate(prompts, GREEDY)] == expected
+        assert two.stats()["num_accepted_tokens"] == one.stats()["num_accepted_tokens"] > 0
+        assert_no_leak(two)
+    _assert_workers_gone(two)
+
+
+def test_draft_on_the_driver_alone_equals_tp1(target_path):
+    """Draft TP 1, the draft being the target itself guessing a tree: paths accepted off the chain (their target K/V
+    moved on both ranks), the accepted path and bonus token backfilled into the draft's KV; the draft is whole on
+    the driver and sends the workers nothing."""
+    spec = {"method": "draft", "model": target_path, "num_speculative_tokens": 3, "tree_top_k": 2,
+            "draft_tensor_parallel_size": 1, "adaptive": False}
+    one = LLM(target_path, **KW, speculative_config=spec)
+    expected = _run(one, GREEDY)
+    with LLM(target_path, tensor_parallel_size=2, **KW, speculative_config=spec) as two:
+        proposer = two.engine.speculator.proposer
+        assert not proposer.sharded and proposer.model.tp is None and proposer.model.num_heads == 4
+        assert _run(two, GREEDY) == expected
+        assert two.stats()["num_accepted_tokens"] == one.stats()["num_accepted_tokens"] > 0
+        assert _run(two, SAMPLED) == _run(one, SAMPLED)
+        assert_no_leak(two)
+    _assert_workers_gone(two)
+
+
+# ---------------------------------------------------------------- lifecycle
+def test_dead_worker_raises_within_seconds_and_shutdown_ends_everything(target_path):
+    with LLM(target_path, tensor_parallel_size=2, **KW) as llm:
+        llm.generate(PROMPTS[:1], GREEDY)
+        worker = llm.parallel.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=rf"worker rank 1 \(pid {worker.pid}\) died \(exit code -9\)"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=200, ignore_eos=True))
+        assert time.monotonic() - start < 5
+        with pytest.raises(TensorParallelError):  # and every later call
+            llm.generate(PROMPTS[:1], GREEDY)
+    _assert_workers_gone(llm)
+    with pytest.raises(TensorParallelError, match="died"):
+        llm.generate(PROMPTS[:1], GREEDY)
+
+
+@pytest.mark.parametrize("ending", ["exit", "killed"])
+def test_the_workers_end_with_their_driver(target_path, ending):
+    """A script that never calls shutdown() and exits, or whose driver is killed (no atexit, no finalizer): its
+    worker is gone within seconds either way (in the second case its receive fails on the closed connection)."""
+    script = textwrap.dedent(f"""
+        import os, signal
+        from nanospec import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM({target_path!r}, tensor_parallel_size=2, num_blocks=32, device="cpu", dtype="float32")
+            llm.generate(["hi"], SamplingParams(max_tokens=2))
+            print(llm.parallel.processes[0].pid, flush=True)
+            if {ending!r} == "killed":
+                os.kill(os.getpid(), signal.SIGKILL)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == (0 if ending == "exit" else -signal.SIGKILL), done.stderr
+    pid = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), f"worker {pid} outlived its driver ({ending})"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")  # a zombie (exited, not yet reaped by init) is gone too
+    return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
+
+
+def test_torchrun_runs_example_07(target_path, draft_path):
+    """The documented way across machines, here 2 processes on one: torchrun starts both ranks of example 07."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+         str(ROOT / "examples" / "07_tensor_parallel.py"), "--model", target_path, "--draft", draft_path,
+         "--draft-tp", "1", "--max-tokens", "6", "--cpu"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "same tokens as tensor_parallel_size=1: True" in done.stdout
+
+
+# ---------------------------------------------------------------- NCCL, on one GPU
+@pytest.mark.parametrize("backend, device", [("gloo", "cpu"), pytest.param("nccl", "cuda", marks=pytest.mark.gpu)])
+def test_collectives_at_world_size_1(backend, device, target_path):
+    """NCCL with several ranks needs several GPUs, and the GPU machines here have one each: this runs the sharded
+    code path (every all-reduce and the logits' all-gather through the backend) at world size 1 and compares it
+    with the plain model. On the CPU the same test runs with gloo."""
+    from nanospec.cache.kv_cache import KVCache
+    from nanospec.model.forward_batch import build_forward_batch
+    from nanospec.model.llama import Llama
+    from nanospec.model.parallel import ParallelGroup
+    from nanospec.model.loader import load_checkpoint
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1)
+    try:
+        checkpoint = load_checkpoint(target_path, torch.float32)
+        group = ParallelGroup(dist.group.WORLD, 0, 1, force_collectives=True)
+        models = [Llama(checkpoint.config, checkpoint.tensors, device, torch.float32, max_len=256, tp=tp)
+                  for tp in (None, group)]
+        assert models[0].tp is None and models[1].tp is group
+        logits = []
+        for model in models:
+            kv = KVCache(model.config.num_hidden_layers, 4, 16, model.num_kv_heads, model.head_dim, torch.float32,
+                         device)
+            batch = build_forward_batch([[5, 6, 7, 8]], [0], [[0]], 16, [[0, 1, 2, 3]], device)
+            logits.append(model.compute_logits(model.forward(batch, kv)))
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    finally:
+        dist.destroy_process_group()
