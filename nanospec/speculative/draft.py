@@ -213,7 +213,8 @@ class DraftProposer(Proposer):
         """Seconds of one single-token draft forward after 64 cached tokens."""
         model = self.model
         return time_forwards(lambda batch: self.runner.execute(batch)[0], self.block_manager, [1], per_seq=1,
-                             device=model.device, batch_device=model.device, max_len=model.config.max_position_embeddings)[0]
+                             device=model.device, batch_device=model.device,
+                             max_len=model.config.max_position_embeddings)[0]
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Guess j for every sequence (a device tensor) and, in rejection mode when any samples, the draft
