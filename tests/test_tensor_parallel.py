@@ -212,14 +212,14 @@ def _alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().split(")")[-1].split()[0] == "Z")
 
 
-def test_torchrun_runs_example_07(target_path, draft_path):
+def test_torchrun_runs_example_08(target_path, draft_path):
     """The documented way across machines, here 2 processes on one: torchrun starts both ranks of example 07."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-         str(ROOT / "examples" / "07_tensor_parallel.py"), "--model", target_path, "--draft", draft_path,
+         str(ROOT / "examples" / "08_tensor_parallel.py"), "--model", target_path, "--draft", draft_path,
          "--draft-tp", "1", "--max-tokens", "6", "--cpu"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0, done.stdout + done.stderr
