@@ -61,9 +61,9 @@ class MLPSpeculatorConfig:
             raise ValueError(f"{where}: architectures must be [{ARCHITECTURE!r}] for an MLP speculator, got {archs!r}")
         values = {}
         for name in ("emb_dim", "inner_dim", "n_predict", "vocab_size", "hot_vocab_size"):
-            value = config.get(name, 0 if name in ("inner_dim", "hot_vocab_size") else None)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if name in
-                                                                                 ("inner_dim", "hot_vocab_size") else 1):
+            optional = name in ("inner_dim", "hot_vocab_size")
+            value = config.get(name, 0 if optional else None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if optional else 1):
                 raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
             values[name] = value
         for name in ("tie_weights", "scale_input"):
@@ -162,7 +162,8 @@ class MLPSpeculator(nn.Module):
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
-        """Greedy guesses ``[B, k]`` (full-vocabulary ids) after ``token_ids`` ``[B]``, from ``hidden`` ``[B, emb_dim]``."""
+        """Greedy guesses ``[B, k]`` (full-vocabulary ids) after ``token_ids`` ``[B]``, from ``hidden``
+        ``[B, emb_dim]``."""
         if not 0 <= k <= self.config.n_predict:
             raise ValueError(f"this speculator guesses at most {self.config.n_predict} tokens, asked for {k}")
         state, tokens, guesses = self.first_state(hidden.to(self.proj[0].weight.dtype)), token_ids, []
