@@ -22,6 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from nanospec import LLM, SamplingParams
 from nanospec.model.mlp_speculator import load_mlp_speculator
@@ -60,16 +61,33 @@ def main(argv=None) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=3)
     p.add_argument("--json", default=None, help="also write the results here")
+    p.add_argument("--states", default=None, help="keep the target's answers and hidden states in this file, and "
+                   "reuse them when it exists (to compare speculators without rerunning the target)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a busy 2-core machine)")
     args = p.parse_args(argv)
 
     torch.set_grad_enabled(False)
-    llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=64)
-    speculator = load_mlp_speculator(args.speculator, llm.config.hidden_size, llm.config.vocab_size)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     rows = load_prompt_set(args.prompts)
-    prompt_ids = [encode_chat(llm.tokenizer, row["prompt"]) for row in rows]
-    outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-    answers = [list(o.token_ids) for o in outputs]
-    hidden = teacher_forced_hidden(llm.model, [ids + answer for ids, answer in zip(prompt_ids, answers)])
+    states_file = Path(args.states) if args.states else None
+    if states_file is not None and states_file.is_file():  # the target's answers and states, from an earlier run
+        saved = load_file(str(states_file))
+        prompt_ids = [saved[f"prompt.{i}"].tolist() for i in range(len(rows))]
+        answers = [saved[f"answer.{i}"].tolist() for i in range(len(rows))]
+        hidden = [saved[f"hidden.{i}"].float() for i in range(len(rows))]
+    else:
+        llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=64)
+        prompt_ids = [encode_chat(llm.tokenizer, row["prompt"]) for row in rows]
+        outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=args.max_tokens))
+        answers = [list(o.token_ids) for o in outputs]
+        hidden = teacher_forced_hidden(llm.model, [ids + answer for ids, answer in zip(prompt_ids, answers)])
+        if states_file is not None:
+            save_file({**{f"prompt.{i}": torch.tensor(p) for i, p in enumerate(prompt_ids)},
+                       **{f"answer.{i}": torch.tensor(a) for i, a in enumerate(answers)},
+                       **{f"hidden.{i}": h.contiguous() for i, h in enumerate(hidden)}}, str(states_file))
+        del llm
+    speculator = load_mlp_speculator(args.speculator, hidden[0].shape[1])
 
     k = args.k
     per = defaultdict(lambda: {"tokens": 0, "steps": 0, "tried": [0] * k, "accepted": [0] * k})

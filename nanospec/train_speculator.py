@@ -488,15 +488,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts", default=str(PROMPT_SET), help="JSONL prompt set ({'prompt': ...} per line)")
     p.add_argument("--limit", type=int, default=None, help="use only the first N prompts")
     p.add_argument("--cache", default=None, help="where recordings are kept (default OUT/cache)")
-    p.add_argument("--max-tokens", type=int, default=128, help="longest recorded continuation")
+    p.add_argument("--max-tokens", type=int, default=96, help="longest recorded continuation")
     p.add_argument("--record-batch", type=int, default=64, help="sequences generated at once")
     p.add_argument("--sampled-runs", type=int, default=1, help="sampled continuations per prompt (0: greedy only)")
-    p.add_argument("--sampled-every", type=int, default=4,
+    p.add_argument("--sampled-every", type=int, default=8,
                    help="sampled continuations for every N-th prompt only (1: all of them)")
     p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
     p.add_argument("--n-predict", type=int, default=3, help="stages (tokens guessed per step)")
     p.add_argument("--inner-dim", type=int, default=0, help="stage width (0: the target's hidden size)")
-    p.add_argument("--hot-vocab", type=int, default=4096, help="score only the K most frequent tokens (0: all)")
+    p.add_argument("--hot-vocab", type=int, default=2048, help="score only the K most frequent tokens (0: all)")
     p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="share emb/head/ln across stages")
     p.add_argument("--scale-input", action=argparse.BooleanOptionalAction, default=True,
@@ -506,14 +506,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-text", action=argparse.BooleanOptionalAction, default=True,
                    help="phase 1 also learns the prompts' own text (its hidden states come free with the prefill)")
     p.add_argument("--epochs-greedy", type=int, default=3, help="phase 1: epochs over the greedy continuations")
-    p.add_argument("--epochs-mixed", type=int, default=2, help="phase 2: epochs over greedy + sampled")
+    p.add_argument("--epochs-mixed", type=int, default=1, help="phase 2: epochs over greedy + sampled")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
     p.add_argument("--val-every", type=int, default=10, help="every N-th prompt is held out (0: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads; 1 is fastest on a busy machine (2 threads waiting on each other for a "
+                        "shared core ran SmolLM2 3x slower here); 0: torch's default")
     p.add_argument("--resume", action="store_true", help="go on from OUT/checkpoint")
     p.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps")
     p.add_argument("--stop-after", type=int, default=None,
@@ -532,7 +534,8 @@ def check_args(args, vocab_size: int | None = None) -> None:
     positive("batch_size", args.batch_size)
     positive("save_every", args.save_every)
     positive("sampled_every", args.sampled_every)
-    for name in ("sampled_runs", "hot_vocab", "inner_dim", "epochs_greedy", "epochs_mixed", "warmup", "val_every"):
+    for name in ("threads", "sampled_runs", "hot_vocab", "inner_dim", "epochs_greedy", "epochs_mixed", "warmup",
+                 "val_every"):
         positive(name, getattr(args, name), 0)
     if args.limit is not None:
         positive("limit", args.limit)
@@ -552,18 +555,22 @@ def check_args(args, vocab_size: int | None = None) -> None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    threads = torch.get_num_threads()
     try:
         check_args(args)
         return train(args, command=sys.argv if argv is None else ["python", "-m", "nanospec.train_speculator", *argv])
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 def train(args, command: list[str]) -> int:
     started = time.time()
     if args.threads:
         torch.set_num_threads(args.threads)
+    print(f"torch threads: {torch.get_num_threads()}")
     out = Path(args.out)
     cache = Path(args.cache) if args.cache else out / "cache"
     checkpoint_dir = out / "checkpoint"

@@ -1,8 +1,10 @@
 """Writes ``prompts.jsonl`` beside it: the prompt set ``python -m nanospec.train_speculator`` runs the target over.
 
-    python nanospec/speculators/make_prompts.py          # rewrites nanospec/speculators/prompts.jsonl
+    python -m nanospec.speculators.make_prompts          # rewrites nanospec/speculators/prompts.jsonl
 
-Templates times topics, seeded (the same file every run), over the kinds of task ``benchmarks/prompts.jsonl``
+Templates times topics, seeded, plus real code and prose from the Python standard library this runs on (short
+functions, docstrings: varied material no template list matches; another Python version gives another file, so
+the shipped file is the reference), over the kinds of task ``benchmarks/prompts.jsonl``
 has (summarize / rewrite, edit code, write code, answer from a context, chat, arithmetic word problems,
 translation, extraction to JSON) but none of its content: that file, and Spec-Bench's questions, stay held
 out for measuring the speculator. Each line: ``{"category": ..., "prompt": ...}``.
@@ -10,8 +12,12 @@ out for measuring the speculator. Each line: ``{"category": ..., "prompt": ...}`
 
 from __future__ import annotations
 
+import ast
 import json
 import random
+import sysconfig
+import textwrap
+from functools import lru_cache
 from pathlib import Path
 
 PER_CATEGORY = 80
@@ -208,6 +214,9 @@ CHAT = [
     "Write a friendly message inviting a friend to {event}.", "What is the difference between {pair}?",
     "Describe a typical day of a {job}.", "Write a short story about a {animal} who {story}.",
     "Why is {nature} important for the planet?", "Give me a simple plan for {activity}.",
+    "What is {topic}?", "Tell me about {topic} in a few sentences.", "Why is {topic} interesting?",
+    "Explain {topic} to someone who has never heard of it.", "Give three facts about {topic}.",
+    "What are the pros and cons of {habit}?", "Write a short thank-you note to a {job}.",
 ]
 FILL = {
     "thing": ["a refrigerator", "the internet", "a bicycle gear", "a solar panel", "a vaccine", "an elevator",
@@ -226,6 +235,12 @@ FILL = {
               "a concert next week"],
     "pair": ["weather and climate", "a virus and a bacterium", "a lake and a sea", "speed and velocity",
              "a noun and a verb", "saving and investing", "a comet and an asteroid"],
+    "topic": ["volcanoes", "the Roman Empire", "black holes", "the water cycle", "electric cars", "chocolate",
+              "the human heart", "earthquakes", "the printing press", "coral reefs", "the Olympic Games",
+              "recycling", "the moon landing", "tea", "glaciers", "the immune system", "wind turbines", "jazz",
+              "the pyramids of Egypt", "honey bees", "the Great Wall of China", "sleep", "clouds", "whales",
+              "chess", "the metric system", "deserts", "bread", "the Amazon rainforest", "yoga", "dinosaurs",
+              "the stock market", "magnets", "origami", "the seasons", "vitamins", "lighthouses", "penguins"],
     "job": ["nurse", "firefighter", "librarian", "baker", "pilot", "farmer", "software developer"],
     "animal": ["fox", "turtle", "owl", "small dog", "rabbit", "penguin", "goat"],
     "story": ["wants to learn to swim", "finds a lost key", "makes a new friend", "gets lost in the city",
@@ -261,6 +276,14 @@ SENTENCES = [
     "This soup is too hot to eat.", "My phone battery is almost empty.", "Thank you very much for your help.",
     "The meeting has been moved to Thursday.", "Do you know a good restaurant near here?",
     "He forgot his keys at the office.", "It is raining, so take a jacket.",
+    "The library opens at ten on Saturdays.", "I need two tickets for the evening show.",
+    "We planted tomatoes in the garden last spring.", "My sister is learning to play the piano.",
+    "The hotel room has a view of the sea.", "Can you help me carry these boxes?",
+    "The bus stop is next to the bakery.", "I usually drink tea in the afternoon.",
+    "Our neighbours have a very friendly dog.", "The bridge was closed because of the storm.",
+    "Please turn off the lights when you leave.", "He has been a teacher for twenty years.",
+    "The concert starts in half an hour.", "I left my glasses on the kitchen table.",
+    "They are painting the house blue.", "The doctor will see you in five minutes.",
 ]
 TARGET_LANGUAGES = ["French", "Spanish", "German", "Italian", "Portuguese", "Dutch"]
 TRANSLATE_FORMS = ["Translate into {lang}: {s}", "Translate this sentence to {lang}: {s}",
@@ -294,6 +317,64 @@ TITLES = ["The Silent Harbour", "A Year of Small Things", "North of the River", 
           "Letters from Marston", "The Last Lighthouse"]
 
 
+STDLIB_MODULES = ["argparse", "bisect", "calendar", "colorsys", "csv", "datetime", "difflib", "fractions", "ftplib",
+                  "gettext", "heapq", "imaplib", "inspect", "ipaddress", "json/__init__", "locale", "mailbox",
+                  "mimetypes", "netrc", "os", "pathlib", "pprint", "quopri", "random", "shlex", "shutil", "smtplib",
+                  "statistics", "string", "tarfile", "textwrap", "threading", "tokenize", "traceback", "uuid",
+                  "wave", "zipfile", "configparser", "glob", "fnmatch", "functools", "gzip", "hashlib", "html/__init__",
+                  "http/cookies", "logging/__init__", "numbers", "operator", "platform", "sched", "secrets",
+                  "selectors", "socket", "subprocess", "tempfile", "timeit", "urllib/parse", "webbrowser"]
+
+
+@lru_cache(maxsize=1)
+def stdlib_material() -> tuple[list[str], list[tuple[str, str]]]:
+    """(short functions' source, (name, docstring paragraph) pairs) from the standard library's own files."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    functions, paragraphs = [], []
+    for module in STDLIB_MODULES:
+        path = root / f"{module}.py"
+        if not path.is_file():
+            continue
+        source = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        lines = source.splitlines()
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("__"):
+                continue
+            length = node.end_lineno - node.lineno + 1
+            if 4 <= length <= 16:
+                code = textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno]))
+                if len(code) < 700 and "\t" not in code:
+                    functions.append(code)
+            doc = ast.get_docstring(node)
+            if doc:
+                paragraph = " ".join(doc.split("\n\n")[0].split())
+                if 120 <= len(paragraph) <= 600:
+                    paragraphs.append((node.name, paragraph))
+        doc = ast.get_docstring(tree)
+        if doc:
+            for part in doc.split("\n\n"):
+                paragraph = " ".join(part.split())
+                if 150 <= len(paragraph) <= 700 and not paragraph.startswith(("-", "*", ">>>")):
+                    paragraphs.append((module.split("/")[0], paragraph))
+    return functions, paragraphs
+
+
+STD_SUMMARY = ["Summarize this documentation in one sentence.", "Explain this text in simple words.",
+               "Rewrite this paragraph so a beginner can follow it.", "Give the two key points of this text.",
+               "Shorten this description to one short sentence."]
+STD_QA = ["What does this text say {name} does?", "According to the text, what is {name} for?",
+          "What does the text say about the arguments or inputs?", "What is returned or produced, according to "
+          "the text?"]
+STD_CODE = ["Explain what this function does.", "Explain this code line by line.",
+            "What would you name this function, and why?", "Write a test for this function."]
+STD_EXTRACT = ["List every Python name (functions, variables, arguments) used in this code as a JSON array.",
+               "Give the function's name and its arguments as JSON with keys name and arguments."]
+
+
 def _slots(rng: random.Random) -> dict:
     towns = rng.sample(TOWNS, 3)
     people = rng.sample(PEOPLE, 3)
@@ -316,6 +397,9 @@ def _slots(rng: random.Random) -> dict:
 
 
 def summarization(rng: random.Random) -> str:
+    paragraphs = stdlib_material()[1]
+    if paragraphs and rng.random() < 0.4:
+        return rng.choice(STD_SUMMARY) + "\n\n" + rng.choice(paragraphs)[1]
     if rng.random() < 0.2:
         task, _ = rng.choice(LIST_TASKS)
         return task + "\n\n" + "\n".join(f"- {x}" for x in rng.sample(LIST_ITEMS, rng.randint(4, 7)))
@@ -323,17 +407,28 @@ def summarization(rng: random.Random) -> str:
 
 
 def code_edit(rng: random.Random) -> str:
+    functions = stdlib_material()[0]
+    if functions and rng.random() < 0.6:
+        return f"{rng.choice(EDITS + STD_CODE)}\n\n```python\n{rng.choice(functions)}\n```"
     lang, code = rng.choice(FUNCTIONS)
     return f"{rng.choice(EDITS)}\n\n```{lang}\n{code}\n```"
 
 
 def code_write(rng: random.Random) -> str:
+    paragraphs = stdlib_material()[1]
+    if paragraphs and rng.random() < 0.35:
+        name, text = rng.choice(paragraphs)
+        return f"Write a Python function `{name}` that does what this describes:\n\n{text}"
     if rng.random() < 0.15:
         return rng.choice(OTHER_CODE)
     return rng.choice(CODE_FORMS).format(lang=rng.choice(LANGUAGES), task=rng.choice(CODE_TASKS))
 
 
 def rag_qa(rng: random.Random) -> str:
+    paragraphs = stdlib_material()[1]
+    if paragraphs and rng.random() < 0.4:
+        name, text = rng.choice(paragraphs)
+        return rng.choice(QA_FORMS).format(ctx=text, q=rng.choice(STD_QA).format(name=name))
     context, questions = rng.choice(QA_CONTEXTS)
     return rng.choice(QA_FORMS).format(ctx=context.format(**_slots(rng)), q=rng.choice(questions))
 
@@ -357,6 +452,9 @@ def translation(rng: random.Random) -> str:
 
 
 def extraction(rng: random.Random) -> str:
+    functions = stdlib_material()[0]
+    if functions and rng.random() < 0.3:
+        return f"{rng.choice(STD_EXTRACT)}\n\n```python\n{rng.choice(functions)}\n```"
     form, _ = rng.choice(EXTRACT)
     return form.format(**_slots(rng))
 
