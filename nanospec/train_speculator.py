@@ -9,10 +9,14 @@ Three parts, each cached in ``DIR/cache`` (or ``--cache``) so a rerun or ``--res
 1. **Record.** The target answers every prompt of the prompt set (``nanospec/speculators/prompts.jsonl``, see
    ``make_prompts.py`` beside it; never the benchmark's prompts), each through the chat template exactly as
    ``benchmarks/bench_spec.py`` encodes a prompt: greedily, then ``--sampled-runs`` times sampled at
-   ``--temperature`` (seeded). Generation runs many prompts at once (continuous batching over a paged KV cache,
-   straight on the model layer) and keeps, for every generated token, the target's final hidden state (after its
-   final norm) at the position whose logits gave that token: exactly what a decode or verify step hands the
-   speculator at run time, so no second pass over the text is needed. Hidden states are stored as float16.
+   ``--temperature`` (seeded) for every ``--sampled-every``-th prompt. Generation runs many prompts at once
+   (continuous batching over a paged KV cache, straight on the model layer) and keeps, for every generated
+   token, the target's final hidden state (after its final norm) at the position whose logits gave that token:
+   exactly what a decode or verify step hands the speculator at run time, so no second pass over the text is
+   needed. The prefill computes the prompt's hidden states too: past the prompts' common head (chat template,
+   system prompt) they are kept as well, and phase 1 learns the prompt text from them (``--no-prompt-text``:
+   not). Hidden states are stored as float16. One torch thread by default (``--threads``): on this project's
+   shared 2-core machine two threads waiting on each other ran the target 3x slower than one.
 2. **Train.** Stage ``i`` learns token ``t+2+i`` from ``(h_t, tokens t+1 .. t+1+i)``, teacher-forced: phase 1 on
    the greedy continuations, phase 2 on greedy and sampled together. AdamW, linear warm-up then cosine decay,
    seeded (the data order of every epoch comes from a ``torch.Generator`` seeded by (seed, phase, epoch)), so a
@@ -558,7 +562,8 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     try:
         check_args(args)
-        return train(args, command=sys.argv if argv is None else ["python", "-m", "nanospec.train_speculator", *argv])
+        return train(args, command=["python", "-m", "nanospec.train_speculator",
+                                    *(sys.argv[1:] if argv is None else argv)])
     except (ValueError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
