@@ -1,0 +1,151 @@
+"""python -m nanospec.train_speculator on a tiny random Llama: what it writes, that it is reproducible and
+resumable, that its recorded hidden states are the target's, and that bad arguments fail clearly."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nanospec.model.llama import Llama
+from nanospec.model.loader import load_checkpoint
+from nanospec.model.mlp_speculator import load_mlp_speculator
+from nanospec.train_speculator import (PROMPT_SET, encode_chat, generate_with_hidden, load_prompt_set, main,
+                                       teacher_forced_hidden)
+from tiny import make_tiny_llama
+
+SHIPPED = Path(__file__).resolve().parent.parent / "nanospec" / "speculators" / "smollm2-135m-instruct"
+PROMPTS = ["Say hi.", "Add 2 and 3.", "Name a colour.", "Translate: cat", "Count to three.", "List two fruits."]
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    make_tiny_llama(path, seed=3, tie=True, layers=2, max_pos=512)
+    return path
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"category": "test", "prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")  # shared by the runs: they record once
+
+
+def run(target, prompts, cache, out, *extra) -> int:
+    return main(["--model", str(target), "--out", str(out), "--prompts", str(prompts), "--cache", str(cache),
+                 "--max-tokens", "8", "--record-batch", "4", "--sampled-every", "2", "--hot-vocab", "48",
+                 "--n-predict", "3", "--epochs-greedy", "1", "--epochs-mixed", "1", "--batch-size", "16",
+                 "--warmup", "2", "--val-every", "3", "--save-every", "3", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(target, prompts, cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    assert run(target, prompts, cache, out) == 0
+    return out
+
+
+def test_output_loads_with_the_config_asked(trained):
+    model = load_mlp_speculator(trained, emb_dim=64, vocab_size=320)
+    c = model.config
+    assert (c.emb_dim, c.inner_dim, c.n_predict, c.vocab_size, c.hot_vocab_size) == (64, 64, 3, 320, 48)
+    assert c.tie_weights and c.scale_input
+    assert model.hot_token_ids.unique().numel() == 48
+    assert all(v.dtype in (torch.float16, torch.int64) for v in load_file(trained / "model.safetensors").values())
+    log = [json.loads(line) for line in (trained / "training_log.jsonl").read_text().splitlines()]
+    evals = [r for r in log if r["kind"] == "eval"]
+    assert evals and len(evals[-1]["acc"]) == 3 and evals[-1]["tau"] >= 1
+    summary = json.loads((trained / "training_summary.json").read_text())
+    assert summary["seed"] == 0 and "train_s" in summary["timings"]
+    guesses = model.propose(torch.randn(2, 64), torch.tensor([5, 6]), 3)
+    assert guesses.shape == (2, 3) and bool(torch.isin(guesses, model.hot_token_ids).all())
+
+
+def test_same_seed_same_weights(trained, target, prompts, cache, tmp_path):
+    assert run(target, prompts, cache, tmp_path) == 0
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(trained / "model.safetensors")
+    assert ours.keys() == theirs.keys()
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_resume_equals_a_straight_run(trained, target, prompts, cache, tmp_path):
+    assert run(target, prompts, cache, tmp_path, "--stop-after", "4") == 0
+    assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 4
+    assert not (tmp_path / "model.safetensors").exists()
+    assert run(target, prompts, cache, tmp_path, "--resume") == 0
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(trained / "model.safetensors")
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+    straight = load_file(trained / "checkpoint" / "checkpoint.safetensors")  # fp32 weights and AdamW state too
+    resumed = load_file(tmp_path / "checkpoint" / "checkpoint.safetensors")
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight if not k.startswith("rng."))
+
+
+def test_recorded_hidden_states_are_the_targets(target):
+    """Each recorded row is the final hidden state that gave its token: equal to a teacher-forced forward over
+    prompt + continuation, and greedy tokens are its argmax."""
+    checkpoint = load_checkpoint(target, torch.float32)
+    model = Llama(checkpoint.config, checkpoint.tensors, "cpu", torch.float32)
+    prompts = [encode_chat(checkpoint.tokenizer, p) for p in PROMPTS[:3]]
+    tokens, hidden, prompt_hidden = generate_with_hidden(model, prompts, max_tokens=6, eos_ids=[2], batch=2,
+                                                         prompt_rows_from=4)
+    forced = teacher_forced_hidden(model, [p + t for p, t in zip(prompts, tokens)])
+    for p, t, h, ph, f in zip(prompts, tokens, hidden, prompt_hidden, forced):
+        torch.testing.assert_close(h.float(), f[len(p) - 1:len(p) - 1 + len(t)], atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(ph.float(), f[4:len(p) - 1], atol=2e-2, rtol=1e-2)
+        assert model.compute_logits(f[len(p) - 1:len(p) - 1 + len(t)]).argmax(-1).tolist() == t
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--hot-vocab", "1000"], "larger than the target's vocabulary"),
+    (["--n-predict", "0"], "--n-predict must be at least 1"),
+    (["--n-predict", "1"], "--tie-weights needs --n-predict >= 2"),
+    (["--resume"], "no checkpoint"),
+    (["--temperature", "0"], "--temperature must be > 0"),
+])
+def test_bad_arguments(target, prompts, cache, tmp_path, capsys, extra, message):
+    assert run(target, prompts, cache, tmp_path / "out", *extra) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_unknown_model_and_prompt_set(prompts, cache, tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--prompts", str(prompts)]) == 2
+    assert "model path does not exist" in capsys.readouterr().err
+    assert main(["--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert "prompt set not found" in capsys.readouterr().err
+
+
+def test_resume_with_other_settings_is_refused(trained, target, prompts, cache, tmp_path, capsys):
+    assert run(target, prompts, cache, tmp_path, "--stop-after", "2") == 0
+    assert run(target, prompts, cache, tmp_path, "--resume", "--lr", "0.01") == 2
+    assert "other settings" in capsys.readouterr().err
+
+
+def test_shipped_prompt_set():
+    rows = load_prompt_set(PROMPT_SET)
+    held_out = {json.loads(line)["prompt"] for line in
+                (Path(__file__).resolve().parent.parent / "benchmarks" / "prompts.jsonl").read_text().splitlines()}
+    assert len(rows) >= 300 and len({r["category"] for r in rows}) == 8
+    assert not held_out & {r["prompt"] for r in rows}
+
+
+def test_shipped_speculator_loads_against_the_embedded_model():
+    if not (SHIPPED / "config.json").is_file():
+        pytest.skip(f"no shipped speculator at {SHIPPED}")
+    try:
+        checkpoint = load_checkpoint(None, None)
+    except FileNotFoundError as error:
+        pytest.skip(f"the embedded model is not installed ({error})")
+    c = checkpoint.config
+    model = load_mlp_speculator(SHIPPED, emb_dim=c.hidden_size, vocab_size=c.vocab_size)
+    assert model.config.n_predict >= 3
+    assert (SHIPPED / "model.safetensors").stat().st_size < 16 * 2**20
+    guesses = model.propose(torch.randn(1, c.hidden_size), torch.tensor([1]), 3)
+    assert guesses.shape == (1, 3) and int(guesses.max()) < c.vocab_size
