@@ -64,7 +64,8 @@ class MLPSpeculatorConfig:
             optional = name in ("inner_dim", "hot_vocab_size")
             value = config.get(name, 0 if optional else None)
             if not isinstance(value, int) or isinstance(value, bool) or value < (0 if optional else 1):
-                raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+                kind = "an integer >= 0 (0: the default)" if optional else "a positive integer"
+                raise ValueError(f"{where}: {name} must be {kind}, got {value!r}")
             values[name] = value
         for name in ("tie_weights", "scale_input"):
             value = config.get(name, False)
