@@ -113,9 +113,10 @@ LOGITS_TOLERANCE = dict(rtol=1e-4, atol=1e-4)
 NEAR_TIE = 1e-3
 
 
-def forward_logits(llm, ids: list[int]) -> torch.Tensor:
-    """Logits after every prefix of ``ids``, ``[len(ids), V]`` (row i predicts token i + 1), by one prefill on
-    ``llm``'s device with the current backend, in blocks of the pool that are freed again."""
+def _prefill(llm, ids: list[int]) -> torch.Tensor:
+    """The target's final hidden states (after its final norm, in the model's dtype) after every prefix of
+    ``ids``, ``[len(ids), H]``, by one prefill on ``llm``'s device with the current backend, in blocks of the
+    pool that are freed again."""
     from nanospec.model.forward_batch import build_forward_batch
 
     engine = llm.engine
@@ -124,9 +125,14 @@ def forward_logits(llm, ids: list[int]) -> torch.Tensor:
     try:
         batch = build_forward_batch([ids], [0], [table], engine.config.block_size, [list(range(len(ids)))],
                                     llm.device)
-        return llm.model.compute_logits(llm.model.forward(batch, engine.kv_cache)).float()
+        return llm.model.forward(batch, engine.kv_cache)
     finally:
         engine.block_manager.free(table)
+
+
+def forward_logits(llm, ids: list[int]) -> torch.Tensor:
+    """Logits after every prefix of ``ids``, ``[len(ids), V]`` (row i predicts token i + 1), by one prefill."""
+    return llm.model.compute_logits(_prefill(llm, ids)).float()
 
 
 def greedy_pick(logits_row: torch.Tensor, index: int) -> int:
@@ -160,17 +166,7 @@ def assert_same_tokens_up_to_a_near_tie(got: list[int], expected: list[int], ref
 def forward_hidden(llm, ids: list[int]) -> torch.Tensor:
     """The target's final hidden states (after its final norm) after every prefix of ``ids``, ``[len(ids), H]``
     (row i is the state whose logits predict token i + 1), by one prefill as in :func:`forward_logits`."""
-    from nanospec.model.forward_batch import build_forward_batch
-
-    engine = llm.engine
-    table: list[int] = []
-    engine.block_manager.reserve(table, len(ids))
-    try:
-        batch = build_forward_batch([ids], [0], [table], engine.config.block_size, [list(range(len(ids)))],
-                                    llm.device)
-        return llm.model.forward(batch, engine.kv_cache).float()
-    finally:
-        engine.block_manager.free(table)
+    return _prefill(llm, ids).float()
 
 
 def successor_speculator(successors: dict[int, int], emb_dim: int, vocab_size: int, n_predict: int = 3):

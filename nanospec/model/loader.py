@@ -69,7 +69,7 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None) -> Checkpoint
         hint = f" (to load a GGUF, pass the file itself, e.g. {gguf_files[0]})" if gguf_files else ""
         raise FileNotFoundError(f"{directory} has no config.json{hint}")
     config_file = directory / "config.json"
-    hf_config = _read_json(config_file)
+    hf_config = read_json(config_file)
     try:
         config = LlamaConfig.from_hf_dict(hf_config, require=REQUIRED_HF_FIELDS)
     except ValueError as error:
@@ -105,7 +105,7 @@ def _weight_files(directory: Path) -> list[Path]:
     """The safetensors files of a checkpoint: one model.safetensors, or the shards its index names."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map", {})
+        weight_map = read_json(index).get("weight_map", {})
         if not isinstance(weight_map, dict) or not all(isinstance(shard, str) for shard in weight_map.values()):
             raise ValueError(f"shard index {index}: weight_map must map tensor names to file names, got "
                              f"{short_repr(weight_map)}")
@@ -154,14 +154,14 @@ def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
     and special tokens; the stop ids are the tokenizer's eos plus those of config.json and generation_config.json."""
     tokenizer_json = _require_file(directory / "tokenizer.json")
     config_file = directory / "tokenizer_config.json"
-    tokenizer_config = _read_json(config_file) if config_file.is_file() else {}
+    tokenizer_config = read_json(config_file) if config_file.is_file() else {}
     template_file = directory / "chat_template.jinja"
     if "chat_template" not in tokenizer_config and template_file.is_file():
         tokenizer_config["chat_template"] = template_file.read_text()
     eos_ids = list(config.eos_token_id)
     generation_file = directory / "generation_config.json"
     if generation_file.is_file():
-        generation_eos = _read_json(generation_file).get("eos_token_id")
+        generation_eos = read_json(generation_file).get("eos_token_id")
         try:
             eos_ids += token_ids("eos_token_id", generation_eos, config.vocab_size)
         except ValueError as error:
@@ -178,7 +178,7 @@ def _require_file(path: Path) -> Path:
     return path
 
 
-def _read_json(path: Path) -> dict:
+def read_json(path: Path) -> dict:
     """A JSON file that holds an object; ValueError naming the file otherwise."""
     try:
         value = json.loads(path.read_text())

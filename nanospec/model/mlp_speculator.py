@@ -40,6 +40,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from nanospec.model.loader import read_json
+
 ARCHITECTURE = "MLPSpeculatorPreTrainedModel"
 LN_EPS = 1e-6
 
@@ -226,13 +228,7 @@ def load_mlp_speculator(path: str | os.PathLike, emb_dim: int | None = None, voc
     if not config_file.is_file():
         raise FileNotFoundError(f"{directory} has no config.json (an MLP speculator directory holds config.json "
                                 f"and model.safetensors)")
-    try:
-        raw = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"not a valid JSON file: {config_file} ({error})") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"{config_file} must hold a JSON object")
-    config = MLPSpeculatorConfig.from_dict(raw, str(config_file))
+    config = MLPSpeculatorConfig.from_dict(read_json(config_file), str(config_file))
     if emb_dim is not None and config.emb_dim != emb_dim:
         raise ValueError(f"{config_file}: emb_dim {config.emb_dim} does not match the target's hidden size {emb_dim}")
     if vocab_size is not None and config.vocab_size != vocab_size:
