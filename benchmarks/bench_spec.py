@@ -33,8 +33,9 @@ The default draft is the target cut to its first --draft-layers layers (``python
 early, so it agrees with the target rarely: it exercises the draft path, a trained small model is a real draft.
 
 ``mlp_speculator`` guesses from the target's hidden state with the speculator shipped for the embedded SmolLM2
-(or --mlp-speculator PATH), k=3 by default; its targets (tau, speed against plain, where it beats n-gram) are
-printed after the tables.
+(or --mlp-speculator PATH), k=3 by default, a chain; ``mlp_tree`` the same speculator's beam of --mlp-tree-width
+candidates per depth; ``mlp_tree_lookup`` that beam with the n-gram chain merged in. Their targets (tau, speed
+against plain, where each beats n-gram) are printed after the tables.
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ from nanospec.model.embedded import embedded_model_path  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 # the first three have a transformers counterpart; the others are nanospec only
-METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead", "draft_coupled", "mlp_speculator")
+METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead", "draft_coupled", "mlp_speculator",
+           "mlp_tree", "mlp_tree_lookup")
+MLP_METHODS = ("mlp_speculator", "mlp_tree", "mlp_tree_lookup")
 HF_LABELS = {"plain": "plain", "ngram": "prompt-lookup", "draft": "assisted"}
 DEFAULT_K = {"ngram": 5, "draft": 4, "mlp_speculator": 3}
 # the issue's targets for ngram: speedup over plain per category (others: 0.9x), and faster than prompt lookup
@@ -137,9 +140,12 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
     if method.startswith("lookahead"):
         w, n, g = args.lookahead_configs[method]
         return {"method": "lookahead", "window_size": w, "ngram_size": n, "guess_set_size": g}
-    if method == "mlp_speculator":  # without --mlp-speculator: the one shipped for the embedded model
+    if method in MLP_METHODS:  # without --mlp-speculator: the one shipped for the embedded model
         config = {"method": "mlp_speculator", "num_speculative_tokens": args.k["mlp_speculator"],
                   "adaptive": not args.no_adaptive}
+        if method != "mlp_speculator":  # a beam of candidates, and the n-gram chain with it
+            config.update(tree_top_k=args.mlp_tree_width, prompt_lookup=method == "mlp_tree_lookup",
+                          prompt_lookup_max=args.prompt_lookup_max)
         if args.mlp_speculator:
             config["model"] = args.mlp_speculator
         return config
@@ -315,20 +321,22 @@ def print_mlp_targets(summary: dict, batch: int, device) -> None:
     need = MLP_GPU_SPEEDUP if device.type == "cuda" else MLP_CPU_SPEEDUP
     lines = []
     for category, rows in summary.items():
-        mlp, plain, ngram = (rows.get(("nanospec", m)) for m in ("mlp_speculator", "plain", "ngram"))
-        if mlp is None:
-            continue
-        line = f"  {category:<15} tau {mlp['tau']:.2f} (>= {MLP_TAU}) {'ok' if mlp['tau'] >= MLP_TAU else 'MISSED'}"
-        if plain is not None and batch == 1:
-            got = mlp["tok_per_s"] / plain["tok_per_s"]
-            line += f"   {got:.2f}x plain (>= {need}x) {'ok' if got >= need else 'MISSED'}"
-        if ngram is not None:
-            beats = mlp["tok_per_s"] > ngram["tok_per_s"]
-            line += f"   {mlp['tok_per_s'] / ngram['tok_per_s']:.2f}x ngram ({'beats' if beats else 'behind'})"
-        lines.append(line)
+        for method in MLP_METHODS:
+            mlp, plain, ngram = (rows.get(("nanospec", m)) for m in (method, "plain", "ngram"))
+            if mlp is None:
+                continue
+            line = (f"  {category:<15} {method:<16} tau {mlp['tau']:.2f} (>= {MLP_TAU}) "
+                    f"{'ok' if mlp['tau'] >= MLP_TAU else 'MISSED'}")
+            if plain is not None and batch == 1:
+                got = mlp["tok_per_s"] / plain["tok_per_s"]
+                line += f"   {got:.2f}x plain (>= {need}x) {'ok' if got >= need else 'MISSED'}"
+            if ngram is not None:
+                beats = mlp["tok_per_s"] > ngram["tok_per_s"]
+                line += f"   {mlp['tok_per_s'] / ngram['tok_per_s']:.2f}x ngram ({'beats' if beats else 'behind'})"
+            lines.append(line)
     if lines:
         speed = ", speed at batch 1" if batch == 1 else ""
-        print(f"\ntargets (mlp_speculator, k as set; tau over the prompts{speed}):")
+        print(f"\ntargets (the MLP speculator, k as set; tau over the prompts{speed}):")
         print("\n".join(lines))
 
 
@@ -351,6 +359,7 @@ def main():
     p.add_argument("--draft-layers", type=int, default=4)
     p.add_argument("--mlp-speculator", default=None, metavar="PATH",
                    help="MLP speculator directory for mlp_speculator (default: the one shipped for the embedded model)")
+    p.add_argument("--mlp-tree-width", type=int, default=4, help="candidates per depth for mlp_tree(_lookup)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"k for every method (default: {DEFAULT_K})")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram methods match")
@@ -392,7 +401,7 @@ def main():
     print(f"target {model_path.name}; ngram k={args.k['ngram']} n-gram<={args.prompt_lookup_max}"
           + (f"; draft {draft} k={args.k['draft']}" if draft else "")
           + (f"; mlp speculator {args.mlp_speculator or '(shipped)'} k={args.k['mlp_speculator']}"
-             if "mlp_speculator" in args.methods else "")
+             if set(MLP_METHODS) & set(args.methods) else "")
           + ("; nanospec verifies every guess" if args.no_adaptive else "; nanospec k adaptive (goodput)"))
     print("tok/s = generated tokens / wall time of the request, prefill included")
 

@@ -153,6 +153,49 @@ def test_model_follows_the_formula(tmp_path, tie, scale_input, inner_dim, hot):
         assert set(guesses.flatten().tolist()) <= set(tensors["hot_token_ids"].tolist())
 
 
+def beam_by_enumeration(model, hidden: torch.Tensor, first: int, k: int, width: int) -> list[list[tuple]]:
+    """The beam's definition, one path at a time: per depth, every kept path extended by every scored token,
+    scored by summed log-probabilities, the ``width`` best kept (as token paths, best first)."""
+    beam = [((), 0.0, model.first_state(hidden[None]))]  # (path, score, state after its last stage)
+    levels = []
+    for i in range(k):
+        grown = []
+        for path, score, state in beam:
+            new_state, logits = model.stage(i, state, torch.tensor([path[-1] if path else first]))
+            for index, logp in enumerate(logits[0].log_softmax(-1).tolist()):
+                grown.append((path + (int(model.hot_token_ids[index]),), score + logp, new_state))
+        beam = sorted(grown, key=lambda entry: -entry[1])[:width]
+        levels.append([path for path, _, _ in beam])
+    return levels
+
+
+@pytest.mark.parametrize("width", [1, 3])
+@pytest.mark.parametrize("hot", [0, 40], ids=["full_vocab", "hot40"])
+def test_beam_follows_its_definition(tmp_path, width, hot):
+    tensors = published_tensors(inner_dim=24, tie=True, hot=hot)
+    config = published_config(inner_dim=24, tie=True, scale_input=True, hot=hot)
+    model = load_mlp_speculator(write_checkpoint(tmp_path, tensors, config), EMB_DIM, VOCAB, dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    hidden, first = 3 * torch.randn(4, EMB_DIM, generator=g, dtype=torch.float64), torch.tensor([0, 7, 19, 1])
+    k = config["n_predict"]
+    token_ids, parents = model.propose_tree(hidden, first, k, width)
+    assert token_ids.shape == parents.shape == (4, k * width)
+    if width == 1:
+        assert torch.equal(token_ids, reference(tensors, config, hidden, first, k)[0])  # the greedy chain
+    for b in range(4):
+        tokens, under = token_ids[b].tolist(), parents[b].tolist()
+        paths = []
+        for node, (token, parent) in enumerate(zip(tokens, under)):
+            depth = node // width
+            assert (parent == -1) if depth == 0 else (depth - 1) * width <= parent < depth * width
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+        assert len(set(paths)) == len(paths)  # siblings differ
+        want = beam_by_enumeration(model, hidden[b], int(first[b]), k, width)
+        assert [paths[d * width:(d + 1) * width] for d in range(k)] == want
+    with pytest.raises(ValueError, match="beam width"):
+        model.propose_tree(hidden, first, k, 0)
+
+
 @pytest.mark.parametrize("prefix", ["", "speculator."], ids=["bare", "prefixed"])
 @pytest.mark.parametrize("layout", ["untied", "tied_stage0", "tied_every_stage"])
 def test_published_layouts_load_and_save_round_trips(tmp_path, prefix, layout):
@@ -269,9 +312,12 @@ def speculator(tmp_path_factory, expected, plain):
 
 
 def mlp_llm(target, speculator, device, *, k: int | None = None, adaptive: bool = False, **kwargs) -> LLM:
+    """The target with ``speculator``; keyword arguments that are speculative_config keys go there."""
     config = {"method": "mlp_speculator", "model": str(speculator), "adaptive": adaptive}
     if k is not None:
         config["num_speculative_tokens"] = k
+    spec_keys = ("tree_top_k", "prompt_lookup", "prompt_lookup_max")
+    config.update({key: kwargs.pop(key) for key in spec_keys if key in kwargs})
     kwargs = {"num_blocks": 256, "block_size": 4, "device": device, "dtype": "float32", **kwargs}
     return LLM(str(target), speculative_config=config, **kwargs)
 
@@ -290,6 +336,59 @@ def test_greedy_equals_plain(target, speculator, expected, device, k, enforce_ea
     assert_guesses_accepted_and_rejected(llm)
     if not enforce_eager:
         assert llm.engine.runner.graphs  # the static path did run
+    assert_no_leak(llm)
+
+
+TREES = {"beam3": {"tree_top_k": 3}, "lookup": {"prompt_lookup": True},
+         "beam2_lookup": {"tree_top_k": 2, "prompt_lookup": True, "prompt_lookup_max": 3}}
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "static"])
+@pytest.mark.parametrize("tree", sorted(TREES))
+def test_trees_and_prompt_lookup_equal_plain(target, speculator, expected, device, tree, enforce_eager):
+    """A beam of candidates and/or the n-gram chain merged in: greedy and seeded sampling still give plain's
+    tokens, guesses are accepted and rejected, and the proposals were trees where they should be."""
+    llm = mlp_llm(target, speculator, device, enforce_eager=enforce_eager, max_num_seqs=8, **TREES[tree])
+    proposer = llm.engine.speculator.proposer
+    assert proposer.nodes_per_depth == TREES[tree].get("tree_top_k", 1) + TREES[tree].get("prompt_lookup", False)
+    assert llm.engine.speculator.max_tokens_per_step == 3 * proposer.nodes_per_depth
+    shapes = []
+    propose = proposer.propose
+    proposer.propose = lambda seqs, ks: [shapes.append(p.is_chain) or p for p in propose(seqs, ks)]
+    for j, params in enumerate(ALL_PARAMS):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+    assert False in shapes  # some proposals were trees
+    assert_guesses_accepted_and_rejected(llm)
+    assert_no_leak(llm)
+
+
+def test_prompt_lookup_guesses_what_the_prompt_repeats(target, speculator, device):
+    """A speculator that guesses nothing right (random weights) with prompt lookup: a sequence whose suffix
+    occurred earlier has that occurrence's continuation among its candidates, first."""
+    llm = mlp_llm(target, speculator, device, prompt_lookup=True)
+    proposer = llm.engine.speculator.proposer
+    seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
+    seq = llm.engine.sequences[seq_id]
+    seq.spec_state.hidden = torch.zeros(llm.config.hidden_size, device=device)  # as if the prefill had run
+    seq.spec_state.num_tokens = seq.num_tokens
+    proposal = proposer.propose([seq], [3])[0]
+    assert proposal.token_ids[:3] == [33, 70, 71] and proposal.parents[:3] == [-1, 0, 1]
+    llm.abort(seq_id)
+    assert_no_leak(llm)
+
+
+def test_a_sequence_not_guessing_still_has_its_best_guess_checked(target, speculator, device):
+    """The policy may give a sequence k = 0; its top guess is still made, so the speculator can check it against
+    the outcome and the estimate can recover."""
+    llm = mlp_llm(target, speculator, device, tree_top_k=2)
+    seq_id = llm.engine.add_request([42], GREEDY)
+    seq = llm.engine.sequences[seq_id]
+    llm.engine.step()
+    proposal = llm.engine.speculator.proposer.propose([seq], [0])[0]
+    assert len(proposal.token_ids) == 2 and proposal.parents == [-1, -1]  # depth 1 of the beam
+    truncated = proposal.truncated(0, 100)
+    assert truncated.num_candidates == 0
+    llm.abort(seq_id)
     assert_no_leak(llm)
 
 
@@ -357,7 +456,7 @@ def test_each_sequence_gets_the_hidden_state_behind_its_last_token(target, specu
     while engine.has_unfinished():
         engine.step()
         for seq in engine.sequences.values():
-            if seq.is_finished or seq.spec_state is None:
+            if seq.is_finished or seq.spec_state.hidden is None:
                 continue
             assert seq.spec_state.num_tokens == seq.num_tokens
             fresh = forward_hidden(plain, seq.token_ids)  # row j: the state whose logits predict token j + 1
@@ -418,7 +517,10 @@ def test_num_speculative_tokens_defaults_to_n_predict_and_may_not_exceed_it(targ
 @pytest.mark.parametrize("config, error, words", [
     ({"num_speculative_tokens": 0}, ValueError, "num_speculative_tokens"),
     ({"num_speculative_tokens": "3"}, ValueError, "num_speculative_tokens"),
-    ({"tree_top_k": 2}, ValueError, "tree_top_k"),
+    ({"tree_top_k": 0}, ValueError, "tree_top_k"),
+    ({"max_candidates": 2}, ValueError, "max_candidates"),
+    ({"prompt_lookup": "yes"}, ValueError, "prompt_lookup"),
+    ({"prompt_lookup": True, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ValueError, "prompt_lookup_min"),
     ({"adaptive": "no"}, ValueError, "adaptive"),
     ({"dtype": 16}, ValueError, "dtype"),
     ({"model": 7}, ValueError, "model"),

@@ -101,3 +101,13 @@ def test_a_compute_bound_batch_guesses_only_what_is_likely_to_pay():
 def test_a_flat_cost_curve_guesses_the_most_in_a_batch_too():
     policy = GoodputPolicy(5, GPU_FLAT, larger_forwards={12: 10.0, 24: 10.0, 48: 10.0, 96: 10.0})
     assert policy.choose_ks([estimate(3, 10)] * 16, 16, 16) == [5] * 16
+
+
+def test_a_tree_pays_for_every_node_of_a_depth():
+    """A forward's cost rises past 5 tokens: one guess per depth goes 3 deep, a beam of 4 nodes per depth
+    only 1 (5 tokens), at the same acceptance."""
+    rising = [10.0] * 5 + [20.0] * 4 + [30.0] * 4
+    chain, tree = GoodputPolicy(3, rising), GoodputPolicy(3, rising, nodes_per_guess=4)
+    assert chain.choose_k(estimate(8, 10)) == 3
+    assert tree.choose_k(estimate(8, 10)) == 1
+    assert GoodputPolicy(3, [10.0] * 13, nodes_per_guess=4).choose_k(estimate(8, 10)) == 3  # flat: all of it

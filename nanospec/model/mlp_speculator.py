@@ -166,15 +166,41 @@ class MLPSpeculator(nn.Module):
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
         """Greedy guesses ``[B, k]`` (full-vocabulary ids) after ``token_ids`` ``[B]``, from ``hidden``
-        ``[B, emb_dim]``."""
+        ``[B, emb_dim]``: the chain, a beam of width 1."""
+        return self.propose_tree(hidden, token_ids, k, 1)[0]
+
+    @torch.inference_mode()
+    def propose_tree(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int, width: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A beam search over the stages (IBM's candidate trees): depth ``d`` keeps the ``width`` most probable
+        paths of ``d`` tokens, each an extension of a path kept at depth ``d - 1`` by one of the ``width`` most
+        probable tokens of that path's stage; a path's score is the sum of its tokens' log-probabilities.
+
+        Returns ``(token_ids, parents)``, each ``[B, k * width]`` (on the device): node ``d * width + j`` is the
+        ``j``-th best path of ``d + 1`` tokens, ending in ``token_ids[:, node]`` (a full-vocabulary id), under
+        node ``parents[:, node]`` of depth ``d`` (``-1``: the root). Siblings hold distinct tokens, parents come
+        before their children, and with ``width = 1`` it is the greedy chain."""
         if not 0 <= k <= self.config.n_predict:
             raise ValueError(f"this speculator guesses at most {self.config.n_predict} tokens, asked for {k}")
-        state, tokens, guesses = self.first_state(hidden.to(self.proj[0].weight.dtype)), token_ids, []
+        if not 1 <= width <= self.config.num_scored:
+            raise ValueError(f"the beam width must be in [1, {self.config.num_scored}], got {width}")
+        batch = token_ids.shape[0]
+        state = self.first_state(hidden.to(self.proj[0].weight.dtype))[:, None]  # [B, paths, dim]
+        tokens, scores = token_ids[:, None], hidden.new_zeros(batch, 1, dtype=torch.float32)
+        all_tokens, all_parents = [], []
         for i in range(k):
-            state, logits = self.stage(i, state, tokens)
-            tokens = self.hot_token_ids[logits.argmax(-1)]
-            guesses.append(tokens)
-        return torch.stack(guesses, -1) if guesses else token_ids.new_zeros(token_ids.shape[0], 0)
+            state, logits = self.stage(i, state, tokens)  # each path's next state, and its next token's logits
+            top_logp, top_index = logits.float().log_softmax(-1).topk(width, -1)  # [B, paths, width]
+            scores, pick = (scores[..., None] + top_logp).flatten(1).topk(width, -1)  # the best paths one longer
+            parent = torch.div(pick, width, rounding_mode="floor")  # which path each extends
+            tokens = self.hot_token_ids[top_index.flatten(1).gather(1, pick)]
+            state = state.gather(1, parent[..., None].expand(-1, -1, state.shape[-1]))
+            all_tokens.append(tokens)
+            all_parents.append(parent + (i - 1) * width if i else torch.full_like(parent, -1))
+        if not all_tokens:
+            empty = token_ids.new_zeros(batch, 0)
+            return empty, empty
+        return torch.cat(all_tokens, 1), torch.cat(all_parents, 1)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced logits of every stage: ``hidden`` ``[N, emb_dim]`` at position t, ``token_ids``

@@ -9,11 +9,14 @@
     {"method": "draft", "model": PATH, "draft_tensor_parallel_size": 1}  # the draft on rank 0 alone (TP > 1)
     {"method": "mlp_speculator"}                                    # the speculator shipped for the embedded model
     {"method": "mlp_speculator", "model": "path/to/speculator", "num_speculative_tokens": 3}
+    {"method": "mlp_speculator", "tree_top_k": 4, "prompt_lookup": True}  # a beam of 4 paths, and n-gram guesses
 
 ``num_speculative_tokens`` is the most guesses verified per step. With ``"adaptive": True`` (the
 default) each step verifies only as many as pay off on this machine (``nanospec.speculative.policy``);
 ``False`` always verifies every guess the proposer has. An MLP speculator (IBM's format) guesses from the
-target's hidden state; its ``num_speculative_tokens`` defaults to, and may not exceed, its ``n_predict``.
+target's hidden state; its ``num_speculative_tokens`` defaults to, and may not exceed, its ``n_predict``; with
+``tree_top_k`` it proposes a tree (a beam of that many paths per depth), with ``prompt_lookup`` the n-gram
+chain joins it (``prompt_lookup_min`` / ``prompt_lookup_max`` as for ``ngram``).
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ _KEYS = {
     "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive", "tree_top_k", "tree_budget",
               "acceptance", "draft_tensor_parallel_size"},
     "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
-    "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype"},
+    "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "prompt_lookup",
+                       "prompt_lookup_min", "prompt_lookup_max"},
 }
 
 
@@ -55,6 +59,7 @@ class SpeculativeConfig:
     guess_set_size: int = 5
     acceptance: str = "rejection"
     draft_tensor_parallel_size: int | None = None  # None: the target's (vLLM's default); else 1 or the target's
+    prompt_lookup: bool = False  # mlp_speculator: the n-gram chain joins its guesses
 
 
 # The largest value each size may take: beyond these a step would feed hundreds of guesses per sequence.
@@ -92,11 +97,12 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     adaptive = config.get("adaptive", True)
     if not isinstance(adaptive, bool):
         raise ValueError(f"speculative_config['adaptive'] must be True or False, got {adaptive!r}")
-    if method == "ngram":
+    if method in ("ngram", "mlp_speculator"):
         lo = _positive_int(config, "prompt_lookup_min", 1)
         hi = _positive_int(config, "prompt_lookup_max", 4)
         if lo > hi:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+    if method == "ngram":
         return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
                                  max_candidates=_positive_int(config, "max_candidates", 1), tree_budget=tree_budget)
     dtype = config.get("dtype")
@@ -112,7 +118,12 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                 raise FileNotFoundError(f"speculative_config['model']: the MLP speculator path does not exist: "
                                         f"{model}")
             model = str(model)
-        return SpeculativeConfig(method, k, model=model, dtype=dtype, adaptive=adaptive)
+        prompt_lookup = config.get("prompt_lookup", False)
+        if not isinstance(prompt_lookup, bool):
+            raise ValueError(f"speculative_config['prompt_lookup'] must be True or False, got {prompt_lookup!r}")
+        return SpeculativeConfig(method, k, model=model, dtype=dtype, adaptive=adaptive,
+                                 tree_top_k=_positive_int(config, "tree_top_k", 1), prompt_lookup=prompt_lookup,
+                                 prompt_lookup_min=lo, prompt_lookup_max=hi)
     model = config.get("model")
     if not model or not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"speculative_config for method 'draft' needs 'model': the path of a small Llama, "

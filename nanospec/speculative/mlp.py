@@ -17,11 +17,19 @@ of the guesses; that cost is measured at start-up (:meth:`MLPSpeculatorProposer.
 goodput policy like a draft forward. The guesses are one-hot: verification is the matched rule, so greedy output
 and seeded sampling are exactly plain decoding's, whatever the speculator's weights.
 
+**Candidate trees** (``tree_top_k: w > 1``, as IBM serves its speculators): instead of the chain, a beam search
+over the stages (:meth:`MLPSpeculator.propose_tree`) keeps at each depth the ``w`` most probable paths, scored by
+the speculator's summed log-probabilities; the target verifies all ``k * w`` nodes in its one forward. **Prompt
+lookup** (``prompt_lookup: True``): the n-gram proposer's chain (:mod:`nanospec.speculative.ngram`) joins the tree
+too, first, so text the answer copies from the prompt is guessed even where the speculator cannot. Either way the
+goodput policy picks each step's depth, a depth costing ``w`` nodes (``w + 1`` with prompt lookup), and a
+sequence it stops will still have its best guess checked against the outcome, so it resumes when guesses improve.
+
 Per sequence the proposer keeps ``h`` on the device and how many tokens the sequence had when ``h`` was taken; a
 sequence whose state is missing or stale (just added, preempted, a failed step) guesses nothing until its next step
-has run. ``speculative_config``: ``{"method": "mlp_speculator", "model": PATH, "num_speculative_tokens": k}``;
-without ``model``, the speculator shipped for the embedded SmolLM2-135M-Instruct
-(``nanospec/speculators/smollm2-135m-instruct``).
+has run. ``speculative_config``: ``{"method": "mlp_speculator", "model": PATH, "num_speculative_tokens": k,
+"tree_top_k": w, "prompt_lookup": False}``; without ``model``, the speculator shipped for the embedded
+SmolLM2-135M-Instruct (``nanospec/speculators/smollm2-135m-instruct``).
 """
 
 from __future__ import annotations
@@ -35,7 +43,8 @@ from nanospec.device import resolve_dtype
 from nanospec.model.mlp_speculator import MLPSpeculator, load_mlp_speculator
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
-from nanospec.speculative.proposal import Proposal, Verdict
+from nanospec.speculative.ngram import NgramIndex, NgramProposer
+from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
 SHIPPED_SPECULATORS = Path(__file__).resolve().parents[1] / "speculators"
@@ -71,25 +80,34 @@ def speculator_path(model: str | None, target_config) -> Path:
 
 @dataclass
 class MLPState:
-    hidden: torch.Tensor  # [emb_dim] on the device: the target's final hidden state behind the last token
-    num_tokens: int       # the sequence's length when it was taken (its last token is t_0)
+    hidden: torch.Tensor | None = None  # [emb_dim] on the device: the target's final hidden state behind the last token
+    num_tokens: int = 0                 # the sequence's length when it was taken (its last token is t_0)
+    lookup: NgramIndex | None = None    # the sequence's n-gram index, with prompt lookup
 
 
 class MLPSpeculatorProposer(Proposer):
     needs_hidden_states = True
 
-    def __init__(self, speculator: MLPSpeculator, num_speculative_tokens: int | None = None):
-        """``num_speculative_tokens``: the most guesses a step verifies (default and at most: the speculator's
-        ``n_predict``, its number of stages)."""
+    def __init__(self, speculator: MLPSpeculator, num_speculative_tokens: int | None = None, tree_top_k: int = 1,
+                 prompt_lookup: NgramProposer | None = None):
+        """``num_speculative_tokens``: the deepest guess a step verifies (default and at most: the speculator's
+        ``n_predict``, its number of stages); ``tree_top_k``: the beam width (1: a chain); ``prompt_lookup``: an
+        n-gram proposer whose chain joins the tree."""
         n_predict = speculator.config.n_predict
         k = n_predict if not num_speculative_tokens else num_speculative_tokens
         if k > n_predict:
             raise ValueError(f"speculative_config['num_speculative_tokens'] = {k} exceeds the MLP speculator's "
                              f"n_predict ({n_predict}): it guesses at most {n_predict} tokens")
+        if not 1 <= tree_top_k <= speculator.config.num_scored:
+            raise ValueError(f"speculative_config['tree_top_k'] = {tree_top_k}: the beam width must be in [1, "
+                             f"{speculator.config.num_scored}] (the tokens this speculator scores)")
         self.model = speculator
         self.device = speculator.proj[0].weight.device
         self.k = k
-        self.max_tokens_per_step = k
+        self.width = tree_top_k
+        self.prompt_lookup = prompt_lookup
+        self.nodes_per_depth = tree_top_k + (prompt_lookup is not None)
+        self.max_tokens_per_step = k * self.nodes_per_depth
 
     @classmethod
     def from_config(cls, config, target_config, device: torch.device, dtype: torch.dtype) -> MLPSpeculatorProposer:
@@ -99,38 +117,68 @@ class MLPSpeculatorProposer(Proposer):
             dtype = resolve_dtype(config.dtype, device)
         speculator = load_mlp_speculator(path, emb_dim=target_config.hidden_size, vocab_size=target_config.vocab_size,
                                          device=device, dtype=dtype)
-        return cls(speculator, config.num_speculative_tokens)
+        lookup = None
+        if config.prompt_lookup:
+            lookup = NgramProposer(speculator.config.n_predict, config.prompt_lookup_min, config.prompt_lookup_max)
+        return cls(speculator, config.num_speculative_tokens, config.tree_top_k, lookup)
+
+    def start(self, seq: Sequence) -> None:
+        seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """One batched pass of the stages over every sequence with a current state; one read of the guesses."""
+        """One batched beam over every sequence with a current state, and one read of its nodes. A sequence the
+        policy gives ``k = 0`` still gets its best guess, which the speculator checks without verifying it."""
         proposals = [Proposal() for _ in seqs]
-        ready = [i for i, (seq, k) in enumerate(zip(seqs, ks)) if k > 0 and self._has_current_state(seq)]
+        ready = [i for i, seq in enumerate(seqs) if self._has_current_state(seq)]
         if not ready:
             return proposals
+        depth = max(1, max(ks[i] for i in ready))
         hidden = torch.stack([seqs[i].spec_state.hidden for i in ready])
         last_tokens = torch.tensor([seqs[i].token_ids[-1] for i in ready], dtype=torch.int64).to(self.device)
-        guesses = self.model.propose(hidden, last_tokens, max(ks[i] for i in ready)).tolist()
-        for i, row in zip(ready, guesses):
-            proposals[i] = Proposal.chain(row[: ks[i]])
+        token_ids, parents = torch.stack(self.model.propose_tree(hidden, last_tokens, depth, self.width)).tolist()
+        for i, tokens, under in zip(ready, token_ids, parents):
+            k = max(ks[i], 1)
+            tokens, under = tokens[: k * self.width], under[: k * self.width]
+            if self.prompt_lookup is None or ks[i] == 0:
+                proposals[i] = Proposal(tokens, under)
+            else:
+                proposals[i] = self._with_prompt_lookup(seqs[i], k, tokens, under)
         return proposals
+
+    def _with_prompt_lookup(self, seq: Sequence, k: int, tokens: list[int], parents: list[int]) -> Proposal:
+        """The n-gram chain (up to ``k`` tokens), then the beam's paths, merged into one trie."""
+        trie = TokenTrie()
+        trie.insert(self.prompt_lookup.chain(seq.spec_state.lookup, k))
+        paths: list[list[int]] = []
+        for token, parent in zip(tokens, parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [token])
+            trie.insert(paths[-1])
+        return Proposal(trie.token_ids, trie.parents)
 
     @staticmethod
     def _has_current_state(seq: Sequence) -> bool:
         state: MLPState | None = seq.spec_state
-        return state is not None and state.num_tokens == seq.num_tokens
+        return state is not None and state.hidden is not None and state.num_tokens == seq.num_tokens
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """Keep the hidden state behind the sequence's new last token for the next step's guesses."""
-        seq.spec_state = MLPState(verdict.hidden_state, seq.num_tokens) if verdict.hidden_state is not None else None
+        state: MLPState = seq.spec_state
+        state.hidden, state.num_tokens = verdict.hidden_state, seq.num_tokens
+        if state.lookup is not None:
+            state.lookup.extend(verdict.emitted)
 
     def preempt(self, seq: Sequence) -> None:
-        seq.spec_state = None
+        seq.spec_state.hidden = None
 
     def measure_cost(self) -> float:
-        """Seconds one guess costs on this device: a batch-1 proposal of ``k`` guesses, read back as in a step,
+        """Seconds one depth of guesses costs on this device: a batch-1 beam ``k`` deep, read back as in a step,
         over ``k``."""
         c = self.model.config
         hidden = torch.randn(1, c.emb_dim, device=self.device, dtype=self.model.proj[0].weight.dtype)
         last_token = torch.zeros(1, dtype=torch.int64, device=self.device)
-        self.model.propose(hidden, last_token, self.k).tolist()  # warm-up
-        return best_seconds(lambda: self.model.propose(hidden, last_token, self.k).tolist(), self.device) / self.k
+
+        def beam():
+            return torch.stack(self.model.propose_tree(hidden, last_token, self.k, self.width)).tolist()
+
+        beam()  # warm-up
+        return best_seconds(beam, self.device) / self.k

@@ -13,6 +13,9 @@ starts: on a GPU ``T`` is flat until the batch is large and speculation pays; on
 in fp32 (SmolLM2) a forward over 2 tokens costs ~1.1 single ones, over 8 ~1.4 and over 32 ~3, so a
 guess must be right often enough to pay for its share, and in a batch of 16 far more often.
 
+A tree that holds ``w`` nodes at every depth (the MLP speculator's beam) is the same rule with guess ``j``
+adding ``w`` tokens to the forward and ``alpha`` the chance that depth ``j`` holds the target's token.
+
 ``alpha`` is estimated per request from its own history: decayed counts of accepted and tried
 drafts, shrunk towards a prior, ``alpha = (S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)``. The
 counts decay every step, so a request that stopped speculating drifts back to the prior and probes
@@ -42,8 +45,9 @@ class AcceptanceEstimate:
 
 class GoodputPolicy:
     def __init__(self, max_k: int, target_cost: list[float], draft_cost: float = 0.0, prior: float = 0.6,
-                 decay: float = 0.8, larger_forwards: dict[int, float] | None = None):
+                 decay: float = 0.8, larger_forwards: dict[int, float] | None = None, nodes_per_guess: int = 1):
         """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1;
+        ``nodes_per_guess``: tokens one more depth of guesses feeds (1 for a chain);
         ``larger_forwards`` maps larger token counts to their measured times (batches). Between points
         the cost is interpolated linearly, past the last one extrapolated along the last two."""
         if len(target_cost) < max_k + 1:
@@ -54,6 +58,7 @@ class GoodputPolicy:
         self.draft_cost = draft_cost
         self.prior = prior
         self.decay = decay
+        self.nodes_per_guess = nodes_per_guess
 
     @staticmethod
     def expected_tokens(alpha: float, k: int) -> float:
@@ -88,7 +93,7 @@ class GoodputPolicy:
             ks[i] += 1
             expected += chance
             longest = max(longest, ks[i])
-            goodput = expected / (self.forward_cost(num_tokens + n) + longest * self.draft_cost)
+            goodput = expected / (self.forward_cost(num_tokens + n * self.nodes_per_guess) + longest * self.draft_cost)
             if goodput > best:
                 best, best_n = goodput, n
         ks = [0] * len(alphas)

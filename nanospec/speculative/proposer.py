@@ -20,7 +20,8 @@ from nanospec.speculative.proposal import Proposal, Verdict
 
 class Proposer(abc.ABC):
     max_tokens_per_step: int  # the most nodes one proposal holds: KV slots to reserve beyond the root
-    adaptive_k = True  # chains: the speculator may verify fewer guesses than proposed (nanospec.speculative.policy)
+    adaptive_k = True  # the speculator may verify fewer depths than proposed (nanospec.speculative.policy)
+    nodes_per_depth = 1  # adaptive trees: the nodes each depth of a proposal holds at most (1: a chain)
     max_model_len: int | None = None  # the longest sequence it can guess for (a draft model's context); None: any
     needs_hidden_states = False  # True: verdicts carry the target's hidden state behind the last emitted token
 

@@ -51,7 +51,7 @@ class Speculator:
                            max_num_batched_tokens: int) -> GoodputPolicy:
         """Time the target over 1..k+1 tokens (one sequence's verify) and, sparser, over the token counts
         of the batches of verifies this engine can run (through the runner: graphs where the steps use them);
-        time one guess of the proposer."""
+        time one depth of the proposer's guesses (a guess, or a tree's ``nodes_per_depth`` nodes)."""
         k = self.max_tokens_per_step
         larger: list[int] = []
         while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
@@ -60,8 +60,9 @@ class Speculator:
         costs = time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager,
                               list(range(1, k + 2)) + larger, per_seq=k + 1, device=self.model.device,
                               batch_device="cpu", max_len=self.max_model_len)
-        return GoodputPolicy(k, costs[:k + 1], self.proposer.measure_cost(),
-                             larger_forwards=dict(zip(larger, costs[k + 1:])))
+        nodes = self.proposer.nodes_per_depth
+        return GoodputPolicy(k // nodes, costs[:k + 1], self.proposer.measure_cost(),
+                             larger_forwards=dict(zip(larger, costs[k + 1:])), nodes_per_guess=nodes)
 
     # ---------------------------------------------------------------- a sequence's life
     def speculates(self, seq: Sequence) -> bool:
@@ -117,7 +118,7 @@ class Speculator:
     def _choose_ks(self, seqs: list[Sequence], guessing: list[int]) -> list[int]:
         """How deep each guessing sequence ``seqs[i]``, ``i`` in ``guessing``, guesses, given the whole batch."""
         if self.policy is None:
-            return [self.max_tokens_per_step] * len(guessing)
+            return [self.max_tokens_per_step // self.proposer.nodes_per_depth] * len(guessing)
         num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
         return self.policy.choose_ks([seqs[i].acceptance for i in guessing], num_tokens, len(seqs))
 
