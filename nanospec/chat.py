@@ -51,6 +51,8 @@ def parse_args(argv=None):
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
     p.add_argument("--device", default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many processes (default 1)")
     p.add_argument("--stats", action="store_true", help="print stats after every answer")
     args = p.parse_args(argv)
     if args.greedy:
@@ -113,7 +115,8 @@ def load(args):
     elif spec_config and spec_config["method"] == "mlp_speculator":
         draft = f" with the MLP speculator {spec_config.get('model', '(shipped)')}"
     print(f"loading {name}{draft} ...", file=sys.stderr, flush=True)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config,
+              tensor_parallel_size=args.tensor_parallel_size)
     return llm, params
 
 
@@ -243,7 +246,10 @@ def main(argv=None) -> int:
         except (ValueError, OSError) as e:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USAGE
-        repl(llm, params, args)
+        try:
+            repl(llm, params, args)
+        finally:
+            llm.shutdown()  # the tensor-parallel workers, if any
     except KeyboardInterrupt:
         if sys.stderr.isatty():
             print(file=sys.stderr)  # the shell prompt starts on a line of its own

@@ -289,3 +289,15 @@ def test_sigint_while_loading_exits_130_without_a_traceback():
     assert before.endswith("loading SmolLM2-135M-Instruct.Q4_1.gguf (embedded) ...\n"), before + stderr
     assert proc.returncode == 130, stderr
     assert "Traceback" not in before + stderr and stdout == ""
+
+
+def test_tensor_parallel_answers_as_one_process(tiny_path):
+    """``-tp 2``: the model split over this process and a spawned worker answers what one process answers
+    (greedy); a size the model's heads do not split into is one error line."""
+    args = ["--model", str(tiny_path), "--greedy", "--max-tokens", "6"]
+    one = run_chat(args, stdin=b"hello there\n")
+    two = run_chat([*args, "--tensor-parallel-size", "2"], stdin=b"hello there\n")
+    assert one.returncode == two.returncode == 0, (one.stderr, two.stderr)
+    assert one.stdout.strip() and two.stdout == one.stdout
+    bad = run_chat([*args, "-tp", "3"], stdin=b"")
+    assert bad.returncode == 2 and "tensor_parallel_size=3" in bad.stderr.strip().splitlines()[-1]

@@ -331,6 +331,45 @@ def test_command_line(model_path):
     assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("error:")
 
 
+def test_command_line_tensor_parallel(model_path, offline):
+    """``--tensor-parallel-size 2``: the server answers what the one-process engine answers, and on SIGTERM its
+    worker ends with it."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--model", model_path, "--port", "0",
+                             "--num-blocks", "64", "--block-size", "4", "--tensor-parallel-size", "2"],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        url = None
+        for line in proc.stderr:
+            if match := re.search(r"running on (http://[\d.]+:\d+)", line):
+                url = match.group(1)
+                break
+        assert url is not None
+        workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+        assert workers, "no worker process"
+        out = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0,
+                                                       "ignore_eos": True}, timeout=60).json()
+        want = offline.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
+        assert out["choices"][0]["text"] == want
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while any(map(_running, workers)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(map(_running, workers)), "a worker outlived the server"
+    finally:
+        proc.kill()
+        proc.stderr.close()
+
+
+def _running(pid: str) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (one whose parent ended waits for init to reap it)."""
+    try:
+        return " Z" not in Path(f"/proc/{pid}/stat").read_text().split(")")[-1][:3]
+    except FileNotFoundError:
+        return False
+
+
 def test_disconnect_while_waiting_aborts(server):
     """A client that leaves before a non-streaming answer is ready: its request is aborted, its KV freed."""
     url, llm = server

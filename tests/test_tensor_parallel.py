@@ -144,6 +144,29 @@ def test_ngram_tree_equals_tp1(target_path):
     _assert_workers_gone(two)
 
 
+def test_mlp_speculator_equals_tp1(target_path, tmp_path):
+    """The MLP speculator reads the target's hidden state, gathered on the driver from the sharded forward: a
+    beam of candidates with prompt lookup gives TP 1's tokens and acceptance at TP 2, greedy and seeded."""
+    from nanospec.model.mlp_speculator import save_mlp_speculator
+    from tiny import most_common_successors, successor_speculator
+
+    plain = LLM(target_path, **KW)
+    ids = [plain.tokenizer.encode(p) for p in PROMPTS]
+    outputs = [out.token_ids for out in plain.generate(ids, GREEDY)]
+    model = successor_speculator(most_common_successors([i + o for i, o in zip(ids, outputs)]),
+                                 plain.config.hidden_size, plain.config.vocab_size)
+    spec = {"method": "mlp_speculator", "model": str(save_mlp_speculator(model, tmp_path, dtype=torch.float32)),
+            "tree_top_k": 2, "prompt_lookup": True, "adaptive": False}
+    one = LLM(target_path, **KW, speculative_config=spec)
+    expected = [_run(one, params) for params in (GREEDY, SAMPLED)]
+    assert expected[0] == outputs
+    with LLM(target_path, tensor_parallel_size=2, **KW, speculative_config=spec) as two:
+        assert [_run(two, params) for params in (GREEDY, SAMPLED)] == expected
+        assert two.stats()["num_accepted_tokens"] == one.stats()["num_accepted_tokens"] > 0
+        assert_no_leak(two)
+    _assert_workers_gone(two)
+
+
 def test_draft_on_the_driver_alone_equals_tp1(target_path):
     """Draft TP 1, the draft being the target itself guessing a tree: paths accepted off the chain (their target K/V
     moved on both ranks), the accepted path and bonus token backfilled into the draft's KV; the draft is whole on

@@ -34,6 +34,8 @@ def parse_args(argv=None):
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
     p.add_argument("--device", default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="split the model over this many processes (gloo on CPU, NCCL on CUDA: one GPU each)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most (default 64)")
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
@@ -85,7 +87,7 @@ def main(argv=None) -> int:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
                   num_blocks=args.num_blocks, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, seed=args.seed)
+                  max_model_len=args.max_model_len, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
@@ -94,7 +96,10 @@ def main(argv=None) -> int:
               file=sys.stderr)
     app = build_app(llm, model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
                     max_request_bytes=args.max_request_bytes)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        llm.shutdown()  # the tensor-parallel workers, if any
     return EXIT_OK
 
 
