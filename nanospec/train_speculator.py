@@ -15,8 +15,8 @@ Three parts, each cached in ``DIR/cache`` (or ``--cache``) so a rerun or ``--res
    exactly what a decode or verify step hands the speculator at run time, so no second pass over the text is
    needed. The prefill computes the prompt's hidden states too: past the prompts' common head (chat template,
    system prompt) they are kept as well, and phase 1 learns the prompt text from them (``--no-prompt-text``:
-   not). Hidden states are stored as float16. One torch thread by default (``--threads``): on this project's
-   shared 2-core machine two threads waiting on each other ran the target 3x slower than one.
+   not). Hidden states are stored as float16. Every core by default (``--threads``); on a busy machine use one:
+   on this project's shared 2-core machine two threads waiting on each other ran the target 3x slower.
 2. **Train.** Stage ``i`` learns token ``t+2+i`` from ``(h_t, tokens t+1 .. t+1+i)``, teacher-forced: phase 1 on
    the greedy continuations, phase 2 on greedy and sampled together. AdamW, linear warm-up then cosine decay,
    seeded (the data order of every epoch comes from a ``torch.Generator`` seeded by (seed, phase, epoch)), so a
@@ -500,7 +500,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
     p.add_argument("--n-predict", type=int, default=3, help="stages (tokens guessed per step)")
     p.add_argument("--inner-dim", type=int, default=0, help="stage width (0: the target's hidden size)")
-    p.add_argument("--hot-vocab", type=int, default=2048, help="score only the K most frequent tokens (0: all)")
+    p.add_argument("--hot-vocab", type=int, default=4096, help="score only the K most frequent tokens (0: all)")
     p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="share emb/head/ln across stages")
     p.add_argument("--scale-input", action=argparse.BooleanOptionalAction, default=True,
@@ -509,7 +509,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start emb and head from the target's embeddings (needs inner-dim = hidden size)")
     p.add_argument("--prompt-text", action=argparse.BooleanOptionalAction, default=True,
                    help="phase 1 also learns the prompts' own text (its hidden states come free with the prefill)")
-    p.add_argument("--epochs-greedy", type=int, default=3, help="phase 1: epochs over the greedy continuations")
+    p.add_argument("--epochs-greedy", type=int, default=6, help="phase 1: epochs over the greedy continuations")
     p.add_argument("--epochs-mixed", type=int, default=1, help="phase 2: epochs over greedy + sampled")
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -517,9 +517,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
     p.add_argument("--val-every", type=int, default=10, help="every N-th prompt is held out (0: none)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads; 1 is fastest on a busy machine (2 threads waiting on each other for a "
-                        "shared core ran SmolLM2 3x slower here); 0: torch's default")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads (0: torch's default, every core); on a busy machine use 1 (2 threads waiting "
+                        "on each other for a shared core ran SmolLM2 3x slower here)")
     p.add_argument("--resume", action="store_true", help="go on from OUT/checkpoint")
     p.add_argument("--save-every", type=int, default=500, help="checkpoint every N steps")
     p.add_argument("--stop-after", type=int, default=None,

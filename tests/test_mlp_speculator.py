@@ -18,6 +18,7 @@ accepted often but not always, so acceptance, the bonus token and the KV rollbac
 import dataclasses
 import json
 import math
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -340,7 +341,8 @@ def test_greedy_equals_plain(target, speculator, expected, device, k, enforce_ea
 
 
 TREES = {"beam3": {"tree_top_k": 3}, "lookup": {"prompt_lookup": True},
-         "beam2_lookup": {"tree_top_k": 2, "prompt_lookup": True, "prompt_lookup_max": 3}}
+         "beam2_lookup": {"tree_top_k": 2, "prompt_lookup": True, "prompt_lookup_max": 3},
+         "beam2_lookup_adaptive": {"tree_top_k": 2, "prompt_lookup": True, "adaptive": True}}
 
 
 @pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "static"])
@@ -352,13 +354,19 @@ def test_trees_and_prompt_lookup_equal_plain(target, speculator, expected, devic
     proposer = llm.engine.speculator.proposer
     assert proposer.nodes_per_depth == TREES[tree].get("tree_top_k", 1) + TREES[tree].get("prompt_lookup", False)
     assert llm.engine.speculator.max_tokens_per_step == 3 * proposer.nodes_per_depth
+    policy = llm.engine.speculator.policy
+    if TREES[tree].get("adaptive"):  # three depths, each priced at its nodes
+        assert (policy.max_k, policy.nodes_per_guess) == (3, proposer.nodes_per_depth)
+    else:
+        assert policy is None
     shapes = []
     propose = proposer.propose
     proposer.propose = lambda seqs, ks: [shapes.append(p.is_chain) or p for p in propose(seqs, ks)]
     for j, params in enumerate(ALL_PARAMS):
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
-    assert False in shapes  # some proposals were trees
-    assert_guesses_accepted_and_rejected(llm)
+    if not TREES[tree].get("adaptive"):  # (with the policy on, a tiny target on a CPU may find few worth verifying)
+        assert False in shapes  # some proposals were trees
+        assert_guesses_accepted_and_rejected(llm)
     assert_no_leak(llm)
 
 
@@ -375,6 +383,23 @@ def test_prompt_lookup_guesses_what_the_prompt_repeats(target, speculator, devic
     assert proposal.token_ids[:3] == [33, 70, 71] and proposal.parents[:3] == [-1, 0, 1]
     llm.abort(seq_id)
     assert_no_leak(llm)
+
+
+def test_the_replay_benchmark_counts_the_engines_steps(target, speculator, plain, expected, device):
+    """``benchmarks/speculator_acceptance.py`` replays speculation on teacher-forced hidden states; for a beam with
+    prompt lookup it must count the steps the engine takes, less the engine's prefill (here no step is cut short
+    by max_tokens, which the replay does not model)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from speculator_acceptance import simulate
+
+    from nanospec.speculative.ngram import NgramIndex
+
+    llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True)
+    model = llm.engine.speculator.proposer.model
+    for prompt, answer, out in zip(PROMPTS, expected[0], llm.generate(PROMPTS, GREEDY)):
+        states = forward_hidden(plain, prompt + answer)[len(prompt) - 1:len(prompt) - 1 + len(answer)]
+        steps, _, _ = simulate(model, states.to(device), answer, 3, 2, NgramIndex(1, 4, prompt))
+        assert out.num_steps == steps + 1 < len(answer), (prompt, out.num_steps, steps)
 
 
 def test_a_sequence_not_guessing_still_has_its_best_guess_checked(target, speculator, device):

@@ -20,7 +20,7 @@ import textwrap
 from functools import lru_cache
 from pathlib import Path
 
-PER_CATEGORY = 80
+PER_CATEGORY = 160
 SEED = 1234
 
 TOWNS = ["Harwick", "Port Ellis", "Greenvale", "Marston", "Oakridge", "Lindenfeld", "Bayford", "Cold Spring",
