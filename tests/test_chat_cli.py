@@ -51,6 +51,10 @@ class ScriptedLLM:
         self.ctrl_c = ctrl_c or {}
         self.calls: list[tuple[list[dict], object]] = []
         self.closed: list[bool] = []  # per call: whether the stream was closed (finished or aborted)
+        self.shut_down = False
+
+    def shutdown(self):
+        self.shut_down = True
 
     def stream_chat(self, messages, params):
         self.calls.append((list(messages), params))
@@ -94,6 +98,7 @@ def test_piped_input_that_is_not_utf8_is_replaced(monkeypatch, use_llm, capsys):
     assert main_with_stdin(monkeypatch, [], b"caf\xe9 \xff\xfeok\n") == 0
     assert llm.calls[0][0][-1]["content"] == "caf\ufffd \ufffd\ufffdok"
     assert "Paris is the capital." in capsys.readouterr().out
+    assert llm.shut_down  # the chat ends the LLM (and its tensor-parallel workers) when it ends
 
 
 def test_output_the_terminal_cannot_encode_is_replaced(monkeypatch, use_llm):
