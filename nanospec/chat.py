@@ -17,17 +17,19 @@ Exit status:
   0    normal end: end of input (EOF, Ctrl-D) or /quit
   2    bad arguments, or a model that cannot be loaded (one line on stderr says why)
   130  Ctrl-C while the model loads, at the prompt, or twice during one answer
+  141  the reader of stdout went away (e.g. piped into head): the chat stops quietly, as a shell filter does
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import os
 import signal
 import sys
 import time
 
-EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 2, 130, 141  # 141: 128 + SIGPIPE, as a shell reports it
 
 
 def parse_args(argv=None):
@@ -254,6 +256,10 @@ def main(argv=None) -> int:
         if sys.stderr.isatty():
             print(file=sys.stderr)  # the shell prompt starts on a line of its own
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # stdout's reader is gone: point stdout at /dev/null so that flushing it at exit raises nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return EXIT_OK
 
 

@@ -306,3 +306,14 @@ def test_tensor_parallel_answers_as_one_process(tiny_path):
     assert one.stdout.strip() and two.stdout == one.stdout
     bad = run_chat([*args, "-tp", "3"], stdin=b"")
     assert bad.returncode == 2 and "tensor_parallel_size=3" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_a_reader_that_goes_away_ends_the_chat_quietly(tiny_path, tmp_path):
+    """``python -m nanospec.chat ... | head -c 1``: once head has gone, the chat stops with status 141 (128 +
+    SIGPIPE) and no traceback."""
+    stderr = tmp_path / "stderr"
+    script = (f"printf 'one\\ntwo\\nthree\\nfour\\n' | {sys.executable} -m nanospec.chat --model {tiny_path} "
+              f"--max-tokens 200 --greedy 2> {stderr} | head -c 1 > /dev/null; echo ${{PIPESTATUS[1]}}")
+    result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.stdout.strip() == "141", (result.stdout, stderr.read_text())
+    assert "Traceback" not in stderr.read_text()
