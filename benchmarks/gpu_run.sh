@@ -12,10 +12,11 @@
 #        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh setup tests")          # <= 10 min
 #        run(command="bash benchmarks/gpu_run.sh kernels launches decode")                      # <= 10 min
 #        run(command="bash benchmarks/gpu_run.sh spec")                                         # <= 10 min
+#        run(command="bash benchmarks/gpu_run.sh mlp")                                          # <= 10 min
 #    (a fresh machine needs stash + setup again; `setup` installs into /tmp/nanospec-site).
 # 3. Copy the numbers, with the device named, into benchmarks/RESULTS.md.
 #
-# Stages: payload stash setup tests kernels launches decode spec (in any order after setup).
+# Stages: payload stash setup tests kernels launches decode spec mlp (in any order after setup).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/nanospec-gpu}"
@@ -81,8 +82,13 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
                 --batch "$batch" --no-transformers --methods plain ngram ngram_tree lookahead --lookahead 5,4,5 \
                 --json "$OUT/spec_b$batch.json"
         done ;;
+    mlp)      # the MLP speculator's GPU target (issue 13: >= 1.8x plain at batch 1): chain, beam, beam + lookup
+        stage mlp "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
+            --methods plain ngram mlp_speculator mlp_tree mlp_tree_lookup --json "$OUT/spec_mlp_b1.json"
+        stage mlp "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
+            --no-adaptive --methods plain mlp_speculator mlp_tree mlp_tree_lookup --json "$OUT/spec_mlp_fixed.json" ;;
     *)
-        echo "unknown stage $step (payload stash setup tests kernels launches decode spec)" >&2
+        echo "unknown stage $step (payload stash setup tests kernels launches decode spec mlp)" >&2
         exit 2 ;;
     esac
 done
