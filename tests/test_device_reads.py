@@ -68,11 +68,12 @@ CONFIGS = {
     "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
     "draft_tree": {"method": "draft", "num_speculative_tokens": 2, "tree_top_k": 2, "tree_budget": 4},
     "mlp": {"method": "mlp_speculator", "num_speculative_tokens": 3, "adaptive": False},
+    "mlp_tree_lookup": {"method": "mlp_speculator", "tree_top_k": 2, "prompt_lookup": True},
 }
 # A draft model reads its guesses once, after its last draft step (they stay on the device between draft
-# steps), and a draft tree once per level; the MLP speculator once, its guesses (the hidden states it starts from
-# stay on the device); every other method reads once, the verdicts.
-READS_PER_STEP = {"draft": 2, "draft_coupled": 2, "draft_tree": 3, "mlp": 2}
+# steps), and a draft tree once per level; every other method reads once, the verdicts (the MLP speculator's
+# next guesses are computed on the device during verification and come back in that read).
+READS_PER_STEP = {"draft": 2, "draft_coupled": 2, "draft_tree": 3}
 
 
 CASES = [(name, 0.0) for name in sorted(CONFIGS)] + [(name, 0.8) for name in ("plain", "ngram", "draft",

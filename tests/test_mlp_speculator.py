@@ -377,8 +377,9 @@ def test_prompt_lookup_guesses_what_the_prompt_repeats(target, speculator, devic
     proposer = llm.engine.speculator.proposer
     seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
     seq = llm.engine.sequences[seq_id]
-    seq.spec_state.hidden = torch.zeros(llm.config.hidden_size, device=device)  # as if the prefill had run
-    seq.spec_state.num_tokens = seq.num_tokens
+    state = seq.spec_state  # as if the prefill had run
+    state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
+    state.beam = [t[0].tolist() for t in proposer.guess_ahead(state.hidden[None], torch.tensor([9], device=device))]
     proposal = proposer.propose([seq], [3])[0]
     assert proposal.token_ids[:3] == [33, 70, 71] and proposal.parents[:3] == [-1, 0, 1]
     llm.abort(seq_id)

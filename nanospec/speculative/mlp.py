@@ -3,19 +3,20 @@
 Every step's forward already computes, for each sequence, the target's final hidden state ``h`` (after its final
 norm) at the row whose logits drew the sequence's last emitted token ``t_0``: the root's row when no guess was
 accepted, else the last accepted node's; after a prefill (or a recompute after preemption), the last prompt row.
-Because this proposer ``needs_hidden_states``, the engine asks the runner for them, the Speculator picks that row
-of every sequence in one gather and hands it over in the verdict (``Verdict.hidden_state``, kept on the device),
-and the next step's guesses start from ``(h, t_0)`` (:mod:`nanospec.model.mlp_speculator`):
+Because this proposer ``needs_hidden_states``, the engine asks the runner for them. During verification, on the
+device and before the step's one read, the Speculator picks that row of every sequence in one gather and this
+proposer runs its stages from ``(h, t_0)`` (:meth:`guess_ahead`, :mod:`nanospec.model.mlp_speculator`):
 
     state_0 = h  (h / rms(h) / sqrt(2) with scale_input)
     for i = 0 .. k-1:   state_i+1 = GELU(LN_i(proj_i(state_i) + (emb_weight / state_weight) * emb_i(t_i)))
                         t_i+1     = argmax head_i(state_i+1)
     proposal            the chain t_1 .. t_k
 
-So guessing costs only the speculator's ``k`` small stages, batched over the step's sequences, and one device read
-of the guesses; that cost is measured at start-up (:meth:`MLPSpeculatorProposer.measure_cost`) and weighed by the
-goodput policy like a draft forward. The guesses are one-hot: verification is the matched rule, so greedy output
-and seeded sampling are exactly plain decoding's, whatever the speculator's weights.
+The guesses come back with the verdicts (``Verdict.ahead``), and the next step's :meth:`propose` only slices them:
+guessing costs the speculator's ``k`` small stages, batched over the step's sequences, and no device read of its
+own. That cost is measured at start-up (:meth:`MLPSpeculatorProposer.measure_cost`) and weighed by the goodput
+policy like a draft forward. The guesses are one-hot: verification is the matched rule, so greedy output and
+seeded sampling are exactly plain decoding's, whatever the speculator's weights.
 
 **Candidate trees** (``tree_top_k: w > 1``, as IBM serves its speculators): instead of the chain, a beam search
 over the stages (:meth:`MLPSpeculator.propose_tree`) keeps at each depth the ``w`` most probable paths, scored by
@@ -25,9 +26,9 @@ too, first, so text the answer copies from the prompt is guessed even where the 
 goodput policy picks each step's depth, a depth costing ``w`` nodes (``w + 1`` with prompt lookup), and a
 sequence it stops will still have its best guess checked against the outcome, so it resumes when guesses improve.
 
-Per sequence the proposer keeps ``h`` on the device and how many tokens the sequence had when ``h`` was taken; a
-sequence whose state is missing or stale (just added, preempted, a failed step) guesses nothing until its next step
-has run. ``speculative_config``: ``{"method": "mlp_speculator", "model": PATH, "num_speculative_tokens": k,
+Per sequence the proposer keeps ``h`` (on the device), the guesses from it, and how many tokens the sequence had
+then; a sequence whose state is missing or stale (just added, preempted, a failed step) guesses nothing until its
+next step has run. ``speculative_config``: ``{"method": "mlp_speculator", "model": PATH, "num_speculative_tokens": k,
 "tree_top_k": w, "prompt_lookup": False}``; without ``model``, the speculator shipped for the embedded
 SmolLM2-135M-Instruct (``nanospec/speculators/smollm2-135m-instruct``).
 """
@@ -82,6 +83,7 @@ def speculator_path(model: str | None, target_config) -> Path:
 class MLPState:
     hidden: torch.Tensor | None = None  # [emb_dim] on the device: the target's final hidden state behind the last token
     num_tokens: int = 0                 # the sequence's length when it was taken (its last token is t_0)
+    beam: list[list[int]] | None = None  # the beam from it, computed during verification: [token ids, parents]
     lookup: NgramIndex | None = None    # the sequence's n-gram index, with prompt lookup
 
 
@@ -125,24 +127,25 @@ class MLPSpeculatorProposer(Proposer):
     def start(self, seq: Sequence) -> None:
         seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)
 
+    def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor) -> list[torch.Tensor]:
+        """During verification, on the device: every sequence's beam ``k`` deep from the state behind its last
+        emitted token; it comes back in the verdicts' read, for the next step's proposal."""
+        return list(self.model.propose_tree(hidden_states, last_tokens, self.k, self.width))
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """One batched beam over every sequence with a current state, and one read of its nodes. A sequence the
-        policy gives ``k = 0`` still gets its best guess, which the speculator checks without verifying it."""
+        """Each sequence's beam, computed during the last verification, cut to ``ks[i]`` depths; no device work.
+        A sequence the policy gives ``k = 0`` still gets its best guess, which the speculator checks without
+        verifying it."""
         proposals = [Proposal() for _ in seqs]
-        ready = [i for i, seq in enumerate(seqs) if self._has_current_state(seq)]
-        if not ready:
-            return proposals
-        depth = max(1, max(ks[i] for i in ready))
-        hidden = torch.stack([seqs[i].spec_state.hidden for i in ready])
-        last_tokens = torch.tensor([seqs[i].token_ids[-1] for i in ready], dtype=torch.int64).to(self.device)
-        token_ids, parents = torch.stack(self.model.propose_tree(hidden, last_tokens, depth, self.width)).tolist()
-        for i, tokens, under in zip(ready, token_ids, parents):
+        for i, seq in enumerate(seqs):
+            if not self._has_current_state(seq):
+                continue
             k = max(ks[i], 1)
-            tokens, under = tokens[: k * self.width], under[: k * self.width]
+            tokens, parents = (nodes[: k * self.width] for nodes in seq.spec_state.beam)
             if self.prompt_lookup is None or ks[i] == 0:
-                proposals[i] = Proposal(tokens, under)
+                proposals[i] = Proposal(tokens, parents)
             else:
-                proposals[i] = self._with_prompt_lookup(seqs[i], k, tokens, under)
+                proposals[i] = self._with_prompt_lookup(seq, k, tokens, parents)
         return proposals
 
     def _with_prompt_lookup(self, seq: Sequence, k: int, tokens: list[int], parents: list[int]) -> Proposal:
@@ -158,17 +161,17 @@ class MLPSpeculatorProposer(Proposer):
     @staticmethod
     def _has_current_state(seq: Sequence) -> bool:
         state: MLPState | None = seq.spec_state
-        return state is not None and state.hidden is not None and state.num_tokens == seq.num_tokens
+        return state is not None and state.beam is not None and state.num_tokens == seq.num_tokens
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Keep the hidden state behind the sequence's new last token for the next step's guesses."""
+        """Keep the hidden state behind the sequence's new last token, and the beam from it, for the next step."""
         state: MLPState = seq.spec_state
-        state.hidden, state.num_tokens = verdict.hidden_state, seq.num_tokens
+        state.hidden, state.beam, state.num_tokens = verdict.hidden_state, verdict.ahead, seq.num_tokens
         if state.lookup is not None:
             state.lookup.extend(verdict.emitted)
 
     def preempt(self, seq: Sequence) -> None:
-        seq.spec_state.hidden = None
+        seq.spec_state.hidden = seq.spec_state.beam = None
 
     def measure_cost(self) -> float:
         """Seconds one depth of guesses costs on this device: a batch-1 beam ``k`` deep, read back as in a step,

@@ -99,6 +99,7 @@ class Verdict:
     # the target's final hidden state ([hidden], on the device) at the row whose logits drew the last emitted
     # token: the root's when no guess was accepted, else the last accepted node's (for a proposer that reads it)
     hidden_state: torch.Tensor | None = None
+    ahead: list[list[int]] | None = None  # what the proposer computed from this outcome on the device, read with it
 
     @property
     def num_accepted(self) -> int:

@@ -7,12 +7,16 @@ what it verifies and checks the first left-over guess against the outcome); ``co
 sequence grew by the tokens its verdict emitted (not called for a sequence that finished);
 ``preempt`` when its KV is dropped for recompute; ``free`` when it finishes. Hooks a proposer has no
 use for keep these do-nothing defaults. A proposer with ``needs_hidden_states`` (the MLP speculator) finds in
-each verdict it is given the target's final hidden state behind the last emitted token (``Verdict.hidden_state``).
+each verdict it is given the target's final hidden state behind the last emitted token (``Verdict.hidden_state``),
+and ``Verdict.ahead``: what its ``guess_ahead`` made of those states on the device during verification, read in
+the same device read as the verdicts (so its next proposal needs no read of its own).
 """
 
 from __future__ import annotations
 
 import abc
+
+import torch
 
 from nanospec.sequence import Sequence
 from nanospec.speculative.proposal import Proposal, Verdict
@@ -28,6 +32,11 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """One proposal per sequence."""
+
+    def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor) -> list[torch.Tensor]:
+        """For ``needs_hidden_states``: on the device, from each sequence's hidden state ``[B, H]`` and last emitted
+        token ``[B]``, integer tensors ``[B, ...]`` that come back in the verdicts as ``Verdict.ahead``."""
+        return []
 
     def measure_cost(self) -> float:
         """Seconds one guess costs (a draft forward); 0 for proposers that need no model."""

@@ -5,7 +5,8 @@
     verify    one pass over the target's logits: each sequence's accepted path and the token after it
               (plain sampling for a sequence that does not speculate); the accepted path's K/V is
               then moved next to the root, so the sequence's K/V is contiguous again; for a proposer
-              that reads hidden states, each verdict gets the one behind its last emitted token
+              that reads hidden states, each verdict gets the one behind its last emitted token, and
+              the proposer's next guesses from it, read with the verdicts
     commit    the outcome goes back to the proposer (its own state, draft K/V rollback) and into the
               sequence's acceptance estimate
 
@@ -125,24 +126,20 @@ class Speculator:
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                hidden: torch.Tensor | None = None) -> list[Verdict]:
         """Each sequence's verdict; an accepted path off the chain has its K/V moved next to the root. With the
-        step's final hidden states (``hidden``, a row per logits row) each verdict gets its ``hidden_state``."""
-        verdicts = verify(seqs, proposals, logits, self.runner.to_device)
-        self._compact_accepted_paths(seqs, verdicts)
-        if hidden is not None:
-            self._attach_hidden_states(proposals, verdicts, hidden)
-        return verdicts
+        step's final hidden states (``hidden``, a row per logits row) each verdict gets its ``hidden_state``, the
+        one at the row whose logits drew the last emitted token, picked on the device by one gather, and the
+        proposer's guesses from it (``Proposer.guess_ahead``) come back in the verdicts' one read."""
+        states: list[torch.Tensor] = []
 
-    def _attach_hidden_states(self, proposals: list[Proposal], verdicts: list[Verdict], hidden: torch.Tensor) -> None:
-        """The last emitted token was drawn from the logits of the root's row when no guess was accepted, else of
-        the last accepted node's (rows: per sequence the root's, then one per node); one gather picks each
-        sequence's hidden state there, and it stays on the device."""
-        rows, start = [], 0
-        for proposal, verdict in zip(proposals, verdicts):
-            rows.append(start + (1 + verdict.path[-1] if verdict.path else 0))
-            start += 1 + len(proposal.token_ids)
-        (rows_t,) = self.runner.to_device([torch.tensor(rows, dtype=torch.int64)])
-        for verdict, state in zip(verdicts, hidden[rows_t].unbind(0)):
+        def guess_ahead(rows: torch.Tensor, last_tokens: torch.Tensor) -> list[torch.Tensor]:
+            states.append(hidden[rows])
+            return self.proposer.guess_ahead(states[0], last_tokens)
+
+        verdicts = verify(seqs, proposals, logits, self.runner.to_device, guess_ahead if hidden is not None else None)
+        self._compact_accepted_paths(seqs, verdicts)
+        for verdict, state in zip(verdicts, states[0].unbind(0) if states else ()):
             verdict.hidden_state = state
+        return verdicts
 
     def _compact_accepted_paths(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
         """Node i's K/V sits at root + 1 + i; the accepted path's moves to root + 1 .. root + depth."""

@@ -31,7 +31,8 @@ are gathered from ``log_softmax`` of the raw logits (before the bans and penalti
 the walk, and come back in the same read, so speculation reports the target's numbers as plain decoding does.
 
 The step's metadata goes to the device in one copy; one launch draws every node's token, one walks every
-tree, one more rejection-samples the draft rows, and everything comes back to the host in one read.
+tree, one more rejection-samples the draft rows, and everything comes back to the host in one read, with
+what a proposer computed on the device from the outcome (the MLP speculator's next guesses, ``after_walk``).
 Fed-only nodes (lookahead's window) are not verified: their argmax goes back to the proposer.
 """
 
@@ -50,10 +51,16 @@ from nanospec.speculative.sampling import SamplingTensors
 
 
 def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
-           to_device: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> list[Verdict]:
+           to_device: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None,
+           after_walk: Callable[[torch.Tensor, torch.Tensor], list[torch.Tensor]] | None = None) -> list[Verdict]:
     """One verdict per sequence. ``logits`` rows: per sequence its root's, then one per node (modified in place:
     stop tokens banned before ``min_tokens``, penalties applied). ``to_device`` moves host integer tensors to the
-    logits' device (the runner's: one copy for them all); by default one ``.to`` each."""
+    logits' device (the runner's: one copy for them all); by default one ``.to`` each.
+
+    ``after_walk(rows, last_tokens)``, called on the device once the outcome is known and before the read: per
+    sequence the logits row that drew its last emitted token (the root's when no guess was accepted, else the
+    last accepted node's) and that token, both ``[B]``; it returns integer tensors ``[B, ...]`` that are read
+    with the verdicts, each sequence's rows landing in ``verdict.ahead`` (a proposer's next guesses)."""
     device = logits.device
     if to_device is None:
         to_device = lambda tensors: [t.to(device) for t in tensors]  # noqa: E731
@@ -101,9 +108,12 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
 
     extra = logits[extra_rows_t].argmax(dim=-1) if extra_rows else extra_rows_t  # fed-only nodes' argmax
     to_read = [path.flatten(), emitted.flatten(), extra]
+    ahead = after_walk(*_last_emitted(flat_rows_t, pad, path, emitted)) if after_walk is not None else []
+    to_read += [t.flatten() for t in ahead]  # [B, ...] each: a row per sequence
     if num_top is not None:
         to_read += _emitted_logprobs(raw_logprobs, pad, path, emitted, num_top)
-    paths, emits, extras, *logprob_lists = _read_once(to_read)  # the step's one device read
+    paths, emits, extras, *values = _read_once(to_read)  # the step's one device read
+    ahead_values, logprob_lists = values[:len(ahead)], values[len(ahead):]
     verdicts = []
     for b, p in enumerate(proposals):
         row = slice(b * n_max, (b + 1) * n_max)
@@ -118,8 +128,20 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
         if p.num_candidates < len(p.token_ids):
             count = len(p.token_ids) - p.num_candidates
             verdict.extra_argmax, extras = extras[:count], extras[count:]
+        if ahead:
+            verdict.ahead = [v[b * (len(v) // len(seqs)):(b + 1) * (len(v) // len(seqs))] for v in ahead_values]
         verdicts.append(verdict)
     return verdicts
+
+
+def _last_emitted(flat_rows, pad, path, emitted) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, per sequence: the logits row its last emitted token was drawn from (the deepest accepted
+    node's, or the root's: nodes are numbered parents first, so the path's largest is its deepest), and that
+    token (the last of ``emitted``, whose unused slots are -1)."""
+    node = path.max(dim=1, keepdim=True).values.clamp(min=0)
+    rows = flat_rows[pad.gather(1, node).squeeze(1)]
+    last = emitted.gather(1, ((emitted >= 0).sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
+    return rows, last
 
 
 def _emitted_logprobs(raw_logprobs, pad, path, emitted, num_top) -> list[torch.Tensor]:
