@@ -67,7 +67,7 @@ def simulate(speculator, hidden: torch.Tensor, tokens: list[int], k: int, width:
             lookup_index.extend(tokens[done:p + 1])
             done = p + 1
             chain = lookup.chain(lookup_index)
-            n = max(n, next((i for i, (a, b) in enumerate(zip(chain, truth)) if a != b), min(len(chain), len(truth))))
+            n = max(n, accepted_depth(chain, list(range(-1, len(chain) - 1)), truth))
         for i in range(min(n + 1, len(truth))):
             tried[i] += 1
         for i in range(n):

@@ -299,20 +299,28 @@ def test_mlp_speculator_server_equals_offline(model_path, offline, tmp_path, cap
 
 
 # ---------------------------------------------------------------------------------------------------- the command line
+def _serve(model_path: str, *args: str, env: dict) -> subprocess.Popen:
+    """``python -m nanospec.serve`` on a free port with a small KV pool, its stderr piped (text)."""
+    return subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--model", model_path, "--port", "0",
+                             "--num-blocks", "64", "--block-size", "4", *args],
+                            stderr=subprocess.PIPE, text=True, env=env)
+
+
+def _url_of(proc: subprocess.Popen) -> str | None:
+    """The address the server says it is running on (read from its stderr), or None if it ended first."""
+    for line in proc.stderr:
+        if match := re.search(r"running on (http://[\d.]+:\d+)", line):
+            return match.group(1)
+    return None
+
+
 def test_command_line(model_path):
     """``python -m nanospec.serve`` binds 127.0.0.1, takes the key from NANOSPEC_API_KEY, serves, and on SIGTERM
     shuts down cleanly and ends by that signal (uvicorn's convention); a bad model exits 2 with one 'error' line."""
     env = {**os.environ, "NANOSPEC_API_KEY": "k3y", "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--model", model_path, "--port", "0",
-                             "--num-blocks", "64", "--block-size", "4", "--speculative-config",
-                             '{"method": "ngram", "num_speculative_tokens": 3}'],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = _serve(model_path, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', env=env)
     try:
-        url = None
-        for line in proc.stderr:
-            if match := re.search(r"running on (http://[\d.]+:\d+)", line):
-                url = match.group(1)
-                break
+        url = _url_of(proc)
         assert url is not None and url.startswith("http://127.0.0.1:")
         assert httpx.get(f"{url}/v1/models").status_code == 401
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="k3y", max_retries=0)
@@ -335,15 +343,9 @@ def test_command_line_tensor_parallel(model_path, offline):
     """``--tensor-parallel-size 2``: the server answers what the one-process engine answers, and on SIGTERM its
     worker ends with it."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
-    proc = subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--model", model_path, "--port", "0",
-                             "--num-blocks", "64", "--block-size", "4", "--tensor-parallel-size", "2"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+    proc = _serve(model_path, "--tensor-parallel-size", "2", env=env)
     try:
-        url = None
-        for line in proc.stderr:
-            if match := re.search(r"running on (http://[\d.]+:\d+)", line):
-                url = match.group(1)
-                break
+        url = _url_of(proc)
         assert url is not None
         workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert workers, "no worker process"

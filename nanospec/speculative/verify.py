@@ -110,6 +110,7 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     to_read = [path.flatten(), emitted.flatten(), extra]
     ahead = after_walk(*_last_emitted(flat_rows_t, pad, path, emitted)) if after_walk is not None else []
     to_read += [t.flatten() for t in ahead]  # [B, ...] each: a row per sequence
+    ahead_widths = [t.numel() // len(seqs) for t in ahead]
     if num_top is not None:
         to_read += _emitted_logprobs(raw_logprobs, pad, path, emitted, num_top)
     paths, emits, extras, *values = _read_once(to_read)  # the step's one device read
@@ -129,7 +130,7 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
             count = len(p.token_ids) - p.num_candidates
             verdict.extra_argmax, extras = extras[:count], extras[count:]
         if ahead:
-            verdict.ahead = [v[b * (len(v) // len(seqs)):(b + 1) * (len(v) // len(seqs))] for v in ahead_values]
+            verdict.ahead = [v[b * w:(b + 1) * w] for v, w in zip(ahead_values, ahead_widths)]
         verdicts.append(verdict)
     return verdicts
 
