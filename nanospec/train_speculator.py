@@ -43,7 +43,7 @@ import os
 import shlex
 import sys
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -268,6 +268,22 @@ class Examples:
 
     def __len__(self) -> int:
         return int(self.rows.numel())
+
+
+def held_out_prompts(rows: list[dict], every: int) -> list[int]:
+    """Every ``every``-th prompt of each category (rows without one form a category of their own), counted in
+    the set's order from the middle of the first ``every``: each category is held out alike, however the set
+    interleaves them (every 10th of a set cycling through 8 categories would hold out only 4 of them)."""
+    if not every:
+        return []
+    seen: dict[str, int] = defaultdict(int)
+    held_out = []
+    for i, row in enumerate(rows):
+        category = row.get("category", "")
+        if seen[category] % every == every // 2:
+            held_out.append(i)
+        seen[category] += 1
+    return held_out
 
 
 def sequences_of(recording: Recording, prompts: list[int]) -> list[int]:
@@ -515,7 +531,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
-    p.add_argument("--val-every", type=int, default=10, help="every N-th prompt is held out (0: none)")
+    p.add_argument("--val-every", type=int, default=10,
+                   help="every N-th prompt of each category is held out (0: none)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (0: torch's default, every core); on a busy machine use 1 (2 threads waiting "
@@ -629,8 +646,8 @@ def train(args, command: list[str]) -> int:
             print(f"{name}: {recording.num_generated} tokens, from the cache {path}")
         recordings.append(recording)
 
-    # 2. data: every val_every-th prompt is held out (all its continuations)
-    held_out = [i for i in range(len(prompt_ids)) if args.val_every and i % args.val_every == args.val_every // 2]
+    # 2. data: every val_every-th prompt of each category is held out (all its continuations)
+    held_out = held_out_prompts(prompt_rows, args.val_every)
     train_ids = [i for i in range(len(prompt_ids)) if i not in set(held_out)]
     n = args.n_predict
     greedy_train = make_examples(recordings[0], train_ids, n, prompt_text=args.prompt_text)
@@ -753,9 +770,19 @@ def train(args, command: list[str]) -> int:
                 "settings": json.dumps(settings_of(args)), "timings": json.dumps(timings),
                 "held_out": json.dumps(final and {k: final[k] for k in ("loss", "acc", "tau")})}
     save_mlp_speculator(model, out, metadata=metadata)
+    by_category = defaultdict(list)
+    for i in held_out:
+        by_category[prompt_rows[i].get("category", "")].append(i)
+    held_out_by_category = {category: {k: result[k] for k in ("acc", "tau", "positions")}
+                            for category, prompts in sorted(by_category.items()) if category
+                            for result in [evaluate(model, make_examples(recordings[0], prompts, n))]}
+    for category, result in held_out_by_category.items():
+        print(f"held out, {category}: tau@{n} ~ {result['tau']:.2f}, top-1 accuracy "
+              f"{' '.join(f'{x:.2f}' for x in result['acc'])}")
     (out / "training_summary.json").write_text(json.dumps(metadata | {
         "settings": settings_of(args), "timings": timings, "held_out": final and {
-            k: final[k] for k in ("loss", "acc", "tau", "positions")}}, indent=1) + "\n")
+            k: final[k] for k in ("loss", "acc", "tau", "positions")},
+        "held_out_by_category": held_out_by_category}, indent=1) + "\n")
     plot(log, out / "training.png", n)
     print(f"wrote {out / 'config.json'} and {out / 'model.safetensors'} "
           f"({(out / 'model.safetensors').stat().st_size / 2**20:.1f} MiB); timings {timings}")

@@ -2,6 +2,7 @@
 resumable, that its recorded hidden states are the target's, and that bad arguments fail clearly."""
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,8 +12,8 @@ from safetensors.torch import load_file
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
 from nanospec.model.mlp_speculator import load_mlp_speculator
-from nanospec.train_speculator import (PROMPT_SET, encode_chat, generate_with_hidden, load_prompt_set, main,
-                                       teacher_forced_hidden)
+from nanospec.train_speculator import (PROMPT_SET, encode_chat, generate_with_hidden, held_out_prompts,
+                                       load_prompt_set, main, teacher_forced_hidden)
 from tiny import make_tiny_llama
 
 SHIPPED = Path(__file__).resolve().parent.parent / "nanospec" / "speculators" / "smollm2-135m-instruct"
@@ -64,6 +65,7 @@ def test_output_loads_with_the_config_asked(trained):
     assert evals and len(evals[-1]["acc"]) == 3 and evals[-1]["tau"] >= 1
     summary = json.loads((trained / "training_summary.json").read_text())
     assert summary["seed"] == 0 and "train_s" in summary["timings"]
+    assert set(summary["held_out_by_category"]) == {"test"} and summary["held_out_by_category"]["test"]["tau"] >= 1
     guesses = model.propose(torch.randn(2, 64), torch.tensor([5, 6]), 3)
     assert guesses.shape == (2, 3) and bool(torch.isin(guesses, model.hot_token_ids).all())
 
@@ -134,6 +136,16 @@ def test_shipped_prompt_set():
                 (Path(__file__).resolve().parent.parent / "benchmarks" / "prompts.jsonl").read_text().splitlines()}
     assert len(rows) >= 300 and len({r["category"] for r in rows}) == 8
     assert not held_out & {r["prompt"] for r in rows}
+
+
+def test_every_category_is_held_out_alike():
+    # the shipped set cycles through 8 categories: every 10th prompt of the whole set would miss half of them
+    rows = load_prompt_set(PROMPT_SET)
+    per_category = Counter(rows[i]["category"] for i in held_out_prompts(rows, 10))
+    sizes = Counter(r["category"] for r in rows)
+    assert per_category == {c: (n + 4) // 10 for c, n in sizes.items()}
+    assert held_out_prompts([{"prompt": str(i)} for i in range(25)], 10) == [5, 15]
+    assert held_out_prompts(rows, 0) == []
 
 
 def test_shipped_speculator_loads_against_the_embedded_model():
