@@ -30,6 +30,8 @@ from nanospec import LLM, SamplingParams
 from nanospec.model.mlp_speculator import load_mlp_speculator, save_mlp_speculator
 from nanospec.speculative.config import parse_speculative_config
 from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer
+from nanospec.speculative.policy import AcceptanceEstimate
+from nanospec.speculative.proposal import Verdict
 from tiny import (KV_TOLERANCE, assert_no_leak, forward_hidden, forward_logits, make_tiny_llama,
                   most_common_successors, successor_speculator)
 
@@ -379,9 +381,35 @@ def test_prompt_lookup_guesses_what_the_prompt_repeats(target, speculator, devic
     seq = llm.engine.sequences[seq_id]
     state = seq.spec_state  # as if the prefill had run
     state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
-    state.beam = [t[0].tolist() for t in proposer.guess_ahead(state.hidden[None], torch.tensor([9], device=device))]
+    state.beam = [t[0].tolist() for t in proposer.guess_ahead(state.hidden[None], torch.tensor([9], device=device), 3)]
     proposal = proposer.propose([seq], [3])[0]
     assert proposal.token_ids[:3] == [33, 70, 71] and proposal.parents[:3] == [-1, 0, 1]
+    llm.abort(seq_id)
+    assert_no_leak(llm)
+
+
+def test_a_stopped_sequence_has_its_whole_first_depth_checked(target, speculator, device, monkeypatch):
+    """At k = 0 every first guess (the beam's depth 1 and, with prompt lookup, the n-gram chain's first token) is
+    checked against the outcome, as depth 1 would have been verified: a hit if the target's token is any of them."""
+    llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True, adaptive=True)
+    spec = llm.engine.speculator
+    seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
+    seq = llm.engine.sequences[seq_id]
+    state = seq.spec_state  # as if the prefill had run
+    state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
+    last = torch.tensor([9], device=device)
+    state.beam = [t[0].tolist() for t in spec.proposer.guess_ahead(state.hidden[None], last, 3)]
+    seq.num_cached_tokens = seq.num_tokens - 1  # in decode
+    monkeypatch.setattr(spec.policy, "choose_ks", lambda estimates, *_: [0] * len(estimates))
+    proposal = spec.propose([seq])[0]
+    assert proposal.num_candidates == 0
+    beam = seq.spec_state.beam
+    first = [t for t, p in zip(*beam) if p == -1]
+    assert len(first) == 2 and set(proposal.unverified_guesses) == {33, *first}  # the n-gram guess: 33
+    for emitted, hit in ((33, 1), (first[1], 1), (next(t for t in range(300) if t not in (33, *first)), 0)):
+        seq.acceptance = AcceptanceEstimate()
+        spec.commit(seq, proposal, Verdict(emitted=[emitted]))
+        assert (seq.acceptance.successes, seq.acceptance.trials) == (hit, 1)
     llm.abort(seq_id)
     assert_no_leak(llm)
 
@@ -414,6 +442,23 @@ def test_a_sequence_not_guessing_still_has_its_best_guess_checked(target, specul
     assert len(proposal.token_ids) == 2 and proposal.parents == [-1, -1]  # depth 1 of the beam
     truncated = proposal.truncated(0, 100)
     assert truncated.num_candidates == 0
+    llm.abort(seq_id)
+    assert_no_leak(llm)
+
+
+def test_guesses_go_one_depth_past_what_the_step_verified(target, speculator, device, monkeypatch):
+    """With the goodput policy the beam made during verification is one depth deeper than the step verified (at
+    most k): a sequence the policy stops pays for one stage of guessing, not k, and its k grows by one a step."""
+    llm = mlp_llm(target, speculator, device, k=3, tree_top_k=2, adaptive=True)
+    policy = llm.engine.speculator.policy
+    seq_id = llm.engine.add_request([42, 7, 9], GREEDY)
+    seq = llm.engine.sequences[seq_id]
+    depths = []
+    for wanted in (3, 3, 3, 3, 0, 2):  # the policy's k: the prefill step verifies nothing
+        monkeypatch.setattr(policy, "choose_ks", lambda estimates, *_, k=wanted: [k] * len(estimates))
+        llm.engine.step()
+        depths.append(len(seq.spec_state.beam[0]) // 2)
+    assert depths == [1, 2, 3, 3, 1, 2]
     llm.abort(seq_id)
     assert_no_leak(llm)
 

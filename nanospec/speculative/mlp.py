@@ -15,7 +15,9 @@ proposer runs its stages from ``(h, t_0)`` (:meth:`guess_ahead`, :mod:`nanospec.
 The guesses come back with the verdicts (``Verdict.ahead``), and the next step's :meth:`propose` only slices them:
 guessing costs the speculator's ``k`` small stages, batched over the step's sequences, and no device read of its
 own. That cost is measured at start-up (:meth:`MLPSpeculatorProposer.measure_cost`) and weighed by the goodput
-policy like a draft forward. The guesses are one-hot: verification is the matched rule, so greedy output and
+policy like a draft forward; with the policy the beam goes only one depth deeper than the step verified (a
+sequence the policy has stopped pays for one stage, not ``k``, and its ``k`` grows by at most one a step).
+The guesses are one-hot: verification is the matched rule, so greedy output and
 seeded sampling are exactly plain decoding's, whatever the speculator's weights.
 
 **Candidate trees** (``tree_top_k: w > 1``, as IBM serves its speculators): instead of the chain, a beam search
@@ -24,7 +26,8 @@ the speculator's summed log-probabilities; the target verifies all ``k * w`` nod
 lookup** (``prompt_lookup: True``): the n-gram proposer's chain (:mod:`nanospec.speculative.ngram`) joins the tree
 too, first, so text the answer copies from the prompt is guessed even where the speculator cannot. Either way the
 goodput policy picks each step's depth, a depth costing ``w`` nodes (``w + 1`` with prompt lookup), and a
-sequence it stops will still have its best guess checked against the outcome, so it resumes when guesses improve.
+sequence it stops will still have its first guesses (depth 1 of the tree) checked against the outcome, so it resumes
+when guesses improve.
 
 Per sequence the proposer keeps ``h`` (on the device), the guesses from it, and how many tokens the sequence had
 then; a sequence whose state is missing or stale (just added, preempted, a failed step) guesses nothing until its
@@ -127,25 +130,23 @@ class MLPSpeculatorProposer(Proposer):
     def start(self, seq: Sequence) -> None:
         seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)
 
-    def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor) -> list[torch.Tensor]:
-        """During verification, on the device: every sequence's beam ``k`` deep from the state behind its last
-        emitted token; it comes back in the verdicts' read, for the next step's proposal."""
-        return list(self.model.propose_tree(hidden_states, last_tokens, self.k, self.width))
+    def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
+        """During verification, on the device: every sequence's beam, ``min(depth, k)`` deep, from the state behind
+        its last emitted token; it comes back in the verdicts' read, for the next step's proposal."""
+        return list(self.model.propose_tree(hidden_states, last_tokens, min(depth, self.k), self.width))
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """Each sequence's beam, computed during the last verification, cut to ``ks[i]`` depths; no device work.
-        A sequence the policy gives ``k = 0`` still gets its best guess, which the speculator checks without
-        verifying it."""
+        """Each sequence's beam, computed during the last verification, cut to ``ks[i]`` depths (or as deep as it
+        was computed); no device work. A sequence the policy gives ``k = 0`` still gets its first depth, which the
+        speculator checks without verifying it."""
         proposals = [Proposal() for _ in seqs]
         for i, seq in enumerate(seqs):
             if not self._has_current_state(seq):
                 continue
             k = max(ks[i], 1)
             tokens, parents = (nodes[: k * self.width] for nodes in seq.spec_state.beam)
-            if self.prompt_lookup is None or ks[i] == 0:
-                proposals[i] = Proposal(tokens, parents)
-            else:
-                proposals[i] = self._with_prompt_lookup(seq, k, tokens, parents)
+            proposals[i] = Proposal(tokens, parents) if self.prompt_lookup is None else \
+                self._with_prompt_lookup(seq, k, tokens, parents)
         return proposals
 
     def _with_prompt_lookup(self, seq: Sequence, k: int, tokens: list[int], parents: list[int]) -> Proposal:

@@ -37,7 +37,8 @@ class Proposal:
     parents: list[int] = field(default_factory=list)
     num_candidates: int | None = None  # None: every node is a candidate
     draft_probs: torch.Tensor | None = None  # [num_candidates, V]: what each guess was sampled from (None: one-hot)
-    unverified_guess: int | None = None  # a first guess left out of verification, checked against the outcome
+    # the first guesses (the root's children) of a proposal left out of verification: checked against the outcome
+    unverified_guesses: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.num_candidates is None:

@@ -3,8 +3,8 @@
 Per speculating sequence: ``start`` when it is added; ``propose`` each decode step (batched, with
 the number of guesses ``ks`` the step will verify per sequence: a proposer whose guesses cost a
 forward each makes that many; one whose guesses are free may return more, and the speculator keeps
-what it verifies and checks the first left-over guess against the outcome); ``commit`` after the
-sequence grew by the tokens its verdict emitted (not called for a sequence that finished);
+what it verifies; where it verifies none, it checks the first guesses, depth 1, against the outcome);
+``commit`` after the sequence grew by the tokens its verdict emitted (not called for a sequence that finished);
 ``preempt`` when its KV is dropped for recompute; ``free`` when it finishes. Hooks a proposer has no
 use for keep these do-nothing defaults. A proposer with ``needs_hidden_states`` (the MLP speculator) finds in
 each verdict it is given the target's final hidden state behind the last emitted token (``Verdict.hidden_state``),
@@ -33,9 +33,10 @@ class Proposer(abc.ABC):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         """One proposal per sequence."""
 
-    def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor) -> list[torch.Tensor]:
+    def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """For ``needs_hidden_states``: on the device, from each sequence's hidden state ``[B, H]`` and last emitted
-        token ``[B]``, integer tensors ``[B, ...]`` that come back in the verdicts as ``Verdict.ahead``."""
+        token ``[B]``, integer tensors ``[B, ...]`` that come back in the verdicts as ``Verdict.ahead``; guesses
+        ``depth`` deep at most (the deepest the next step may verify)."""
         return []
 
     def measure_cost(self) -> float:

@@ -105,8 +105,9 @@ class Speculator:
             self._check_vocabulary(proposal)
             room = max(self.max_model_len - seqs[i].num_tokens - 1, 0)
             proposals[i] = proposal.truncated(k, room)
-            if proposals[i].num_candidates == 0 and proposal.num_candidates > 0:
-                proposals[i].unverified_guess = proposal.token_ids[0]
+            if proposals[i].num_candidates == 0:
+                proposals[i].unverified_guesses = tuple(t for t, p in zip(proposal.token_ids[:proposal.num_candidates],
+                                                                          proposal.parents) if p == -1)
         return proposals
 
     def _check_vocabulary(self, proposal: Proposal) -> None:
@@ -133,7 +134,11 @@ class Speculator:
 
         def guess_ahead(rows: torch.Tensor, last_tokens: torch.Tensor) -> list[torch.Tensor]:
             states.append(hidden[rows])
-            return self.proposer.guess_ahead(states[0], last_tokens)
+            # with the goodput policy, one depth deeper than this step verified: a step that verifies little pays
+            # for little guessing ahead, and a sequence's k grows by at most one a step
+            depth = self.proposer.max_tokens_per_step if self.policy is None else \
+                max((p.max_depth() for p in proposals), default=0) + 1
+            return self.proposer.guess_ahead(states[0], last_tokens, depth)
 
         verdicts = verify(seqs, proposals, logits, self.runner.to_device, guess_ahead if hidden is not None else None)
         self._compact_accepted_paths(seqs, verdicts)
@@ -162,5 +167,5 @@ class Speculator:
         decay = self.policy.decay if self.policy is not None else 1.0
         if proposal.num_candidates:
             seq.acceptance.observe(proposal.max_depth(), verdict.num_accepted, decay)
-        elif proposal.unverified_guess is not None:
-            seq.acceptance.observe(1, int(proposal.unverified_guess == verdict.emitted[0]), decay)
+        elif proposal.unverified_guesses:  # as if depth 1 had been verified: a hit if the target's token is there
+            seq.acceptance.observe(1, int(verdict.emitted[0] in proposal.unverified_guesses), decay)
