@@ -16,7 +16,7 @@ The guesses come back with the verdicts (``Verdict.ahead``), and the next step's
 guessing costs the speculator's ``k`` small stages, batched over the step's sequences, and no device read of its
 own. That cost is measured at start-up (:meth:`MLPSpeculatorProposer.measure_cost`) and weighed by the goodput
 policy like a draft forward; with the policy the beam goes only one depth deeper than the step verified (a
-sequence the policy has stopped pays for one stage, not ``k``, and its ``k`` grows by at most one a step).
+sequence the policy has stopped pays for one stage, not ``k``, and the beam deepens by at most one a step).
 The guesses are one-hot: verification is the matched rule, so greedy output and
 seeded sampling are exactly plain decoding's, whatever the speculator's weights.
 

@@ -135,7 +135,7 @@ class Speculator:
         def guess_ahead(rows: torch.Tensor, last_tokens: torch.Tensor) -> list[torch.Tensor]:
             states.append(hidden[rows])
             # with the goodput policy, one depth deeper than this step verified: a step that verifies little pays
-            # for little guessing ahead, and a sequence's k grows by at most one a step
+            # for little guessing ahead (the guesses deepen by at most one a step)
             depth = self.proposer.max_tokens_per_step if self.policy is None else \
                 max((p.max_depth() for p in proposals), default=0) + 1
             return self.proposer.guess_ahead(states[0], last_tokens, depth)
