@@ -648,7 +648,8 @@ def train(args, command: list[str]) -> int:
 
     # 2. data: every val_every-th prompt of each category is held out (all its continuations)
     held_out = held_out_prompts(prompt_rows, args.val_every)
-    train_ids = [i for i in range(len(prompt_ids)) if i not in set(held_out)]
+    held = set(held_out)
+    train_ids = [i for i in range(len(prompt_ids)) if i not in held]
     n = args.n_predict
     greedy_train = make_examples(recordings[0], train_ids, n, prompt_text=args.prompt_text)
     mixed_train = concat_examples([make_examples(r, train_ids, n) for r in recordings])
@@ -770,13 +771,11 @@ def train(args, command: list[str]) -> int:
                 "settings": json.dumps(settings_of(args)), "timings": json.dumps(timings),
                 "held_out": json.dumps(final and {k: final[k] for k in ("loss", "acc", "tau")})}
     save_mlp_speculator(model, out, metadata=metadata)
-    by_category = defaultdict(list)
-    for i in held_out:
-        by_category[prompt_rows[i].get("category", "")].append(i)
-    held_out_by_category = {category: {k: result[k] for k in ("acc", "tau", "positions")}
-                            for category, prompts in sorted(by_category.items()) if category
-                            for result in [evaluate(model, make_examples(recordings[0], prompts, n))]}
-    for category, result in held_out_by_category.items():
+    held_out_by_category = {}
+    for category in sorted({prompt_rows[i].get("category") for i in held_out} - {None, ""}):
+        prompts = [i for i in held_out if prompt_rows[i].get("category") == category]
+        result = evaluate(model, make_examples(recordings[0], prompts, n))
+        held_out_by_category[category] = {k: result[k] for k in ("acc", "tau", "positions")}
         print(f"held out, {category}: tau@{n} ~ {result['tau']:.2f}, top-1 accuracy "
               f"{' '.join(f'{x:.2f}' for x in result['acc'])}")
     (out / "training_summary.json").write_text(json.dumps(metadata | {

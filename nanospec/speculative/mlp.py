@@ -153,10 +153,8 @@ class MLPSpeculatorProposer(Proposer):
         """The n-gram chain (up to ``k`` tokens), then the beam's paths, merged into one trie."""
         trie = TokenTrie()
         trie.insert(self.prompt_lookup.chain(seq.spec_state.lookup, k))
-        paths: list[list[int]] = []
-        for token, parent in zip(tokens, parents):
-            paths.append((paths[parent] if parent >= 0 else []) + [token])
-            trie.insert(paths[-1])
+        for path in Proposal(tokens, parents).paths():
+            trie.insert(path)
         return Proposal(trie.token_ids, trie.parents)
 
     @staticmethod

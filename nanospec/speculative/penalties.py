@@ -32,7 +32,7 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], proposals: list[
     for seq, proposal, srows in zip(seqs, proposals, seq_rows):
         if not seq.params.has_penalties:
             continue
-        paths = _paths_to_nodes(proposal)
+        paths = proposal.paths()
         for j, row in enumerate(srows):
             if j > 0:  # node j - 1: its path's tokens count as output
                 path_rows += [len(rows)] * len(paths[j - 1])
@@ -72,10 +72,3 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], proposals: list[
     x = x - frequency * counts - presence * in_output.float()
     logits[row_index] = x.to(logits.dtype)
 
-
-def _paths_to_nodes(proposal: Proposal) -> list[list[int]]:
-    """For each candidate node, the tokens from the root's child down to the node itself."""
-    paths: list[list[int]] = []
-    for token, parent in zip(proposal.token_ids[: proposal.num_candidates], proposal.parents):
-        paths.append((paths[parent] if parent >= 0 else []) + [token])
-    return paths

@@ -65,6 +65,17 @@ class Proposal:
         """The depth of the deepest candidate (0 without candidates)."""
         return max(self.depths[: self.num_candidates], default=0)
 
+    def paths(self) -> list[list[int]]:
+        """For each candidate node, the tokens from the root's child down to the node itself."""
+        paths: list[list[int]] = []
+        for token, parent in zip(self.token_ids[: self.num_candidates], self.parents):
+            paths.append((paths[parent] if parent >= 0 else []) + [token])
+        return paths
+
+    def first_guesses(self) -> tuple[int, ...]:
+        """The candidates at depth 1 (the root's children)."""
+        return tuple(t for t, p in zip(self.token_ids[: self.num_candidates], self.parents) if p == -1)
+
     def layout(self) -> tuple[list[int], torch.Tensor]:
         """(position offsets from the root, ancestor bitmask) over the root and every node, root first."""
         parents = [-1] + [p + 1 for p in self.parents]

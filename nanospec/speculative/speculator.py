@@ -106,8 +106,7 @@ class Speculator:
             room = max(self.max_model_len - seqs[i].num_tokens - 1, 0)
             proposals[i] = proposal.truncated(k, room)
             if proposals[i].num_candidates == 0:
-                proposals[i].unverified_guesses = tuple(t for t, p in zip(proposal.token_ids[:proposal.num_candidates],
-                                                                          proposal.parents) if p == -1)
+                proposals[i].unverified_guesses = proposal.first_guesses()
         return proposals
 
     def _check_vocabulary(self, proposal: Proposal) -> None:
