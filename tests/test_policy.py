@@ -111,3 +111,10 @@ def test_a_tree_pays_for_every_node_of_a_depth():
     assert chain.choose_k(estimate(8, 10)) == 3
     assert tree.choose_k(estimate(8, 10)) == 1
     assert GoodputPolicy(3, [10.0] * 13, nodes_per_guess=4).choose_k(estimate(8, 10)) == 3  # flat: all of it
+
+
+def test_timing_noise_cannot_make_more_tokens_cheaper():
+    """A forward over 3 tokens timed below one over 2 (noise) is priced at the 2-token time: a third token
+    is never free."""
+    policy = GoodputPolicy(3, [10.0, 14.0, 12.0, 15.0], larger_forwards={8: 13.0})
+    assert [policy.forward_cost(m) for m in (1, 2, 3, 4, 8)] == [10.0, 14.0, 14.0, 15.0, 15.0]

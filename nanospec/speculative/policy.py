@@ -49,12 +49,15 @@ class GoodputPolicy:
         """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1;
         ``nodes_per_guess``: tokens one more depth of guesses feeds (1 for a chain);
         ``larger_forwards`` maps larger token counts to their measured times (batches). Between points
-        the cost is interpolated linearly, past the last one extrapolated along the last two."""
+        the cost is interpolated linearly, past the last one extrapolated along the last two. A forward over
+        more tokens never costs less: a measured point below an earlier one (timing noise) is raised to it,
+        so noise cannot make a guess look free."""
         if len(target_cost) < max_k + 1:
             raise ValueError(f"need target costs for 1..{max_k + 1} tokens, got {len(target_cost)}")
         self.max_k = max_k
         self.target_cost = target_cost
-        self.points = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())
+        measured = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())
+        self.points = [(m, max(t for _, t in measured[:i + 1])) for i, (m, _) in enumerate(measured)]
         self.draft_cost = draft_cost
         self.prior = prior
         self.decay = decay
