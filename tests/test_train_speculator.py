@@ -12,8 +12,10 @@ from safetensors.torch import load_file
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
 from nanospec.model.mlp_speculator import load_mlp_speculator
-from nanospec.train_speculator import (PROMPT_SET, encode_chat, generate_with_hidden, held_out_prompts,
-                                       load_prompt_set, main, teacher_forced_hidden)
+from nanospec.model.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from nanospec.train_speculator import (IGNORE, PROMPT_SET, Examples, encode_chat, generate_with_hidden,
+                                       held_out_prompts, load_prompt_set, main, stage_losses, teacher_forced_hidden,
+                                       teacher_hidden)
 from tiny import make_tiny_llama
 
 SHIPPED = Path(__file__).resolve().parent.parent / "nanospec" / "speculators" / "smollm2-135m-instruct"
@@ -105,12 +107,41 @@ def test_recorded_hidden_states_are_the_targets(target):
         assert model.compute_logits(f[len(p) - 1:len(p) - 1 + len(t)]).argmax(-1).tolist() == t
 
 
+def test_distillation_loss_is_the_targets_distribution():
+    """Stage i's soft target is softmax(head @ h[t + 1 + i]): the state that produced its hard target. With
+    w = 1 the loss is the cross-entropy against it, with w = 0 the plain token loss, between them the mix."""
+    torch.manual_seed(0)
+    emb, vocab, n = 16, 24, 3
+    model = MLPSpeculator(MLPSpeculatorConfig(emb_dim=emb, inner_dim=emb, n_predict=n, vocab_size=vocab))
+    hidden = torch.randn(10, emb)
+    data = Examples(hidden, torch.tensor([0, 6, 7]), torch.randint(0, vocab, (3, n)),
+                    torch.tensor([[1, 2, 3], [4, 5, IGNORE], [6, IGNORE, IGNORE]]))
+    pick = torch.tensor([2, 0, 1])
+    states = teacher_hidden(data, pick, n)
+    assert torch.equal(states[1], hidden[1:4]) and torch.equal(states[2, :2], hidden[7:9])
+    assert torch.equal(states[0, 0], hidden[8]) and torch.equal(states[0, 2], hidden[9])  # row 10 does not exist
+    # (clamped; its target is ignored)
+    head = torch.randn(vocab, emb)
+    args = (model, hidden[data.rows[pick]], data.inputs[pick], data.targets[pick])
+    hard = stage_losses(*args)[0]
+    soft = stage_losses(*args, (states, head, 1.0))[0]
+    mixed = stage_losses(*args, (states, head, 0.25))[0]
+    logits = model(*args[1:3])
+    for i in range(n):
+        valid = data.targets[pick][:, i] != IGNORE
+        p = torch.softmax(states[:, i] @ head.T, -1)
+        expected = -(p * torch.log_softmax(logits[i], -1)).sum(-1)[valid].mean()
+        torch.testing.assert_close(soft[i], expected)
+        torch.testing.assert_close(mixed[i], 0.75 * hard[i] + 0.25 * expected)
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--hot-vocab", "1000"], "larger than the target's vocabulary"),
     (["--n-predict", "0"], "--n-predict must be at least 1"),
     (["--n-predict", "1"], "--tie-weights needs --n-predict >= 2"),
     (["--resume"], "no checkpoint"),
     (["--temperature", "0"], "--temperature must be > 0"),
+    (["--distill", "1.5"], "--distill must be in [0, 1]"),
 ])
 def test_bad_arguments(target, prompts, cache, tmp_path, capsys, extra, message):
     assert run(target, prompts, cache, tmp_path / "out", *extra) == 2
