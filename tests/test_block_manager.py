@@ -76,3 +76,23 @@ def test_bad_sizes(bad):
         BlockManager(bad, 16)
     with pytest.raises(ValueError, match=str(bad)):
         BlockManager(4, bad)
+
+
+def test_a_sequence_alone_keeps_consecutive_blocks_through_speculative_steps():
+    """Each step reserves room for the guesses and truncates to what was accepted; the lowest free ids go out
+    first, so the returned tail comes back and the table stays consecutive (the CPU attention reads one slice),
+    also after other tables were freed in between."""
+    bm = BlockManager(32, 4)
+    warm = [[], []]
+    bm.reserve(warm[0], 10)
+    bm.reserve(warm[1], 10)
+    bm.free(warm[1])
+    bm.free(warm[0])  # freed in the other order than reserved: a FIFO free list would hand out 3, 4, 5, 0, ...
+    table, length = [], 5
+    bm.reserve(table, length)
+    for accepted in [0, 3, 1, 0, 4, 2, 0, 0, 4, 1] * 3:
+        bm.reserve(table, length + 1 + 9)   # the emitted token and 9 guesses
+        length += 1 + accepted
+        bm.truncate(table, length)
+        assert table == list(range(len(table))), table
+    assert len(table) == bm.blocks_for(length) > 10

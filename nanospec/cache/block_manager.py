@@ -14,7 +14,7 @@ Prefix caching would add a hash per full block and a reference count; the pool A
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 
 def slots_of(block_table: list[int], block_size: int, token_indices) -> list[int]:
@@ -34,7 +34,7 @@ class BlockManager:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        self.free_block_ids: list[int] = list(range(num_blocks))  # a heap: the lowest free id is handed out first
 
     @property
     def num_free_blocks(self) -> int:
@@ -47,18 +47,21 @@ class BlockManager:
         return self.blocks_for(num_tokens) - len(block_table) <= self.num_free_blocks
 
     def reserve(self, block_table: list[int], num_tokens: int) -> None:
-        """Grow ``block_table`` in place until ``num_tokens`` tokens fit."""
+        """Grow ``block_table`` in place until ``num_tokens`` tokens fit, with the lowest free block ids: a
+        sequence whose speculative tail is reserved and returned every step gets the same blocks back, and one
+        running alone keeps consecutive blocks (the CPU attention then reads its K/V as one slice, not a
+        gather)."""
         missing = self.blocks_for(num_tokens) - len(block_table)
         if missing > self.num_free_blocks:
             raise OutOfBlocks(f"need {missing} blocks, {self.num_free_blocks} free")
         for _ in range(missing):
-            block_table.append(self.free_block_ids.popleft())
+            block_table.append(heapq.heappop(self.free_block_ids))
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
         """Shrink ``block_table`` in place to the blocks that ``num_tokens`` tokens need."""
         keep = self.blocks_for(num_tokens)
         while len(block_table) > keep:
-            self.free_block_ids.append(block_table.pop())
+            heapq.heappush(self.free_block_ids, block_table.pop())
 
     def free(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)
