@@ -20,9 +20,8 @@ Three parts, each cached in ``DIR/cache`` (or ``--cache``) so a rerun or ``--res
 2. **Train.** Stage ``i`` learns token ``t+2+i`` from ``(h_t, tokens t+1 .. t+1+i)``, teacher-forced: phase 1 on
    the greedy continuations, phase 2 on greedy and sampled together. The loss mixes the recorded token with the
    target's own next-token distribution there (``--distill w``: ``(1 - w) * CE(token) + w * CE(softmax(lm_head @
-   h_{t+1+i}))``, from the hidden states already recorded; 0.5 by default, which lifted held-out tau from 2.19
-   to 2.23 for SmolLM2). AdamW, linear warm-up then cosine decay,
-   seeded (the data order of every epoch comes from a ``torch.Generator`` seeded by (seed, phase, epoch)), so a
+   h_{t+1+i}))``, 0.5 by default, from the hidden states already recorded). AdamW, linear warm-up then cosine
+   decay, seeded (the data order of every epoch comes from a ``torch.Generator`` seeded by (seed, phase, epoch)), so a
    run is reproducible on one machine. A held-out tenth of the prompts (their continuations) measures per-stage
    loss and top-1 accuracy after every epoch: with the true earlier tokens fed in, stage ``i``'s accuracy is the
    chance its guess is accepted given the earlier ones were, and ``tau`` (tokens per target forward at k =

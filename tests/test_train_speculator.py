@@ -11,8 +11,7 @@ from safetensors.torch import load_file
 
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
-from nanospec.model.mlp_speculator import load_mlp_speculator
-from nanospec.model.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+from nanospec.model.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, load_mlp_speculator
 from nanospec.train_speculator import (IGNORE, PROMPT_SET, Examples, encode_chat, generate_with_hidden,
                                        held_out_prompts, load_prompt_set, main, stage_losses, teacher_forced_hidden,
                                        teacher_hidden)
