@@ -55,7 +55,7 @@ def simulate(speculator, hidden: torch.Tensor, tokens: list[int], k: int, width:
     runs down their union. Returns (verify steps, per-depth guesses verified, per-depth guesses accepted)."""
     steps, tried, accepted = 0, [0] * k, [0] * k
     # every position's beam at once
-    beams = torch.stack(speculator.propose_tree(hidden, torch.tensor(tokens), k, width)).tolist()
+    beams = [t.tolist() for t in speculator.propose_tree(hidden, torch.tensor(tokens), k, width)]
     lookup = NgramProposer(k, lookup_index.min_n, lookup_index.max_n) if lookup_index is not None else None
     done = 0  # answer tokens fed to the n-gram index so far
     p = 0

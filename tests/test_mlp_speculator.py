@@ -168,7 +168,7 @@ def beam_by_enumeration(model, hidden: torch.Tensor, first: int, k: int, width: 
             for index, logp in enumerate(logits[0].log_softmax(-1).tolist()):
                 grown.append((path + (int(model.hot_token_ids[index]),), score + logp, new_state))
         beam = sorted(grown, key=lambda entry: -entry[1])[:width]
-        levels.append([path for path, _, _ in beam])
+        levels.append([(path, score) for path, score, _ in beam])
     return levels
 
 
@@ -181,20 +181,22 @@ def test_beam_follows_its_definition(tmp_path, width, hot):
     g = torch.Generator().manual_seed(3)
     hidden, first = 3 * torch.randn(4, EMB_DIM, generator=g, dtype=torch.float64), torch.tensor([0, 7, 19, 1])
     k = config["n_predict"]
-    token_ids, parents = model.propose_tree(hidden, first, k, width)
-    assert token_ids.shape == parents.shape == (4, k * width)
+    token_ids, parents, log_probs = model.propose_tree(hidden, first, k, width)
+    assert token_ids.shape == parents.shape == log_probs.shape == (4, k * width)
     if width == 1:
         assert torch.equal(token_ids, reference(tensors, config, hidden, first, k)[0])  # the greedy chain
     for b in range(4):
-        tokens, under = token_ids[b].tolist(), parents[b].tolist()
+        tokens, under, scores = token_ids[b].tolist(), parents[b].tolist(), log_probs[b].tolist()
         paths = []
         for node, (token, parent) in enumerate(zip(tokens, under)):
             depth = node // width
             assert (parent == -1) if depth == 0 else (depth - 1) * width <= parent < depth * width
+            assert scores[node] <= (scores[parent] if parent >= 0 else 0.0)  # a child is never likelier
             paths.append((paths[parent] if parent >= 0 else ()) + (token,))
         assert len(set(paths)) == len(paths)  # siblings differ
         want = beam_by_enumeration(model, hidden[b], int(first[b]), k, width)
-        assert [paths[d * width:(d + 1) * width] for d in range(k)] == want
+        assert [paths[d * width:(d + 1) * width] for d in range(k)] == [[p for p, _ in level] for level in want]
+        assert scores == pytest.approx([score for level in want for _, score in level], abs=1e-5)
     with pytest.raises(ValueError, match="beam width"):
         model.propose_tree(hidden, first, k, 0)
 
@@ -354,11 +356,11 @@ def test_trees_and_prompt_lookup_equal_plain(target, speculator, expected, devic
     tokens, guesses are accepted and rejected, and the proposals were trees where they should be."""
     llm = mlp_llm(target, speculator, device, enforce_eager=enforce_eager, max_num_seqs=8, **TREES[tree])
     proposer = llm.engine.speculator.proposer
-    assert proposer.nodes_per_depth == TREES[tree].get("tree_top_k", 1) + TREES[tree].get("prompt_lookup", False)
-    assert llm.engine.speculator.max_tokens_per_step == 3 * proposer.nodes_per_depth
+    nodes_per_depth = TREES[tree].get("tree_top_k", 1) + TREES[tree].get("prompt_lookup", False)
+    assert llm.engine.speculator.max_tokens_per_step == 3 * nodes_per_depth
     policy = llm.engine.speculator.policy
-    if TREES[tree].get("adaptive"):  # three depths, each priced at its nodes
-        assert (policy.max_k, policy.nodes_per_guess) == (3, proposer.nodes_per_depth)
+    if TREES[tree].get("adaptive"):  # every node of three depths, priced one by one
+        assert policy.max_k == 3 * nodes_per_depth
     else:
         assert policy is None
     shapes = []
@@ -383,7 +385,33 @@ def test_prompt_lookup_guesses_what_the_prompt_repeats(target, speculator, devic
     state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
     state.beam = [t[0].tolist() for t in proposer.guess_ahead(state.hidden[None], torch.tensor([9], device=device), 3)]
     proposal = proposer.propose([seq], [3])[0]
-    assert proposal.token_ids[:3] == [33, 70, 71] and proposal.parents[:3] == [-1, 0, 1]
+    assert [[33], [33, 70], [33, 70, 71]] == [p for p in proposal.paths() if p == [33, 70, 71][:len(p)]]
+    llm.abort(seq_id)
+    assert_no_leak(llm)
+
+
+def test_proposals_are_ranked_by_calibrated_chance(target, speculator, device):
+    """Every node's chance: a beam path's ``c * exp(score)``, the n-gram chain's depth ``d`` token ``a^d``, the larger
+    where both hold it; nodes come best first, each after its parent (module docstring of speculative/mlp.py)."""
+    llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True)
+    proposer = llm.engine.speculator.proposer
+    seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
+    seq = llm.engine.sequences[seq_id]
+    state = seq.spec_state  # as if the prefill had run
+    state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
+    state.beam = [t[0].tolist() for t in proposer.guess_ahead(state.hidden[None], torch.tensor([9], device=device), 3)]
+    state.calibration = AcceptanceEstimate(successes=1.0, trials=4.0)        # c = (1 + 2 * 0.7) / (4 + 2) = 0.4
+    state.lookup_acceptance = AcceptanceEstimate(successes=3.0, trials=3.0)  # a = (3 + 2 * 0.6) / (3 + 2) = 0.84
+    want, paths = {}, []
+    for token, parent, score in zip(*state.beam):
+        paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+        want[paths[-1]] = 0.4 * math.exp(score)
+    for d in (1, 2, 3):
+        want[(33, 70, 71)[:d]] = max(want.get((33, 70, 71)[:d], 0.0), 0.84 ** d)
+    proposal = proposer.propose([seq], [3])[0]
+    assert dict(zip(map(tuple, proposal.paths()), proposal.chances)) == pytest.approx(want)
+    assert proposal.chances == sorted(proposal.chances, reverse=True)
+    assert all(parent < node for node, parent in enumerate(proposal.parents))
     llm.abort(seq_id)
     assert_no_leak(llm)
 
@@ -400,16 +428,21 @@ def test_a_stopped_sequence_has_its_whole_first_depth_checked(target, speculator
     last = torch.tensor([9], device=device)
     state.beam = [t[0].tolist() for t in spec.proposer.guess_ahead(state.hidden[None], last, 3)]
     seq.num_cached_tokens = seq.num_tokens - 1  # in decode
-    monkeypatch.setattr(spec.policy, "choose_ks", lambda estimates, *_: [0] * len(estimates))
+    monkeypatch.setattr(spec.policy, "choose_nodes", lambda chances, *_: [0] * len(chances))
     proposal = spec.propose([seq])[0]
     assert proposal.num_candidates == 0
-    beam = seq.spec_state.beam
-    first = [t for t, p in zip(*beam) if p == -1]
+    tokens, parents, scores = seq.spec_state.beam
+    first = {t: math.exp(s) for t, p, s in zip(tokens, parents, scores) if p == -1}
     assert len(first) == 2 and set(proposal.unverified_guesses) == {33, *first}  # the n-gram guess: 33
-    for emitted, hit in ((33, 1), (first[1], 1), (next(t for t in range(300) if t not in (33, *first)), 0)):
-        seq.acceptance = AcceptanceEstimate()
+    miss = next(t for t in range(300) if t not in (33, *first))
+    # the beam's first depth predicted sum(first) accepted tokens; the n-gram chain's first token was tried once
+    for emitted, beam_hit, chain_hit in ((33, 33 in first, 1), (list(first)[1], 1, 0), (miss, 0, 0)):
+        state = seq.spec_state
+        state.calibration, state.lookup_acceptance = AcceptanceEstimate(), AcceptanceEstimate()
         spec.commit(seq, proposal, Verdict(emitted=[emitted]))
-        assert (seq.acceptance.successes, seq.acceptance.trials) == (hit, 1)
+        assert state.calibration.successes == beam_hit
+        assert state.calibration.trials == pytest.approx(sum(first.values()))
+        assert (state.lookup_acceptance.successes, state.lookup_acceptance.trials) == (chain_hit, 1)
     llm.abort(seq_id)
     assert_no_leak(llm)
 
@@ -454,8 +487,9 @@ def test_guesses_go_one_depth_past_what_the_step_verified(target, speculator, de
     seq_id = llm.engine.add_request([42, 7, 9], GREEDY)
     seq = llm.engine.sequences[seq_id]
     depths = []
-    for wanted in (3, 3, 3, 3, 0, 2):  # the policy's k: the prefill step verifies nothing
-        monkeypatch.setattr(policy, "choose_ks", lambda estimates, *_, k=wanted: [k] * len(estimates))
+    for verify_all in (True, True, True, True, False, True):  # the prefill step verifies nothing
+        monkeypatch.setattr(policy, "choose_nodes",
+                            lambda chances, *_, every=verify_all: [len(c) if every else 0 for c in chances])
         llm.engine.step()
         depths.append(len(seq.spec_state.beam[0]) // 2)
     assert depths == [1, 2, 3, 3, 1, 2]

@@ -103,14 +103,31 @@ def test_a_flat_cost_curve_guesses_the_most_in_a_batch_too():
     assert policy.choose_ks([estimate(3, 10)] * 16, 16, 16) == [5] * 16
 
 
-def test_a_tree_pays_for_every_node_of_a_depth():
-    """A forward's cost rises past 5 tokens: one guess per depth goes 3 deep, a beam of 4 nodes per depth
-    only 1 (5 tokens), at the same acceptance."""
-    rising = [10.0] * 5 + [20.0] * 4 + [30.0] * 4
-    chain, tree = GoodputPolicy(3, rising), GoodputPolicy(3, rising, nodes_per_guess=4)
-    assert chain.choose_k(estimate(8, 10)) == 3
-    assert tree.choose_k(estimate(8, 10)) == 1
-    assert GoodputPolicy(3, [10.0] * 13, nodes_per_guess=4).choose_k(estimate(8, 10)) == 3  # flat: all of it
+def test_a_ranked_tree_verifies_the_nodes_likely_enough_to_pay():
+    """A forward's cost doubles past 5 tokens: of a tree's nodes, best first, the first 4 (5 tokens with the root)
+    pay; on a flat curve all of them do. In a batch the likeliest nodes of all the sequences go first."""
+    tree = [(0.9, 1), (0.8, 2), (0.5, 1), (0.4, 2), (0.3, 3), (0.1, 1), (0.05, 2), (0.01, 3)]
+    rising = [10.0] * 5 + [20.0] * 4
+    assert GoodputPolicy(8, rising).choose_nodes([tree], 1, 1) == [4]
+    assert GoodputPolicy(8, [10.0] * 9).choose_nodes([tree], 1, 1) == [8]
+    sure, unsure = [(0.95, 1), (0.9, 2), (0.85, 3)], [(0.3, 1), (0.2, 2)]
+    assert GoodputPolicy(8, rising).choose_nodes([unsure, sure], 2, 2) == [0, 3]  # 5 tokens: only the sure pay
+
+
+def test_a_ranked_chain_is_the_chain_rule():
+    policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER, draft_cost=2.0)
+    for successes in (0, 5, 10, 15, 19):
+        alpha = estimate(successes, 20).alpha(policy.prior)
+        chain = [(alpha ** j, j) for j in range(1, 6)]
+        assert policy.choose_nodes([chain], 1, 1) == policy.choose_ks([estimate(successes, 20)], 1, 1)
+
+
+def test_a_calibration_is_the_ratio_of_accepted_to_expected():
+    e = AcceptanceEstimate()
+    e.observe_expected(2.5, 1, decay=1.0)  # guesses predicted 2.5 accepted tokens, one was
+    e.observe_expected(1.5, 1, decay=1.0)
+    assert (e.successes, e.trials) == (2, 4.0)
+    assert e.alpha(0.7) == pytest.approx((2 + 2 * 0.7) / (4 + 2))
 
 
 def test_timing_noise_cannot_make_more_tokens_cheaper():

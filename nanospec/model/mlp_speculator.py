@@ -171,15 +171,16 @@ class MLPSpeculator(nn.Module):
 
     @torch.inference_mode()
     def propose_tree(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int, width: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A beam search over the stages (IBM's candidate trees): depth ``d`` keeps the ``width`` most probable
         paths of ``d`` tokens, each an extension of a path kept at depth ``d - 1`` by one of the ``width`` most
         probable tokens of that path's stage; a path's score is the sum of its tokens' log-probabilities.
 
-        Returns ``(token_ids, parents)``, each ``[B, k * width]`` (on the device): node ``d * width + j`` is the
-        ``j``-th best path of ``d + 1`` tokens, ending in ``token_ids[:, node]`` (a full-vocabulary id), under
-        node ``parents[:, node]`` of depth ``d`` (``-1``: the root). Siblings hold distinct tokens, parents come
-        before their children, and with ``width = 1`` it is the greedy chain."""
+        Returns ``(token_ids, parents, log_probs)``, each ``[B, k * width]`` (on the device): node ``d * width + j``
+        is the ``j``-th best path of ``d + 1`` tokens, ending in ``token_ids[:, node]`` (a full-vocabulary id),
+        under node ``parents[:, node]`` of depth ``d`` (``-1``: the root), with score ``log_probs[:, node]`` (float32,
+        never above its parent's). Siblings hold distinct tokens, parents come before their children, and with
+        ``width = 1`` it is the greedy chain."""
         if not 0 <= k <= self.config.n_predict:
             raise ValueError(f"this speculator guesses at most {self.config.n_predict} tokens, asked for {k}")
         if not 1 <= width <= self.config.num_scored:
@@ -187,7 +188,7 @@ class MLPSpeculator(nn.Module):
         batch = token_ids.shape[0]
         state = self.first_state(hidden.to(self.proj[0].weight.dtype))[:, None]  # [B, paths, dim]
         tokens, scores = token_ids[:, None], hidden.new_zeros(batch, 1, dtype=torch.float32)
-        all_tokens, all_parents = [], []
+        all_tokens, all_parents, all_scores = [], [], []
         for i in range(k):
             state, logits = self.stage(i, state, tokens)  # each path's next state, and its next token's logits
             top_logp, top_index = logits.float().log_softmax(-1).topk(width, -1)  # [B, paths, width]
@@ -197,10 +198,11 @@ class MLPSpeculator(nn.Module):
             state = state.gather(1, parent[..., None].expand(-1, -1, state.shape[-1]))
             all_tokens.append(tokens)
             all_parents.append(parent + (i - 1) * width if i else torch.full_like(parent, -1))
+            all_scores.append(scores)
         if not all_tokens:
             empty = token_ids.new_zeros(batch, 0)
-            return empty, empty
-        return torch.cat(all_tokens, 1), torch.cat(all_parents, 1)
+            return empty, empty, scores[:, :0]
+        return torch.cat(all_tokens, 1), torch.cat(all_parents, 1), torch.cat(all_scores, 1)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced logits of every stage: ``hidden`` ``[N, emb_dim]`` at position t, ``token_ids``

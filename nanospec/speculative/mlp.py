@@ -22,12 +22,25 @@ seeded sampling are exactly plain decoding's, whatever the speculator's weights.
 
 **Candidate trees** (``tree_top_k: w > 1``, as IBM serves its speculators): instead of the chain, a beam search
 over the stages (:meth:`MLPSpeculator.propose_tree`) keeps at each depth the ``w`` most probable paths, scored by
-the speculator's summed log-probabilities; the target verifies all ``k * w`` nodes in its one forward. **Prompt
-lookup** (``prompt_lookup: True``): the n-gram proposer's chain (:mod:`nanospec.speculative.ngram`) joins the tree
-too, first, so text the answer copies from the prompt is guessed even where the speculator cannot. Either way the
-goodput policy picks each step's depth, a depth costing ``w`` nodes (``w + 1`` with prompt lookup), and a
-sequence it stops will still have its first guesses (depth 1 of the tree) checked against the outcome, so it resumes
-when guesses improve.
+the speculator's summed log-probabilities; without the policy the target verifies all ``k * w`` nodes in its one
+forward. **Prompt lookup** (``prompt_lookup: True``): the n-gram proposer's chain (:mod:`nanospec.speculative.ngram`)
+joins the tree too, so text the answer copies from the prompt is guessed even where the speculator cannot.
+
+**Ranked nodes.** Every proposal, chain or tree, comes best first with each node's chance to lie on the accepted
+path (``Proposal.chances``), and the goodput policy verifies the prefix that pays (:mod:`nanospec.speculative.policy`):
+
+    beam node with path score s (summed log-probabilities)   chance = min(1, c * exp(s))
+    n-gram chain's token at depth d                           chance = a^d
+    a node on both                                            the larger
+
+``c`` calibrates the speculator's confidence to the target (it is over-confident: paths it gives 0.75 are
+accepted ~0.45 of the time on the benchmark prompts): per sequence, decayed, the accepted beam depth over the sum of
+the verified beam nodes' ``exp(s)``, shrunk towards ``CALIBRATION_PRIOR``. ``a`` is the n-gram chain's own
+acceptance estimate, as for the n-gram proposer. Both are :class:`AcceptanceEstimate` s. A child is never more
+likely than its parent, so sorting by chance (shorter paths first on ties) keeps every prefix a tree. The policy
+thus shapes the tree to the machine: a CPU verifies the few likeliest nodes of a wide beam, a GPU all of them.
+A sequence the policy stops still has its first depth checked against the outcome, which feeds ``c`` and ``a``;
+its beam goes only one depth deeper than the step verified (a stopped sequence pays for one stage, not ``k``).
 
 Per sequence the proposer keeps ``h`` (on the device), the guesses from it, and how many tokens the sequence had
 then; a sequence whose state is missing or stale (just added, preempted, a failed step) guesses nothing until its
@@ -38,7 +51,8 @@ SmolLM2-135M-Instruct (``nanospec/speculators/smollm2-135m-instruct``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,7 +62,8 @@ from nanospec.model.mlp_speculator import MLPSpeculator, load_mlp_speculator
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
 from nanospec.speculative.ngram import NgramIndex, NgramProposer
-from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
+from nanospec.speculative.policy import AcceptanceEstimate
+from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
 SHIPPED_SPECULATORS = Path(__file__).resolve().parents[1] / "speculators"
@@ -82,16 +97,26 @@ def speculator_path(model: str | None, target_config) -> Path:
     return SHIPPED_FOR_EMBEDDED
 
 
+CALIBRATION_PRIOR = 0.7  # c before a sequence has verified anything
+LOOKUP_PRIOR = 0.6       # a likewise (the n-gram proposer's prior)
+DECAY = 0.8              # both estimates' counts decay by this a step (the policy's default)
+
+
 @dataclass
 class MLPState:
     hidden: torch.Tensor | None = None  # [emb_dim] on the device: the target's final hidden state behind the last token
     num_tokens: int = 0                 # the sequence's length when it was taken (its last token is t_0)
-    beam: list[list[int]] | None = None  # the beam from it, computed during verification: [token ids, parents]
+    beam: list[list] | None = None      # the beam from it, computed during verification: [token ids, parents, scores]
     lookup: NgramIndex | None = None    # the sequence's n-gram index, with prompt lookup
+    calibration: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)        # c
+    lookup_acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a
+    beam_paths: dict[tuple[int, ...], float] = field(default_factory=dict)  # last proposal's beam paths: exp(s)
+    chain: list[int] = field(default_factory=list)                           # last proposal's n-gram chain
 
 
 class MLPSpeculatorProposer(Proposer):
     needs_hidden_states = True
+    ranks_nodes = True
 
     def __init__(self, speculator: MLPSpeculator, num_speculative_tokens: int | None = None, tree_top_k: int = 1,
                  prompt_lookup: NgramProposer | None = None):
@@ -111,8 +136,7 @@ class MLPSpeculatorProposer(Proposer):
         self.k = k
         self.width = tree_top_k
         self.prompt_lookup = prompt_lookup
-        self.nodes_per_depth = tree_top_k + (prompt_lookup is not None)
-        self.max_tokens_per_step = k * self.nodes_per_depth
+        self.max_tokens_per_step = k * (tree_top_k + (prompt_lookup is not None))
 
     @classmethod
     def from_config(cls, config, target_config, device: torch.device, dtype: torch.dtype) -> MLPSpeculatorProposer:
@@ -136,26 +160,32 @@ class MLPSpeculatorProposer(Proposer):
         return list(self.model.propose_tree(hidden_states, last_tokens, min(depth, self.k), self.width))
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """Each sequence's beam, computed during the last verification, cut to ``ks[i]`` depths (or as deep as it
-        was computed); no device work. A sequence the policy gives ``k = 0`` still gets its first depth, which the
-        speculator checks without verifying it."""
-        proposals = [Proposal() for _ in seqs]
-        for i, seq in enumerate(seqs):
-            if not self._has_current_state(seq):
-                continue
-            k = max(ks[i], 1)
-            tokens, parents = (nodes[: k * self.width] for nodes in seq.spec_state.beam)
-            proposals[i] = Proposal(tokens, parents) if self.prompt_lookup is None else \
-                self._with_prompt_lookup(seq, k, tokens, parents)
-        return proposals
+        """Each sequence's ranked tree (its beam, computed during the last verification, down to ``ks[i]`` depths
+        or as deep as it was computed, and the n-gram chain); no device work. A sequence at ``k = 0`` still gets its
+        first depth, which the speculator checks without verifying it."""
+        return [self._ranked_tree(seq.spec_state, min(max(k, 1), self.k)) if self._has_current_state(seq)
+                else Proposal() for seq, k in zip(seqs, ks)]
 
-    def _with_prompt_lookup(self, seq: Sequence, k: int, tokens: list[int], parents: list[int]) -> Proposal:
-        """The n-gram chain (up to ``k`` tokens), then the beam's paths, merged into one trie."""
-        trie = TokenTrie()
-        trie.insert(self.prompt_lookup.chain(seq.spec_state.lookup, k))
-        for path in Proposal(tokens, parents).paths():
-            trie.insert(path)
-        return Proposal(trie.token_ids, trie.parents)
+    def _ranked_tree(self, state: MLPState, depth: int) -> Proposal:
+        """The beam's paths and the n-gram chain, merged, best first by chance (module docstring)."""
+        tokens, parents, scores = state.beam
+        paths: list[tuple[int, ...]] = []
+        state.beam_paths = {}
+        for token, parent, score in zip(tokens[: depth * self.width], parents, scores):
+            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
+            state.beam_paths[paths[-1]] = math.exp(score)
+        scale = state.calibration.alpha(CALIBRATION_PRIOR)
+        chance = {path: min(1.0, scale * p) for path, p in state.beam_paths.items()}
+        if self.prompt_lookup is not None:
+            state.chain = self.prompt_lookup.chain(state.lookup, depth)
+            a = state.lookup_acceptance.alpha(LOOKUP_PRIOR)
+            for d in range(1, len(state.chain) + 1):
+                path = tuple(state.chain[:d])
+                chance[path] = max(chance.get(path, 0.0), min(1.0, a ** d))
+        ranked = sorted(chance, key=lambda path: (-chance[path], len(path)))
+        index = {path: i for i, path in enumerate(ranked)}
+        return Proposal([path[-1] for path in ranked], [index.get(path[:-1], -1) for path in ranked],
+                        chances=[chance[path] for path in ranked])
 
     @staticmethod
     def _has_current_state(seq: Sequence) -> bool:
@@ -163,11 +193,28 @@ class MLPSpeculatorProposer(Proposer):
         return state is not None and state.beam is not None and state.num_tokens == seq.num_tokens
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Keep the hidden state behind the sequence's new last token, and the beam from it, for the next step."""
+        """Calibrate the chances on the outcome; keep the hidden state behind the sequence's new last token, and the
+        beam from it, for the next step."""
         state: MLPState = seq.spec_state
+        verified = [tuple(path) for path in proposal.paths()] or [(t,) for t in proposal.unverified_guesses]
+        if verified:
+            self._calibrate(state, verified, verdict.emitted)
         state.hidden, state.beam, state.num_tokens = verdict.hidden_state, verdict.ahead, seq.num_tokens
         if state.lookup is not None:
             state.lookup.extend(verdict.emitted)
+
+    @staticmethod
+    def _calibrate(state: MLPState, verified: list[tuple[int, ...]], emitted: list[int]) -> None:
+        """``verified``: the paths checked this step (the first depth only, for a stopped sequence)."""
+        def accepted_depth(paths: list[tuple[int, ...]]) -> int:
+            return max((len(p) for p in paths if list(p) == emitted[: len(p)]), default=0)
+
+        beam = [p for p in verified if p in state.beam_paths]
+        if beam:
+            state.calibration.observe_expected(sum(state.beam_paths[p] for p in beam), accepted_depth(beam), DECAY)
+        chain = [p for p in verified if list(p) == state.chain[: len(p)]]
+        if chain:
+            state.lookup_acceptance.observe(len(chain), accepted_depth(chain), DECAY)
 
     def preempt(self, seq: Sequence) -> None:
         seq.spec_state.hidden = seq.spec_state.beam = None
@@ -180,7 +227,7 @@ class MLPSpeculatorProposer(Proposer):
         last_token = torch.zeros(1, dtype=torch.int64, device=self.device)
 
         def beam():
-            return torch.stack(self.model.propose_tree(hidden, last_token, self.k, self.width)).tolist()
+            return [t.tolist() for t in self.model.propose_tree(hidden, last_token, self.k, self.width)]
 
         beam()  # warm-up
         return best_seconds(beam, self.device) / self.k

@@ -13,8 +13,14 @@ starts: on a GPU ``T`` is flat until the batch is large and speculation pays; on
 in fp32 (SmolLM2) a forward over 2 tokens costs ~1.1 single ones, over 8 ~1.4 and over 32 ~3, so a
 guess must be right often enough to pay for its share, and in a batch of 16 far more often.
 
-A tree that holds ``w`` nodes at every depth (the MLP speculator's beam) is the same rule with guess ``j``
-adding ``w`` tokens to the forward and ``alpha`` the chance that depth ``j`` holds the target's token.
+**Ranked trees** (the MLP speculator's beam): a proposer that can say, for every node of its tree, the chance
+that the node lies on the accepted path hands the nodes over best first (a parent is never less likely than its
+child, so every prefix is a tree). The same rule then runs over nodes instead of depths: node ``j`` of sequence
+``i`` adds its chance ``c_ij`` and one token, ``longest`` is the deepest node taken, and each sequence verifies
+a prefix of its list. It holds because at most one node per depth is accepted: the expected number of accepted
+guesses is the sum of the verified nodes' chances. On a GPU, where ``T`` is flat, a wide tree is verified
+whole; on a CPU only the few nodes likely enough to pay for their token. A chain is the list
+``(alpha, alpha^2, ..)``.
 
 ``alpha`` is estimated per request from its own history: decayed counts of accepted and tried
 drafts, shrunk towards a prior, ``alpha = (S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)``. The
@@ -39,15 +45,20 @@ class AcceptanceEstimate:
 
     def observe(self, num_tried: int, num_accepted: int, decay: float) -> None:
         """``num_tried`` drafts were checked in order; the first ``num_accepted`` matched."""
+        self.observe_expected(min(num_tried, num_accepted + 1), num_accepted, decay)
+
+    def observe_expected(self, expected: float, num_accepted: int, decay: float) -> None:
+        """As a calibration: guesses predicted to give ``expected`` accepted tokens gave ``num_accepted``
+        (``alpha`` is then the ratio of the two, decayed and shrunk towards the prior)."""
         self.successes = decay * self.successes + num_accepted
-        self.trials = decay * self.trials + min(num_tried, num_accepted + 1)
+        self.trials = decay * self.trials + expected
 
 
 class GoodputPolicy:
     def __init__(self, max_k: int, target_cost: list[float], draft_cost: float = 0.0, prior: float = 0.6,
-                 decay: float = 0.8, larger_forwards: dict[int, float] | None = None, nodes_per_guess: int = 1):
-        """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1;
-        ``nodes_per_guess``: tokens one more depth of guesses feeds (1 for a chain);
+                 decay: float = 0.8, larger_forwards: dict[int, float] | None = None):
+        """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1
+        (``max_k``: the most guesses, or nodes, one sequence verifies); ``draft_cost``: one depth of guessing;
         ``larger_forwards`` maps larger token counts to their measured times (batches). Between points
         the cost is interpolated linearly, past the last one extrapolated along the last two. A forward over
         more tokens never costs less: a measured point below an earlier one (timing noise) is raised to it,
@@ -61,7 +72,6 @@ class GoodputPolicy:
         self.draft_cost = draft_cost
         self.prior = prior
         self.decay = decay
-        self.nodes_per_guess = nodes_per_guess
 
     @staticmethod
     def expected_tokens(alpha: float, k: int) -> float:
@@ -83,23 +93,31 @@ class GoodputPolicy:
         return self.choose_ks([estimate], 1, 1)[0]
 
     def choose_ks(self, estimates: list[AcceptanceEstimate], num_tokens: int, num_seqs: int) -> list[int]:
-        """Guesses per speculating sequence when the forward already feeds ``num_tokens`` tokens of
-        ``num_seqs`` sequences (the speculating ones included)."""
+        """Guesses per speculating sequence (chains) when the forward already feeds ``num_tokens`` tokens of
+        ``num_seqs`` sequences (the speculating ones included): guess ``j`` is accepted with chance ``alpha^j``."""
         alphas = [e.alpha(self.prior) for e in estimates]
-        # guess j of sequence i is accepted with chance alpha_i^j; take the likeliest first
-        guesses = sorted(((alpha ** j, -j, i) for i, alpha in enumerate(alphas) for j in range(1, self.max_k + 1)),
-                         reverse=True)
-        ks = [0] * len(alphas)
+        return self.choose_nodes([[(alpha ** j, j) for j in range(1, self.max_k + 1)] for alpha in alphas],
+                                 num_tokens, num_seqs)
+
+    def choose_nodes(self, chances: list[list[tuple[float, int]]], num_tokens: int, num_seqs: int) -> list[int]:
+        """How many of each sequence's nodes to verify: ``chances[i]`` lists sequence ``i``'s nodes best first, each
+        as (chance it is on the accepted path, depth), a parent before its children; the forward already feeds
+        ``num_tokens`` tokens of ``num_seqs`` sequences. Nodes are taken in order of chance over the whole batch
+        (a sequence's own in its order) while the goodput ``(S + sum of chances) / (T(M + n) + longest D)`` grows
+        to its best."""
+        nodes = sorted(((chance, -j, i, depth) for i, node_list in enumerate(chances)
+                        for j, (chance, depth) in enumerate(node_list)), reverse=True)
+        counts = [0] * len(chances)
         expected, longest = float(num_seqs), 0
         best_n, best = 0, expected / self.forward_cost(num_tokens)
-        for n, (chance, _, i) in enumerate(guesses, 1):
-            ks[i] += 1
+        for n, (chance, _, i, depth) in enumerate(nodes, 1):
+            counts[i] += 1
             expected += chance
-            longest = max(longest, ks[i])
-            goodput = expected / (self.forward_cost(num_tokens + n * self.nodes_per_guess) + longest * self.draft_cost)
+            longest = max(longest, depth)
+            goodput = expected / (self.forward_cost(num_tokens + n) + longest * self.draft_cost)
             if goodput > best:
                 best, best_n = goodput, n
-        ks = [0] * len(alphas)
-        for _, _, i in guesses[:best_n]:
-            ks[i] += 1
-        return ks
+        counts = [0] * len(chances)
+        for _, _, i, _ in nodes[:best_n]:
+            counts[i] += 1
+        return counts

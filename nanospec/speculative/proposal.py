@@ -39,6 +39,8 @@ class Proposal:
     draft_probs: torch.Tensor | None = None  # [num_candidates, V]: what each guess was sampled from (None: one-hot)
     # the first guesses (the root's children) of a proposal left out of verification: checked against the outcome
     unverified_guesses: tuple[int, ...] = ()
+    # a ranked tree's (the nodes best first): each candidate's chance to lie on the accepted path (policy.py)
+    chances: list[float] | None = None
 
     def __post_init__(self):
         if self.num_candidates is None:
@@ -98,8 +100,9 @@ class Proposal:
         probs = None
         if self.draft_probs is not None:  # only chains carry them, so the kept candidates are a prefix
             probs = self.draft_probs[: len(keep)]
+        chances = [self.chances[i] for i in keep] if self.chances is not None else None
         return Proposal([self.token_ids[i] for i in nodes], [new_index[self.parents[i]] for i in nodes],
-                        num_candidates=len(keep), draft_probs=probs)
+                        num_candidates=len(keep), draft_probs=probs, chances=chances)
 
 
 @dataclass

@@ -25,7 +25,9 @@ from nanospec.speculative.proposal import Proposal, Verdict
 class Proposer(abc.ABC):
     max_tokens_per_step: int  # the most nodes one proposal holds: KV slots to reserve beyond the root
     adaptive_k = True  # the speculator may verify fewer depths than proposed (nanospec.speculative.policy)
-    nodes_per_depth = 1  # adaptive trees: the nodes each depth of a proposal holds at most (1: a chain)
+    # True: its proposals are ranked trees (nodes best first, with ``Proposal.chances``), all it guessed: the policy
+    # verifies a prefix of each; False: the policy picks each sequence's depth first and ``propose`` guesses that deep
+    ranks_nodes = False
     max_model_len: int | None = None  # the longest sequence it can guess for (a draft model's context); None: any
     needs_hidden_states = False  # True: verdicts carry the target's hidden state behind the last emitted token
 
@@ -35,7 +37,7 @@ class Proposer(abc.ABC):
 
     def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
         """For ``needs_hidden_states``: on the device, from each sequence's hidden state ``[B, H]`` and last emitted
-        token ``[B]``, integer tensors ``[B, ...]`` that come back in the verdicts as ``Verdict.ahead``; guesses
+        token ``[B]``, tensors ``[B, ...]`` that come back in the verdicts as ``Verdict.ahead``; guesses
         ``depth`` deep at most (the deepest the next step may verify)."""
         return []
 

@@ -1,7 +1,8 @@
 """The Speculator owns everything speculative about an engine step, in the order the engine asks:
 
     propose   which sequences guess and how deep (the goodput policy, the context, max_tokens), and the
-              proposer's token tree for each (a chain is a tree)
+              proposer's token tree for each (a chain is a tree); of a ranked tree (nodes best first, each
+              with its chance) the policy keeps the prefix that pays
     verify    one pass over the target's logits: each sequence's accepted path and the token after it
               (plain sampling for a sequence that does not speculate); the accepted path's K/V is
               then moved next to the root, so the sequence's K/V is contiguous again; for a proposer
@@ -52,7 +53,7 @@ class Speculator:
                            max_num_batched_tokens: int) -> GoodputPolicy:
         """Time the target over 1..k+1 tokens (one sequence's verify) and, sparser, over the token counts
         of the batches of verifies this engine can run (through the runner: graphs where the steps use them);
-        time one depth of the proposer's guesses (a guess, or a tree's ``nodes_per_depth`` nodes)."""
+        time one depth of the proposer's guesses."""
         k = self.max_tokens_per_step
         larger: list[int] = []
         while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
@@ -61,9 +62,8 @@ class Speculator:
         costs = time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager,
                               list(range(1, k + 2)) + larger, per_seq=k + 1, device=self.model.device,
                               batch_device="cpu", max_len=self.max_model_len)
-        nodes = self.proposer.nodes_per_depth
-        return GoodputPolicy(k // nodes, costs[:k + 1], self.proposer.measure_cost(),
-                             larger_forwards=dict(zip(larger, costs[k + 1:])), nodes_per_guess=nodes)
+        return GoodputPolicy(k, costs[:k + 1], self.proposer.measure_cost(),
+                             larger_forwards=dict(zip(larger, costs[k + 1:])))
 
     # ---------------------------------------------------------------- a sequence's life
     def speculates(self, seq: Sequence) -> bool:
@@ -96,18 +96,35 @@ class Speculator:
         guessing = [i for i, s in enumerate(seqs) if self.num_lookahead_slots(s) > 0]
         if not guessing:
             return proposals
-        ks = self._choose_ks(seqs, guessing)
-        for j, i in enumerate(guessing):
-            seq = seqs[i]
-            ks[j] = max(0, min(ks[j], self.max_model_len - seq.num_tokens - 1,
-                               seq.params.max_tokens - seq.num_output_tokens - 1))
-        for i, k, proposal in zip(guessing, ks, self.proposer.propose([seqs[i] for i in guessing], ks)):
-            self._check_vocabulary(proposal)
-            room = max(self.max_model_len - seqs[i].num_tokens - 1, 0)
-            proposals[i] = proposal.truncated(k, room)
-            if proposals[i].num_candidates == 0:
-                proposals[i].unverified_guesses = proposal.first_guesses()
+        guessers = [seqs[i] for i in guessing]
+        # the deepest guess each may verify (the proposer's most, what max_tokens can still emit) and its room
+        rooms = [max(self.max_model_len - s.num_tokens - 1, 0) for s in guessers]
+        depths = [max(0, min(self.max_tokens_per_step, room, s.params.max_tokens - s.num_output_tokens - 1))
+                  for s, room in zip(guessers, rooms)]
+        num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+        if self.proposer.ranks_nodes:  # all it guessed, best first: the policy keeps a prefix of each
+            guessed = self.proposer.propose(guessers, depths)
+            if self.policy is not None:
+                counts = self.policy.choose_nodes([[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
+                                                   for p, depth in zip(guessed, depths)], num_tokens, len(seqs))
+                rooms = [min(count, room) for count, room in zip(counts, rooms)]
+        else:  # the policy picks each depth first: a draft model's guesses cost a forward each
+            if self.policy is not None:
+                ks = self.policy.choose_ks([s.acceptance for s in guessers], num_tokens, len(seqs))
+                depths = [min(k, depth) for k, depth in zip(ks, depths)]
+            guessed = self.proposer.propose(guessers, depths)
+        for i, proposal, depth, room in zip(guessing, guessed, depths, rooms):
+            proposals[i] = self._verified_part(proposal, depth, room)
         return proposals
+
+    def _verified_part(self, proposal: Proposal, max_depth: int, max_nodes: int) -> Proposal:
+        """The candidates to verify: down to ``max_depth``, the first ``max_nodes``; none: the first guesses are
+        still checked against the outcome."""
+        self._check_vocabulary(proposal)
+        verified = proposal.truncated(max_depth, max_nodes)
+        if verified.num_candidates == 0:
+            verified.unverified_guesses = proposal.first_guesses()
+        return verified
 
     def _check_vocabulary(self, proposal: Proposal) -> None:
         vocab = self.model.config.vocab_size
@@ -115,13 +132,6 @@ class Speculator:
         if bad is not None:
             raise ValueError(f"{type(self.proposer).__name__} proposed token id {bad}, outside the vocabulary "
                              f"[0, {vocab})")
-
-    def _choose_ks(self, seqs: list[Sequence], guessing: list[int]) -> list[int]:
-        """How deep each guessing sequence ``seqs[i]``, ``i`` in ``guessing``, guesses, given the whole batch."""
-        if self.policy is None:
-            return [self.max_tokens_per_step // self.proposer.nodes_per_depth] * len(guessing)
-        num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
-        return self.policy.choose_ks([seqs[i].acceptance for i in guessing], num_tokens, len(seqs))
 
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                hidden: torch.Tensor | None = None) -> list[Verdict]:
@@ -163,6 +173,8 @@ class Speculator:
         if not self.speculates(seq):
             return
         self.proposer.commit(seq, proposal, verdict)
+        if self.proposer.ranks_nodes:  # its chances are its own to calibrate
+            return
         decay = self.policy.decay if self.policy is not None else 1.0
         if proposal.num_candidates:
             seq.acceptance.observe(proposal.max_depth(), verdict.num_accepted, decay)

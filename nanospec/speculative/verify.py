@@ -59,7 +59,7 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
 
     ``after_walk(rows, last_tokens)``, called on the device once the outcome is known and before the read: per
     sequence the logits row that drew its last emitted token (the root's when no guess was accepted, else the
-    last accepted node's) and that token, both ``[B]``; it returns integer tensors ``[B, ...]`` that are read
+    last accepted node's) and that token, both ``[B]``; it returns tensors ``[B, ...]`` that are read
     with the verdicts, each sequence's rows landing in ``verdict.ahead`` (a proposer's next guesses)."""
     device = logits.device
     if to_device is None:
