@@ -168,12 +168,9 @@ class MLPSpeculatorProposer(Proposer):
 
     def _ranked_tree(self, state: MLPState, depth: int) -> Proposal:
         """The beam's paths and the n-gram chain, merged, best first by chance (module docstring)."""
-        tokens, parents, scores = state.beam
-        paths: list[tuple[int, ...]] = []
-        state.beam_paths = {}
-        for token, parent, score in zip(tokens[: depth * self.width], parents, scores):
-            paths.append((paths[parent] if parent >= 0 else ()) + (token,))
-            state.beam_paths[paths[-1]] = math.exp(score)
+        tokens, parents, scores = (nodes[: depth * self.width] for nodes in state.beam)
+        state.beam_paths = {tuple(path): math.exp(score) for path, score in zip(Proposal(tokens, parents).paths(),
+                                                                                 scores)}
         scale = state.calibration.alpha(CALIBRATION_PRIOR)
         chance = {path: min(1.0, scale * p) for path, p in state.beam_paths.items()}
         if self.prompt_lookup is not None:
