@@ -374,16 +374,24 @@ def test_trees_and_prompt_lookup_equal_plain(target, speculator, expected, devic
     assert_no_leak(llm)
 
 
+def sequence_as_if_prefilled(llm, device):
+    """A request ``[5, 9, 33, 70, 71, 72, 5, 9]`` whose proposer state is what its prefill would leave: a hidden state
+    (zeros) and the beam guessed from it after token 9. Returns (request id, sequence)."""
+    seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
+    seq = llm.engine.sequences[seq_id]
+    state = seq.spec_state
+    state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
+    last = torch.tensor([9], device=device)
+    state.beam = [t[0].tolist() for t in llm.engine.speculator.proposer.guess_ahead(state.hidden[None], last, 3)]
+    return seq_id, seq
+
+
 def test_prompt_lookup_guesses_what_the_prompt_repeats(target, speculator, device):
     """A speculator that guesses nothing right (random weights) with prompt lookup: a sequence whose suffix
     occurred earlier has that occurrence's continuation among its candidates, first."""
     llm = mlp_llm(target, speculator, device, prompt_lookup=True)
     proposer = llm.engine.speculator.proposer
-    seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
-    seq = llm.engine.sequences[seq_id]
-    state = seq.spec_state  # as if the prefill had run
-    state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
-    state.beam = [t[0].tolist() for t in proposer.guess_ahead(state.hidden[None], torch.tensor([9], device=device), 3)]
+    seq_id, seq = sequence_as_if_prefilled(llm, device)
     proposal = proposer.propose([seq], [3])[0]
     assert [[33], [33, 70], [33, 70, 71]] == [p for p in proposal.paths() if p == [33, 70, 71][:len(p)]]
     llm.abort(seq_id)
@@ -395,11 +403,8 @@ def test_proposals_are_ranked_by_calibrated_chance(target, speculator, device):
     where both hold it; nodes come best first, each after its parent (module docstring of speculative/mlp.py)."""
     llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True)
     proposer = llm.engine.speculator.proposer
-    seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
-    seq = llm.engine.sequences[seq_id]
-    state = seq.spec_state  # as if the prefill had run
-    state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
-    state.beam = [t[0].tolist() for t in proposer.guess_ahead(state.hidden[None], torch.tensor([9], device=device), 3)]
+    seq_id, seq = sequence_as_if_prefilled(llm, device)
+    state = seq.spec_state
     state.calibration = AcceptanceEstimate(successes=1.0, trials=4.0)        # c = (1 + 2 * 0.7) / (4 + 2) = 0.4
     state.lookup_acceptance = AcceptanceEstimate(successes=3.0, trials=3.0)  # a = (3 + 2 * 0.6) / (3 + 2) = 0.84
     want, paths = {}, []
@@ -421,12 +426,7 @@ def test_a_stopped_sequence_has_its_whole_first_depth_checked(target, speculator
     checked against the outcome, as depth 1 would have been verified: a hit if the target's token is any of them."""
     llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True, adaptive=True)
     spec = llm.engine.speculator
-    seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
-    seq = llm.engine.sequences[seq_id]
-    state = seq.spec_state  # as if the prefill had run
-    state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
-    last = torch.tensor([9], device=device)
-    state.beam = [t[0].tolist() for t in spec.proposer.guess_ahead(state.hidden[None], last, 3)]
+    seq_id, seq = sequence_as_if_prefilled(llm, device)
     seq.num_cached_tokens = seq.num_tokens - 1  # in decode
     monkeypatch.setattr(spec.policy, "choose_nodes", lambda chances, *_: [0] * len(chances))
     proposal = spec.propose([seq])[0]
