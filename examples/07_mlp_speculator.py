@@ -32,7 +32,10 @@ if args.speculator is None and not (SHIPPED_FOR_EMBEDDED / "config.json").is_fil
              f"pass --speculator PATH (python -m nanospec.train_speculator trains one)")
 
 K = 3
-config = {"method": "mlp_speculator", "num_speculative_tokens": K, "adaptive": False}
+# the chain of its stages, every guess verified (served as shipped it is a beam of 16 + prompt lookup, whose
+# nodes the goodput policy picks: per-stage acceptance is clearest on the chain)
+config = {"method": "mlp_speculator", "num_speculative_tokens": K, "adaptive": False, "tree_top_k": 1,
+          "prompt_lookup": False}
 if args.speculator is not None:
     config["model"] = args.speculator
 llm = LLM(speculative_config=config)

@@ -18,6 +18,8 @@ accepted often but not always, so acceptance, the bonus token and the KV rollbac
 import dataclasses
 import json
 import math
+import re
+import shutil
 import sys
 from collections import Counter
 from pathlib import Path
@@ -29,7 +31,8 @@ from safetensors.torch import save_file
 from nanospec import LLM, SamplingParams
 from nanospec.model.mlp_speculator import load_mlp_speculator, save_mlp_speculator
 from nanospec.speculative.config import parse_speculative_config
-from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer
+from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer, served_defaults
+from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.policy import AcceptanceEstimate
 from nanospec.speculative.proposal import Verdict
 from tiny import (KV_TOLERANCE, assert_no_leak, forward_hidden, forward_logits, make_tiny_llama,
@@ -648,6 +651,39 @@ def test_errors_about_the_target(target, tmp_path, device):
             speculative_config={"method": "mlp_speculator", "model": str(other), "dtype": "float7"})
 
 
+def test_speculator_directory_sets_how_it_is_served(target, speculator, tmp_path, device):
+    """``speculative_config.json`` beside the speculator's config gives ``tree_top_k`` and ``prompt_lookup`` where
+    the caller leaves them out; the caller's keys win; without the file: the chain, no lookup."""
+    served = tmp_path / "served"
+    shutil.copytree(speculator, served)
+    (served / "speculative_config.json").write_text(json.dumps({"tree_top_k": 2, "prompt_lookup": True}))
+
+    def proposer(model, **keys):
+        return mlp_llm(target, model, device, num_blocks=64, **keys).engine.speculator.proposer
+
+    plain_chain = proposer(speculator)
+    assert (plain_chain.width, plain_chain.prompt_lookup) == (1, None)
+    tree = proposer(served)
+    assert tree.width == 2 and isinstance(tree.prompt_lookup, NgramProposer) and tree.max_tokens_per_step == 9
+    chain = proposer(served, tree_top_k=1, prompt_lookup=False)
+    assert (chain.width, chain.prompt_lookup) == (1, None)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('{"tree_top_k": 0}', "'tree_top_k' must be a positive integer, got 0"),
+    ('{"tree_top_k": true}', "'tree_top_k' must be a positive integer, got True"),
+    ('{"prompt_lookup": 1}', "'prompt_lookup' must be true or false, got 1"),
+    ('{"num_speculative_tokens": 2}', "unknown key 'num_speculative_tokens'"),
+    ('[16]', "must hold a JSON object, got list"),
+    ('{"tree_top_k": ', "not valid JSON"),
+])
+def test_bad_served_defaults_name_the_file(tmp_path, text, words):
+    (tmp_path / "speculative_config.json").write_text(text)
+    with pytest.raises(ValueError, match=re.escape(words)) as error:
+        served_defaults(tmp_path)
+    assert "speculative_config.json" in str(error.value)
+
+
 def test_proposer_guesses_nothing_without_a_current_state(target, speculator, device):
     llm = mlp_llm(target, speculator, device)
     proposer = llm.engine.speculator.proposer
@@ -678,15 +714,18 @@ def test_shipped_speculator_for_the_embedded_model():
         pytest.skip(str(error))
     shipped = [SHIPPED_FOR_EMBEDDED / "config.json", SHIPPED_FOR_EMBEDDED / "model.safetensors"]
     assert all(f.is_file() for f in shipped), f"the speculator shipped for the embedded SmolLM2 is missing: {shipped}"
+    # every node verified, so the counts below do not depend on this machine's timings
     llm = LLM(dtype="float32", device="cpu", speculative_config={"method": "mlp_speculator", "adaptive": False})
+    proposer = llm.engine.speculator.proposer
+    assert proposer.width == 16 and proposer.prompt_lookup is not None  # its speculative_config.json
     prompts = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": q}]))
-               for q in ("What is the capital of France?", "List three fruits that are red.")]
-    params = SamplingParams(temperature=0, max_tokens=32)
+               for q in ("What is the capital of France?", "Explain in three sentences why the sky is blue.")]
+    params = SamplingParams(temperature=0, max_tokens=48)
     speculative = llm.generate(prompts, params)
-    baseline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=32, speculate=False))
-    assert [o.token_ids for o in speculative] == [o.token_ids for o in baseline]
     stats = llm.stats()
-    # measured on this CPU: 5 of 51 guesses accepted (low, like the replayed benchmark acceptance beside the
-    # shipped weights); a speculator with random weights accepts next to none
-    assert stats["num_accepted_tokens"] > 0.05 * stats["num_draft_tokens"], stats
+    baseline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, speculate=False))
+    assert [o.token_ids for o in speculative] == [o.token_ids for o in baseline]
+    # measured on this CPU: 23 of the 56 tokens were accepted guesses; a speculator with
+    # random weights gets next to none accepted
+    assert stats["num_accepted_tokens"] > 0.25 * stats["num_generated_tokens"], stats
     assert_no_leak(llm)

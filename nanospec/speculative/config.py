@@ -7,16 +7,19 @@
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
     {"method": "draft", "model": PATH, "acceptance": "coupled"}     # outputs equal plain seeded sampling
     {"method": "draft", "model": PATH, "draft_tensor_parallel_size": 1}  # the draft on rank 0 alone (TP > 1)
-    {"method": "mlp_speculator"}                                    # the speculator shipped for the embedded model
+    {"method": "mlp_speculator"}                   # the speculator shipped for the embedded model, as it is served
     {"method": "mlp_speculator", "model": "path/to/speculator", "num_speculative_tokens": 3}
     {"method": "mlp_speculator", "tree_top_k": 4, "prompt_lookup": True}  # a beam of 4 paths, and n-gram guesses
+    {"method": "mlp_speculator", "tree_top_k": 1, "prompt_lookup": False}  # the plain chain of its stages
 
 ``num_speculative_tokens`` is the most guesses verified per step. With ``"adaptive": True`` (the
 default) each step verifies only as many as pay off on this machine (``nanospec.speculative.policy``);
 ``False`` always verifies every guess the proposer has. An MLP speculator (IBM's format) guesses from the
 target's hidden state; its ``num_speculative_tokens`` defaults to, and may not exceed, its ``n_predict``; with
 ``tree_top_k`` it proposes a tree (a beam of that many paths per depth), with ``prompt_lookup`` the n-gram
-chain joins it (``prompt_lookup_min`` / ``prompt_lookup_max`` as for ``ngram``).
+chain joins it (``prompt_lookup_min`` / ``prompt_lookup_max`` as for ``ngram``). Those two keys, where the caller
+leaves them out, come from the speculator directory's ``speculative_config.json`` if it has one (the shipped
+speculator's: a beam of 16 and prompt lookup), else a chain without lookup.
 """
 
 from __future__ import annotations
@@ -52,14 +55,14 @@ class SpeculativeConfig:
     dtype: str | None = None
     adaptive: bool = True
     max_candidates: int = 1
-    tree_top_k: int = 1
+    tree_top_k: int | None = 1  # mlp_speculator: None when not set (the speculator directory's default)
     tree_budget: int | None = None
     window_size: int = 5
     ngram_size: int = 4
     guess_set_size: int = 5
     acceptance: str = "rejection"
     draft_tensor_parallel_size: int | None = None  # None: the target's (vLLM's default); else 1 or the target's
-    prompt_lookup: bool = False  # mlp_speculator: the n-gram chain joins its guesses
+    prompt_lookup: bool | None = None  # mlp_speculator: the n-gram chain joins its guesses (None: not set)
 
 
 # The largest value each size may take: beyond these a step would feed hundreds of guesses per sequence.
@@ -118,12 +121,12 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                 raise FileNotFoundError(f"speculative_config['model']: the MLP speculator path does not exist: "
                                         f"{model}")
             model = str(model)
-        prompt_lookup = config.get("prompt_lookup", False)
-        if not isinstance(prompt_lookup, bool):
+        prompt_lookup = config.get("prompt_lookup")
+        if prompt_lookup is not None and not isinstance(prompt_lookup, bool):
             raise ValueError(f"speculative_config['prompt_lookup'] must be True or False, got {prompt_lookup!r}")
-        return SpeculativeConfig(method, k, model=model, dtype=dtype, adaptive=adaptive,
-                                 tree_top_k=_positive_int(config, "tree_top_k", 1), prompt_lookup=prompt_lookup,
-                                 prompt_lookup_min=lo, prompt_lookup_max=hi)
+        tree_top_k = _positive_int(config, "tree_top_k", 1) if "tree_top_k" in config else None
+        return SpeculativeConfig(method, k, model=model, dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
+                                 prompt_lookup=prompt_lookup, prompt_lookup_min=lo, prompt_lookup_max=hi)
     model = config.get("model")
     if not model or not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"speculative_config for method 'draft' needs 'model': the path of a small Llama, "
