@@ -2,7 +2,7 @@
 
 import pytest
 
-from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy
+from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy, non_decreasing_fit
 
 CPU_FP32 = [38.0, 72.0, 70.0, 71.0, 72.0, 73.0]  # ms per forward of 1..6 tokens (MODEL_NOTES, this CPU)
 GPU_FLAT = [10.0] * 6  # a GPU: verifying 6 tokens costs what 1 does
@@ -131,7 +131,18 @@ def test_a_calibration_is_the_ratio_of_accepted_to_expected():
 
 
 def test_timing_noise_cannot_make_more_tokens_cheaper():
-    """A forward over 3 tokens timed below one over 2 (noise) is priced at the 2-token time: a third token
-    is never free."""
+    """A forward over 3 tokens timed below one over 2 (noise) is priced, with it, at their mean: more tokens
+    never cost less, and one slow timing does not make the guesses after it free."""
     policy = GoodputPolicy(3, [10.0, 14.0, 12.0, 15.0], larger_forwards={8: 13.0})
-    assert [policy.forward_cost(m) for m in (1, 2, 3, 4, 8)] == [10.0, 14.0, 14.0, 15.0, 15.0]
+    assert [policy.forward_cost(m) for m in (1, 2, 3, 4, 8)] == [10.0, 13.0, 13.0, 14.0, 14.0]
+    # measured on the CI CPU: 1 token 27.9 ms, 2 32.1 (slow), 4 25.4, 9 32.7; a running maximum priced tokens
+    # 3..9 at nothing
+    cpu = GoodputPolicy(8, [27.9, 32.1, 28.0, 25.4, 28.0, 29.5, 30.5, 31.5, 32.7])
+    assert cpu.forward_cost(9) - cpu.forward_cost(3) > 3.0
+
+
+def test_non_decreasing_fit_is_the_least_squares_isotonic_regression():
+    assert non_decreasing_fit([]) == []
+    assert non_decreasing_fit([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert non_decreasing_fit([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
+    assert non_decreasing_fit([1.0, 5.0, 3.0, 4.0, 6.0]) == [1.0, 4.0, 4.0, 4.0, 6.0]

@@ -54,21 +54,35 @@ class AcceptanceEstimate:
         self.trials = decay * self.trials + expected
 
 
+def non_decreasing_fit(values: list[float]) -> list[float]:
+    """Isotonic regression (pool adjacent violators): the non-decreasing sequence closest to ``values`` in
+    squared error, each run of values that would fall replaced by the run's mean."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for value in values:
+        blocks.append([value, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [mean for mean, count in blocks for _ in range(count)]
+
+
 class GoodputPolicy:
     def __init__(self, max_k: int, target_cost: list[float], draft_cost: float = 0.0, prior: float = 0.6,
                  decay: float = 0.8, larger_forwards: dict[int, float] | None = None):
         """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1
         (``max_k``: the most guesses, or nodes, one sequence verifies); ``draft_cost``: one depth of guessing;
-        ``larger_forwards`` maps larger token counts to their measured times (batches). Between points
-        the cost is interpolated linearly, past the last one extrapolated along the last two. A forward over
-        more tokens never costs less: a measured point below an earlier one (timing noise) is raised to it,
-        so noise cannot make a guess look free."""
+        ``larger_forwards`` maps larger token counts to their measured times (batches). A forward over more
+        tokens never costs less, so the points are first made non-decreasing by isotonic regression (the
+        least-squares non-decreasing fit: runs of points that fall are replaced by their mean); then between
+        points the cost is interpolated linearly, past the last one extrapolated along the last two. (Raising
+        a point to the highest before it instead would let one slow timing make every guess after it look
+        free.)"""
         if len(target_cost) < max_k + 1:
             raise ValueError(f"need target costs for 1..{max_k + 1} tokens, got {len(target_cost)}")
         self.max_k = max_k
         self.target_cost = target_cost
         measured = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())
-        self.points = [(m, max(t for _, t in measured[:i + 1])) for i, (m, _) in enumerate(measured)]
+        self.points = list(zip([m for m, _ in measured], non_decreasing_fit([t for _, t in measured])))
         self.draft_cost = draft_cost
         self.prior = prior
         self.decay = decay
