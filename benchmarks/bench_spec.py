@@ -318,7 +318,7 @@ def print_targets(summary: dict, batch: int) -> None:
         print("\n".join(lines))
 
 
-def print_mlp_targets(summary: dict, batch: int, device) -> None:
+def print_mlp_targets(summary: dict, batch: int, device, adaptive: bool) -> None:
     """The MLP speculator's targets per category (tau, speed against plain at batch 1), and where it beats n-gram."""
     need = MLP_GPU_SPEEDUP if device.type == "cuda" else MLP_CPU_SPEEDUP
     lines = []
@@ -338,7 +338,9 @@ def print_mlp_targets(summary: dict, batch: int, device) -> None:
             lines.append(line)
     if lines:
         speed = ", speed at batch 1" if batch == 1 else ""
-        print(f"\ntargets (the MLP speculator, k as set; tau over the prompts{speed}):")
+        verified = ("the goodput policy on: tau is what it chose to verify, the issue's tau is read with --no-adaptive"
+                    if adaptive else "every guess verified: the issue's speed is read with the policy on")
+        print(f"\ntargets (the MLP speculator, k as set; tau over the prompts{speed}; {verified}):")
         print("\n".join(lines))
 
 
@@ -454,7 +456,7 @@ def main():
         print(f"\nbatch {args.batch}: tok/s is the throughput of the batches, which mix categories; "
               "tau and match are per request")
     print_targets(summary, args.batch)
-    print_mlp_targets(summary, args.batch, device)
+    print_mlp_targets(summary, args.batch, device, not args.no_adaptive)
 
     nanospec_plain = {i: t for (engine, _, i), t in plain_tokens.items() if engine == "nanospec"}
     hf_plain = {i: t for (engine, _, i), t in plain_tokens.items() if engine == "transformers"}

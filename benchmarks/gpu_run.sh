@@ -82,14 +82,12 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
                 --batch "$batch" --no-transformers --methods plain ngram ngram_tree lookahead --lookahead 5,4,5 \
                 --json "$OUT/spec_b$batch.json"
         done ;;
-    mlp)      # the MLP speculator's GPU target (issue 13: >= 1.8x plain at batch 1): chain, beam, beam + lookup
+    mlp)      # the MLP speculator's GPU target (issue 13: >= 1.8x plain at batch 1): served as shipped (a beam of
+              # 16 + lookup, the policy picks the nodes), every node verified, and the chain
         stage mlp "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
-            --methods plain ngram mlp_speculator mlp_tree mlp_tree_lookup --json "$OUT/spec_mlp_b1.json"
+            --methods plain ngram mlp_speculator mlp_chain --json "$OUT/spec_mlp_b1.json"
         stage mlp "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
-            --no-adaptive --methods plain mlp_speculator mlp_tree mlp_tree_lookup --json "$OUT/spec_mlp_fixed.json"
-        # a beam of 16 + lookup (51 nodes): tau >= 2 in every category on the CPU replay; a GPU verifies it cheaply
-        stage mlp "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
-            --methods plain mlp_tree_lookup --mlp-tree-width 16 --json "$OUT/spec_mlp_w16.json" ;;
+            --no-adaptive --methods plain mlp_speculator mlp_chain --json "$OUT/spec_mlp_fixed.json" ;;
     *)
         echo "unknown stage $step (payload stash setup tests kernels launches decode spec mlp)" >&2
         exit 2 ;;
