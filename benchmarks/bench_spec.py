@@ -5,10 +5,15 @@
     python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --draft path/to/small-llama --json spec.json
     python benchmarks/bench_spec.py --batch 16 --methods plain ngram   # 16 requests at a time
     python benchmarks/bench_spec.py --methods plain ngram mlp_speculator    # the shipped MLP speculator, k=3
+    python benchmarks/bench_spec.py --prompts benchmarks/spec_bench_questions.jsonl --limit 4   # Spec-Bench
 
-Each prompt of prompts.jsonl goes through the chat template and runs once per method, after one warm-up
-request, batch 1, greedy, until eos or --max-tokens; each prompt goes through every method in turn, so that a
-machine whose speed drifts slows them alike. Every method has a transformers counterpart run in the
+``spec_bench_questions.jsonl`` is Spec-Bench's question set (Xia et al. 2024, Apache-2.0; 480 questions: 80 from
+MT-bench, 80 each of translation, summarization, qa, math_reasoning and rag; the first turn of each), so that
+figures can be read beside published ones.
+
+Each prompt goes through the chat template and runs once per method, after one warm-up request, batch 1,
+greedy, until eos or --max-tokens; each prompt goes through every method in turn, so that a machine whose speed
+drifts slows them alike. Every method has a transformers counterpart run in the
 same process on the same token ids: plain ``generate``, prompt lookup (``prompt_lookup_num_tokens``, the
 n-gram method) and assisted generation (``assistant_model=`` the same draft, the same k, no early exit).
 nanospec's k is adaptive by default (each step verifies only the guesses that pay off on this machine);
@@ -93,22 +98,28 @@ def sync(device):
         torch.cuda.synchronize()
 
 
+# Spec-Bench's first 80 questions are MT-bench's, 10 in each of these; Spec-Bench reports them as one category
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
 def load_prompts(path: Path, categories: list[str] | None, limit: int | None) -> list[tuple[int, str, str]]:
-    """(line index, category, prompt), the first ``limit`` of each category, in file order."""
+    """(line index, category, prompt), ``limit`` of each category spread evenly over it (all without a limit), in
+    file order. A line is ``{"category", "prompt"}`` (prompts.jsonl) or a Spec-Bench question
+    ``{"question_id", "category", "turns"}``, of which the first turn is the prompt and MT-bench's eight
+    categories are one, ``mt_bench``."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    known = list(dict.fromkeys(r["category"] for r in rows))
+    items = [(i, "mt_bench" if "turns" in r and r["category"] in MT_BENCH else r["category"],
+              r["prompt"] if "prompt" in r else r["turns"][0]) for i, r in enumerate(rows)]
+    known = list(dict.fromkeys(c for _, c, _ in items))
     for c in categories or []:
         if c not in known:
             raise SystemExit(f"unknown category {c!r}; {path.name} has {known}")
-    taken: dict[str, int] = defaultdict(int)
-    prompts = []
-    for i, r in enumerate(rows):
-        c = r["category"]
-        if (categories and c not in categories) or (limit is not None and taken[c] >= limit):
-            continue
-        taken[c] += 1
-        prompts.append((i, c, r["prompt"]))
-    return prompts
+    by_category = {c: [item for item in items if item[1] == c] for c in known if not categories or c in categories}
+    taken = []
+    for group in by_category.values():
+        n = len(group) if limit is None else min(limit, len(group))
+        taken += [group[j * len(group) // n] for j in range(n)]
+    return sorted(taken)
 
 
 def truncated_draft(model: Path, num_layers: int) -> Path:
@@ -165,6 +176,12 @@ def nanospec_runner(llm: LLM, method: str, prompt_ids, max_tokens: int, device, 
     """A function that generates a batch of prompts with this engine and times it (sampling: seed = the prompt's
     line in the prompt file)."""
     llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    policy = llm.engine.speculator.policy
+    if policy is not None:  # what the goodput policy measured at start-up: its decisions follow from it
+        costs = ", ".join(f"{m}: {policy.forward_cost(m) * 1e3:.1f}" for m in (1, 2, 4, 8, 16, 32)
+                          if m <= policy.points[-1][0])
+        print(f"nanospec {method}: policy's forward ms by tokens {{{costs}}}, guessing {policy.draft_cost * 1e3:.2f} "
+              f"ms a depth", flush=True)
 
     def run(batch: list[tuple[int, str, list[int]]]) -> list[Result]:
         params = [SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens, seed=index)

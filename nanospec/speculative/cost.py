@@ -31,7 +31,10 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
                   max_len: int, context: int = 64) -> list[float]:
     """Seconds of one verify-shaped forward (every row's logits) over each of ``token_counts`` new tokens after
     ``context`` cached ones: one sequence up to ``per_seq`` tokens, a larger count as sequences of ``per_seq``
-    tokens each (a batch of verifies). Best of 3 (of 1 above 16 tokens). Where the pool cannot hold them all,
+    tokens each (a batch of verifies). The counts are timed in ascending order and those up to 16 again in
+    descending order, best of 2 each time, and each keeps its faster pass (above 16 tokens: one timing): the
+    first forwards after loading run slow, and a stall of a shared machine hits one pass, not both; one slow
+    point would otherwise price the counts around it as free. Where the pool cannot hold them all,
     fewer sequences are timed (and no context if even one does not fit). ``execute`` runs a batch built on
     ``batch_device``; ``device`` is where it computes (CUDA is synchronised around each timing)."""
     bm = block_manager
@@ -52,10 +55,11 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
         for i in range(len(tables)):
             build = build_forward_batch([[0] * context], [0], [tables[i]], bm.block_size, [[context - 1]], batch_device)
             execute(build)
-    costs = []
-    for m in token_counts:
+    costs: dict[int, float] = {}
+    for m in list(token_counts) + [m for m in reversed(token_counts) if m <= 16]:
         num_seqs, tokens = (1, min(m, per_seq)) if m <= per_seq else (min(-(-m // per_seq), len(tables)), per_seq)
-        costs.append(best_seconds(lambda: run(num_seqs, tokens, context), device, repeats=3 if m <= 16 else 1))
+        seconds = best_seconds(lambda: run(num_seqs, tokens, context), device, repeats=2 if m <= 16 else 1)
+        costs[m] = min(costs.get(m, seconds), seconds)
     for table in tables:
         bm.free(table)
-    return costs
+    return [costs[m] for m in token_counts]
