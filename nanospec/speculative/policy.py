@@ -10,8 +10,9 @@ without guesses and ``S`` sequences (each emits a token), guess ``j`` of sequenc
 that chance and keeps the prefix that maximises ``(S + sum of chances) / (T(M + n) + max_i k_i D)``.
 At batch 1 this is the rule above. ``T`` and ``D`` are measured on this machine when the engine
 starts: on a GPU ``T`` is flat until the batch is large and speculation pays; on the 2-core CI CPU
-in fp32 (SmolLM2) a forward over 2 tokens costs ~1.1 single ones, over 8 ~1.4 and over 32 ~3, so a
-guess must be right often enough to pay for its share, and in a batch of 16 far more often.
+in fp32 (SmolLM2, warm) a forward over 3-6 tokens costs about what one over a single token does, over 8
+~1.1 single ones, over 16 ~1.5 and over 32 ~3, so past a few a guess must be right often enough to pay
+for its share, and in a batch of 16 far more often.
 
 **Ranked trees** (the MLP speculator's beam): a proposer that can say, for every node of its tree, the chance
 that the node lies on the accepted path hands the nodes over best first (a parent is never less likely than its
@@ -74,9 +75,7 @@ class GoodputPolicy:
         ``larger_forwards`` maps larger token counts to their measured times (batches). A forward over more
         tokens never costs less, so the points are first made non-decreasing by isotonic regression (the
         least-squares non-decreasing fit: runs of points that fall are replaced by their mean); then between
-        points the cost is interpolated linearly, past the last one extrapolated along the last two. (Raising
-        a point to the highest before it instead would let one slow timing make every guess after it look
-        free.)"""
+        points the cost is interpolated linearly, past the last one extrapolated along the last two."""
         if len(target_cost) < max_k + 1:
             raise ValueError(f"need target costs for 1..{max_k + 1} tokens, got {len(target_cost)}")
         self.max_k = max_k
