@@ -582,19 +582,25 @@ def test_each_sequence_gets_the_hidden_state_behind_its_last_token(target, specu
     assert_no_leak(llm)
 
 
-def test_sampled_tokens_converge_to_the_target_distribution(target, speculator, plain, device):
+@pytest.mark.parametrize("tree", [{}, {"tree_top_k": 2, "prompt_lookup": True}], ids=["chain", "beam2_lookup"])
+def test_sampled_tokens_converge_to_the_target_distribution(target, speculator, plain, device, tree):
     """n requests with different seeds sample 3 tokens after one prompt at temperature 1, top-k 4 (64 possible
-    outputs), the speculator guessing: the second token is a verified guess or the target's correction, the third
-    a bonus token or a plain one. Their empirical joint distribution is within the Bretagnolle-Huber-Carol bound of
-    the target's own, computed here from its logits: P(TV >= t) <= 2^V exp(-2 n t^2), t for a false alarm at
-    probability 1e-6 (the seeds are fixed: deterministic), as in tests/test_rejection.py."""
+    outputs), the speculator guessing (a chain, or a beam with the n-gram chain merged in, as the shipped one is
+    served): the second token is a verified guess or the target's correction, the third a bonus token or a plain
+    one. Their empirical joint distribution is within the Bretagnolle-Huber-Carol bound of the target's own,
+    computed here from its logits: P(TV >= t) <= 2^V exp(-2 n t^2), t for a false alarm at probability 1e-6 (the
+    seeds are fixed: deterministic), as in tests/test_rejection.py."""
     n, vocab_size, top_k = 2000, 64, 4
     prompt = PROMPTS[0]
-    llm = mlp_llm(target, speculator, device, max_num_seqs=512, num_blocks=4 * 512)
+    llm = mlp_llm(target, speculator, device, max_num_seqs=512, num_blocks=8 * 512, **tree)
+    proposer, shapes = llm.engine.speculator.proposer, []
+    propose = proposer.propose
+    proposer.propose = lambda seqs, ks: [shapes.append(p.is_chain) or p for p in propose(seqs, ks)]
     params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, seed=seed, ignore_eos=True)
               for seed in range(n)]
     counts = Counter(tuple(o.token_ids) for o in llm.generate([prompt] * n, params))
     assert_guesses_accepted_and_rejected(llm)
+    assert (False in shapes) == bool(tree)  # the beam's proposals were trees
 
     def top_k_probs(ids: list[int]) -> dict[int, float]:
         logits = forward_logits(plain, ids)[-1].double().cpu()
