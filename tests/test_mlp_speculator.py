@@ -347,6 +347,14 @@ def test_greedy_equals_plain(target, speculator, expected, device, k, enforce_ea
     assert_no_leak(llm)
 
 
+def recorded_shapes(proposer) -> list[bool]:
+    """From now on, each proposal's ``is_chain`` lands in the returned list."""
+    shapes: list[bool] = []
+    propose = proposer.propose
+    proposer.propose = lambda seqs, ks: [shapes.append(p.is_chain) or p for p in propose(seqs, ks)]
+    return shapes
+
+
 TREES = {"beam3": {"tree_top_k": 3}, "lookup": {"prompt_lookup": True},
          "beam2_lookup": {"tree_top_k": 2, "prompt_lookup": True, "prompt_lookup_max": 3},
          "beam2_lookup_adaptive": {"tree_top_k": 2, "prompt_lookup": True, "adaptive": True}}
@@ -366,9 +374,7 @@ def test_trees_and_prompt_lookup_equal_plain(target, speculator, expected, devic
         assert policy.max_k == 3 * nodes_per_depth
     else:
         assert policy is None
-    shapes = []
-    propose = proposer.propose
-    proposer.propose = lambda seqs, ks: [shapes.append(p.is_chain) or p for p in propose(seqs, ks)]
+    shapes = recorded_shapes(proposer)
     for j, params in enumerate(ALL_PARAMS):
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
     if not TREES[tree].get("adaptive"):  # (with the policy on, a tiny target on a CPU may find few worth verifying)
@@ -593,9 +599,7 @@ def test_sampled_tokens_converge_to_the_target_distribution(target, speculator, 
     n, vocab_size, top_k = 2000, 64, 4
     prompt = PROMPTS[0]
     llm = mlp_llm(target, speculator, device, max_num_seqs=512, num_blocks=8 * 512, **tree)
-    proposer, shapes = llm.engine.speculator.proposer, []
-    propose = proposer.propose
-    proposer.propose = lambda seqs, ks: [shapes.append(p.is_chain) or p for p in propose(seqs, ks)]
+    shapes = recorded_shapes(llm.engine.speculator.proposer)
     params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, seed=seed, ignore_eos=True)
               for seed in range(n)]
     counts = Counter(tuple(o.token_ids) for o in llm.generate([prompt] * n, params))
