@@ -30,8 +30,8 @@ from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
 from nanospec.model.mlp_speculator import load_mlp_speculator, save_mlp_speculator
-from nanospec.speculative.config import parse_speculative_config
-from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer, served_defaults
+from nanospec.speculative.config import parse_speculative_config, with_served_defaults
+from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer
 from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.policy import AcceptanceEstimate
 from nanospec.speculative.proposal import Verdict
@@ -638,6 +638,7 @@ def test_num_speculative_tokens_defaults_to_n_predict_and_may_not_exceed_it(targ
     ({"tree_top_k": 0}, ValueError, "tree_top_k"),
     ({"max_candidates": 2}, ValueError, "max_candidates"),
     ({"prompt_lookup": "yes"}, ValueError, "prompt_lookup"),
+    ({"prompt_lookup": None}, ValueError, "prompt_lookup"),
     ({"prompt_lookup": True, "prompt_lookup_min": 3, "prompt_lookup_max": 2}, ValueError, "prompt_lookup_min"),
     ({"adaptive": "no"}, ValueError, "adaptive"),
     ({"dtype": 16}, ValueError, "dtype"),
@@ -663,35 +664,42 @@ def test_errors_about_the_target(target, tmp_path, device):
 
 def test_speculator_directory_sets_how_it_is_served(target, speculator, tmp_path, device):
     """``speculative_config.json`` beside the speculator's config gives ``tree_top_k`` and ``prompt_lookup`` where
-    the caller leaves them out; the caller's keys win; without the file: the chain, no lookup."""
+    the caller leaves them out, each key on its own; the caller's keys win; without the file: the chain, no
+    lookup."""
     served = tmp_path / "served"
     shutil.copytree(speculator, served)
     (served / "speculative_config.json").write_text(json.dumps({"tree_top_k": 2, "prompt_lookup": True}))
 
-    def proposer(model, **keys):
-        return mlp_llm(target, model, device, num_blocks=64, **keys).engine.speculator.proposer
+    def resolved(model, **keys):
+        config = with_served_defaults(parse_speculative_config({"method": "mlp_speculator", "model": str(model),
+                                                                **keys}), model)
+        return config.tree_top_k, config.prompt_lookup
 
-    plain_chain = proposer(speculator)
-    assert (plain_chain.width, plain_chain.prompt_lookup) == (1, None)
-    tree = proposer(served)
-    assert tree.width == 2 and isinstance(tree.prompt_lookup, NgramProposer) and tree.max_tokens_per_step == 9
-    chain = proposer(served, tree_top_k=1, prompt_lookup=False)
-    assert (chain.width, chain.prompt_lookup) == (1, None)
+    assert resolved(speculator) == (1, False)
+    assert resolved(served) == (2, True)
+    assert resolved(served, tree_top_k=1) == (1, True)
+    assert resolved(served, prompt_lookup=False) == (2, False)
+    assert resolved(served, tree_top_k=3, prompt_lookup=False) == (3, False)
+    proposer = mlp_llm(target, served, device, num_blocks=64).engine.speculator.proposer  # through the engine
+    assert proposer.width == 2 and isinstance(proposer.prompt_lookup, NgramProposer)
+    assert proposer.max_tokens_per_step == 9
 
 
 @pytest.mark.parametrize("text, words", [
-    ('{"tree_top_k": 0}', "'tree_top_k' must be a positive integer, got 0"),
-    ('{"tree_top_k": true}', "'tree_top_k' must be a positive integer, got True"),
-    ('{"prompt_lookup": 1}', "'prompt_lookup' must be true or false, got 1"),
-    ('{"num_speculative_tokens": 2}', "unknown key 'num_speculative_tokens'"),
+    ('{"tree_top_k": 0}', "['tree_top_k'] must be an integer in [1, 64], got 0"),
+    ('{"tree_top_k": 4000}', "['tree_top_k'] must be an integer in [1, 64], got 4000"),
+    ('{"tree_top_k": true}', "['tree_top_k'] must be an integer in [1, 64], got True"),
+    ('{"prompt_lookup": 1}', "['prompt_lookup'] must be True or False, got 1"),
+    ('{"num_speculative_tokens": 2}', "unknown keys ['num_speculative_tokens']"),
     ('[16]', "must hold a JSON object, got list"),
     ('{"tree_top_k": ', "not valid JSON"),
 ])
 def test_bad_served_defaults_name_the_file(tmp_path, text, words):
     (tmp_path / "speculative_config.json").write_text(text)
+    config = parse_speculative_config({"method": "mlp_speculator", "model": str(tmp_path)})
     with pytest.raises(ValueError, match=re.escape(words)) as error:
-        served_defaults(tmp_path)
-    assert "speculative_config.json" in str(error.value)
+        with_served_defaults(config, tmp_path)
+    assert str(tmp_path / "speculative_config.json") in str(error.value)
 
 
 def test_proposer_guesses_nothing_without_a_current_state(target, speculator, device):

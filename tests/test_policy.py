@@ -1,7 +1,10 @@
 """The goodput rule for choosing how many guesses to verify."""
 
 import pytest
+import torch
 
+from nanospec.cache.block_manager import BlockManager
+from nanospec.speculative import cost
 from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy, non_decreasing_fit
 
 CPU_FP32 = [38.0, 72.0, 70.0, 71.0, 72.0, 73.0]  # ms per forward of 1..6 tokens (MODEL_NOTES, this CPU)
@@ -146,3 +149,30 @@ def test_non_decreasing_fit_is_the_least_squares_isotonic_regression():
     assert non_decreasing_fit([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert non_decreasing_fit([3.0, 1.0, 2.0]) == [2.0, 2.0, 2.0]
     assert non_decreasing_fit([1.0, 5.0, 3.0, 4.0, 6.0]) == [1.0, 4.0, 4.0, 4.0, 6.0]
+    assert non_decreasing_fit([3.0, 4.0, 1.0]) == pytest.approx([8 / 3] * 3)  # one value undoes two blocks
+
+
+def test_start_up_timing_keeps_each_counts_faster_pass(monkeypatch):
+    """Counts up to 16 are timed ascending, then again descending, and keep the faster of the two timings (a slow
+    first forward after loading does not stick); larger counts once; the costs come back in the asked order."""
+    timed: list[int] = []
+    slow_first = {1: 0.050}  # the first timing of one token: cold
+
+    def fake_best_seconds(fn, device, repeats=3):
+        fn()
+        m = timed[-1]
+        seconds = slow_first.pop(m, None) if m not in timed[:-1] else None
+        return seconds if seconds is not None else 0.010 + 0.001 * m + 0.0001 * len(timed)
+
+    def execute(batch):
+        timed.append(int(batch.input_ids.numel()))
+
+    monkeypatch.setattr(cost, "best_seconds", fake_best_seconds)
+    bm = BlockManager(64, 4)
+    costs = cost.time_forwards(execute, bm, [1, 2, 3, 20], per_seq=20, device=torch.device("cpu"),
+                               batch_device="cpu", max_len=256, context=8)
+    assert timed == [8, 1, 2, 3, 20, 3, 2, 1]  # the context's prefill, ascending, then descending up to 16
+    assert costs[0] == pytest.approx(0.010 + 0.001 + 0.0001 * 8)  # the cold 50 ms replaced by the warm timing
+    assert costs[1] == pytest.approx(0.010 + 0.002 + 0.0001 * 3)  # each keeps its faster pass
+    assert costs[3] == pytest.approx(0.010 + 0.020 + 0.0001 * 5)
+    assert bm.num_free_blocks == 64

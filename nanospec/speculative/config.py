@@ -24,13 +24,14 @@ speculator's: a beam of 16 and prompt lookup), else a chain without lookup.
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from nanospec.speculative.draft import DraftProposer
 from nanospec.speculative.lookahead import LookaheadProposer
-from nanospec.speculative.mlp import MLPSpeculatorProposer
+from nanospec.speculative.mlp import MLPSpeculatorProposer, speculator_path
 from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.proposer import Proposer
 
@@ -55,7 +56,7 @@ class SpeculativeConfig:
     dtype: str | None = None
     adaptive: bool = True
     max_candidates: int = 1
-    tree_top_k: int | None = 1  # mlp_speculator: None when not set (the speculator directory's default)
+    tree_top_k: int | None = None  # None: not set (draft: 1; mlp_speculator: the speculator directory's default)
     tree_budget: int | None = None
     window_size: int = 5
     ngram_size: int = 4
@@ -70,10 +71,17 @@ _MAXIMA = {"num_speculative_tokens": 64, "prompt_lookup_min": 64, "prompt_lookup
            "tree_budget": 256, "tree_top_k": 64, "window_size": 64, "ngram_size": 16, "guess_set_size": 64}
 
 
-def _positive_int(config: dict, key: str, default: int) -> int:
+def _positive_int(config: dict, key: str, default: int, source: str = "speculative_config") -> int:
     value = config.get(key, default)
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= _MAXIMA[key]:
-        raise ValueError(f"speculative_config[{key!r}] must be an integer in [1, {_MAXIMA[key]}], got {value!r}")
+        raise ValueError(f"{source}[{key!r}] must be an integer in [1, {_MAXIMA[key]}], got {value!r}")
+    return value
+
+
+def _bool(config: dict, key: str, default: bool, source: str = "speculative_config") -> bool:
+    value = config.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{source}[{key!r}] must be True or False, got {value!r}")
     return value
 
 
@@ -97,9 +105,7 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     else:
         k = _positive_int(config, "num_speculative_tokens", 5 if method == "ngram" else 4)
     tree_budget = _positive_int(config, "tree_budget", 1) if "tree_budget" in config else None
-    adaptive = config.get("adaptive", True)
-    if not isinstance(adaptive, bool):
-        raise ValueError(f"speculative_config['adaptive'] must be True or False, got {adaptive!r}")
+    adaptive = _bool(config, "adaptive", True)
     if method in ("ngram", "mlp_speculator"):
         lo = _positive_int(config, "prompt_lookup_min", 1)
         hi = _positive_int(config, "prompt_lookup_max", 4)
@@ -121,10 +127,8 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                 raise FileNotFoundError(f"speculative_config['model']: the MLP speculator path does not exist: "
                                         f"{model}")
             model = str(model)
-        prompt_lookup = config.get("prompt_lookup")
-        if prompt_lookup is not None and not isinstance(prompt_lookup, bool):
-            raise ValueError(f"speculative_config['prompt_lookup'] must be True or False, got {prompt_lookup!r}")
         tree_top_k = _positive_int(config, "tree_top_k", 1) if "tree_top_k" in config else None
+        prompt_lookup = _bool(config, "prompt_lookup", False) if "prompt_lookup" in config else None
         return SpeculativeConfig(method, k, model=model, dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
                                  prompt_lookup=prompt_lookup, prompt_lookup_min=lo, prompt_lookup_max=hi)
     model = config.get("model")
@@ -144,6 +148,29 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
                              tree_budget=tree_budget or k * tree_top_k, acceptance=acceptance,
                              draft_tensor_parallel_size=draft_tp)
+
+
+def with_served_defaults(config: SpeculativeConfig, speculator: Path) -> SpeculativeConfig:
+    """``tree_top_k`` and ``prompt_lookup`` where ``speculative_config`` left them out: from the speculator
+    directory's optional ``speculative_config.json`` (as a model's ``generation_config.json`` sits beside its
+    weights, it says how this speculator is best served), else a chain without lookup. The file's values pass
+    the same checks as the caller's; an error names the file."""
+    file = Path(speculator) / "speculative_config.json"
+    served: dict = {}
+    if file.is_file():
+        try:
+            served = json.loads(file.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError) as error:
+            raise ValueError(f"{file}: not valid JSON ({error})") from None
+        if not isinstance(served, dict):
+            raise ValueError(f"{file}: must hold a JSON object, got {type(served).__name__}")
+        unknown = set(served) - {"tree_top_k", "prompt_lookup"}
+        if unknown:
+            raise ValueError(f"{file}: unknown keys {sorted(unknown)} (it may set 'tree_top_k' and 'prompt_lookup')")
+    return replace(config,
+                   tree_top_k=config.tree_top_k or _positive_int(served, "tree_top_k", 1, source=str(file)),
+                   prompt_lookup=config.prompt_lookup if config.prompt_lookup is not None
+                   else _bool(served, "prompt_lookup", False, source=str(file)))
 
 
 def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel_size: int) -> int | None:
@@ -170,6 +197,8 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
     if config.method == "lookahead":
         return LookaheadProposer(config.window_size, config.ngram_size, config.guess_set_size)
     if config.method == "mlp_speculator":
-        return MLPSpeculatorProposer.from_config(config, target_config, device, dtype)
+        path = speculator_path(config.model, target_config)
+        return MLPSpeculatorProposer.from_config(with_served_defaults(config, path), path, target_config, device,
+                                                 dtype)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
                          parallel)

@@ -47,13 +47,12 @@ then; a sequence whose state is missing or stale (just added, preempted, a faile
 next step has run. ``speculative_config``: ``{"method": "mlp_speculator", "model": PATH, "num_speculative_tokens": k,
 "tree_top_k": w, "prompt_lookup": False}``; without ``model``, the speculator shipped for the embedded
 SmolLM2-135M-Instruct (``nanospec/speculators/smollm2-135m-instruct``). ``tree_top_k`` and ``prompt_lookup``, where
-left out, come from the directory's ``speculative_config.json`` (:func:`served_defaults`; the shipped one: a beam
-of 16 with prompt lookup, the setting measured best on the benchmark prompts), else a chain without lookup.
+left out, come from the directory's ``speculative_config.json`` (``config.with_served_defaults``; the shipped
+one: a beam of 16 with prompt lookup, the setting measured best on the benchmark prompts), else a chain.
 """
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -100,33 +99,6 @@ def speculator_path(model: str | None, target_config) -> Path:
     return SHIPPED_FOR_EMBEDDED
 
 
-SERVED_DEFAULTS = {"tree_top_k": int, "prompt_lookup": bool}
-
-
-def served_defaults(path: Path) -> dict:
-    """How a speculator directory asks to be served where ``speculative_config`` does not say: its optional
-    ``speculative_config.json`` (beside ``config.json``, as a model's ``generation_config.json`` is beside its
-    weights) with ``tree_top_k`` and ``prompt_lookup``. {} without the file; ValueError naming the file and the
-    key for anything else in it."""
-    file = Path(path) / "speculative_config.json"
-    if not file.is_file():
-        return {}
-    try:
-        defaults = json.loads(file.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{file}: not valid JSON ({error})") from None
-    if not isinstance(defaults, dict):
-        raise ValueError(f"{file}: must hold a JSON object, got {type(defaults).__name__}")
-    for key, value in defaults.items():
-        kind = SERVED_DEFAULTS.get(key)
-        if kind is None:
-            raise ValueError(f"{file}: unknown key {key!r} (it may set {sorted(SERVED_DEFAULTS)})")
-        if type(value) is not kind or kind is int and value < 1:
-            raise ValueError(f"{file}: {key!r} must be {'a positive integer' if kind is int else 'true or false'}, "
-                             f"got {value!r}")
-    return defaults
-
-
 CALIBRATION_PRIOR = 0.7  # c before a sequence has verified anything
 LOOKUP_PRIOR = 0.6       # a likewise (the n-gram proposer's prior)
 DECAY = 0.8              # both estimates' counts decay by this a step (the policy's default)
@@ -169,20 +141,18 @@ class MLPSpeculatorProposer(Proposer):
         self.max_tokens_per_step = k * (tree_top_k + (prompt_lookup is not None))
 
     @classmethod
-    def from_config(cls, config, target_config, device: torch.device, dtype: torch.dtype) -> MLPSpeculatorProposer:
-        """Load ``config.model`` (or the shipped speculator) for the target, in ``config.dtype`` or the target's."""
-        path = speculator_path(config.model, target_config)
+    def from_config(cls, config, path: Path, target_config, device: torch.device,
+                    dtype: torch.dtype) -> MLPSpeculatorProposer:
+        """Load the speculator at ``path`` (:func:`speculator_path`) for the target, in ``config.dtype`` or the
+        target's, served as ``config`` says (its ``tree_top_k`` and ``prompt_lookup`` set)."""
         if config.dtype is not None:
             dtype = resolve_dtype(config.dtype, device)
         speculator = load_mlp_speculator(path, emb_dim=target_config.hidden_size, vocab_size=target_config.vocab_size,
                                          device=device, dtype=dtype)
-        defaults = served_defaults(path)
-        width = config.tree_top_k if config.tree_top_k is not None else defaults.get("tree_top_k", 1)
-        use_lookup = config.prompt_lookup if config.prompt_lookup is not None else defaults.get("prompt_lookup", False)
         lookup = None
-        if use_lookup:
+        if config.prompt_lookup:
             lookup = NgramProposer(speculator.config.n_predict, config.prompt_lookup_min, config.prompt_lookup_max)
-        return cls(speculator, config.num_speculative_tokens, width, lookup)
+        return cls(speculator, config.num_speculative_tokens, config.tree_top_k, lookup)
 
     def start(self, seq: Sequence) -> None:
         seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)

@@ -53,7 +53,9 @@ class Speculator:
                            max_num_batched_tokens: int) -> GoodputPolicy:
         """Time the target over 1..k+1 tokens (one sequence's verify) and, sparser, over the token counts
         of the batches of verifies this engine can run (through the runner: graphs where the steps use them);
-        time one depth of the proposer's guesses."""
+        time one depth of the proposer's guesses, before and after the target's timings, and keep the faster (a
+        stall of a shared machine during one of them would otherwise price guessing several times over)."""
+        guess_cost = self.proposer.measure_cost()
         k = self.max_tokens_per_step
         larger: list[int] = []
         while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
@@ -62,7 +64,7 @@ class Speculator:
         costs = time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager,
                               list(range(1, k + 2)) + larger, per_seq=k + 1, device=self.model.device,
                               batch_device="cpu", max_len=self.max_model_len)
-        return GoodputPolicy(k, costs[:k + 1], self.proposer.measure_cost(),
+        return GoodputPolicy(k, costs[:k + 1], min(guess_cost, self.proposer.measure_cost()),
                              larger_forwards=dict(zip(larger, costs[k + 1:])))
 
     # ---------------------------------------------------------------- a sequence's life
