@@ -200,7 +200,7 @@ class Engine:
     def _append(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> str | None:
         """Append the emitted tokens, one at a time, up to the first that ends the request (a stop string in
         the text, eos, max_tokens, the context); count them. Returns why the request ended, or None."""
-        num_drafts = proposal.num_candidates
+        num_drafts = len(proposal.token_ids)
         num_old = seq.num_tokens
         finish_reason = None
         for i, token in enumerate(verdict.emitted):

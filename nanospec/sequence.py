@@ -38,8 +38,7 @@ class Sequence:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.logprobs: list | None = [] if params.logprobs is not None else None  # a TokenLogprob per output token
-        self.spec_state: Any = None  # owned by the proposer (n-gram index, draft KV, ...)
-        self.acceptance: Any = None  # per-request acceptance estimate for choosing k (speculative.policy)
+        self.spec_state: Any = None  # owned by the proposer (n-gram index, draft KV, acceptance estimate, ...)
 
     @property
     def num_tokens(self) -> int:

@@ -384,14 +384,15 @@ def test_trees_and_prompt_lookup_equal_plain(target, speculator, expected, devic
 
 
 def sequence_as_if_prefilled(llm, device):
-    """A request ``[5, 9, 33, 70, 71, 72, 5, 9]`` whose proposer state is what its prefill would leave: a hidden state
-    (zeros) and the beam guessed from it after token 9. Returns (request id, sequence)."""
+    """A request ``[5, 9, 33, 70, 71, 72, 5, 9]`` whose proposer state is what its prefill would leave: the beam
+    guessed after token 9 from a hidden state (zeros), and the ranked tree from it. Returns (request id, sequence)."""
     seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
     seq = llm.engine.sequences[seq_id]
-    state = seq.spec_state
-    state.hidden, state.num_tokens = torch.zeros(llm.config.hidden_size, device=device), seq.num_tokens
-    last = torch.tensor([9], device=device)
-    state.beam = [t[0].tolist() for t in llm.engine.speculator.proposer.guess_ahead(state.hidden[None], last, 3)]
+    state, proposer = seq.spec_state, llm.engine.speculator.proposer
+    hidden, last = torch.zeros(1, llm.config.hidden_size, device=device), torch.tensor([9], device=device)
+    state.num_tokens = seq.num_tokens
+    state.beam = [t[0].tolist() for t in proposer.guess_ahead(hidden, last, 3)]
+    state.ranked = proposer._ranked_tree(state)
     return seq_id, seq
 
 
@@ -416,6 +417,7 @@ def test_proposals_are_ranked_by_calibrated_chance(target, speculator, device):
     state = seq.spec_state
     state.calibration = AcceptanceEstimate(successes=1.0, trials=4.0)        # c = (1 + 2 * 0.7) / (4 + 2) = 0.4
     state.lookup_acceptance = AcceptanceEstimate(successes=3.0, trials=3.0)  # a = (3 + 2 * 0.6) / (3 + 2) = 0.84
+    state.ranked = proposer._ranked_tree(state)  # as the next outcome would rank it
     want, paths = {}, []
     for token, parent, score in zip(*state.beam):
         paths.append((paths[parent] if parent >= 0 else ()) + (token,))
@@ -439,7 +441,7 @@ def test_a_stopped_sequence_has_its_whole_first_depth_checked(target, speculator
     seq.num_cached_tokens = seq.num_tokens - 1  # in decode
     monkeypatch.setattr(spec.policy, "choose_nodes", lambda chances, *_: [0] * len(chances))
     proposal = spec.propose([seq])[0]
-    assert proposal.num_candidates == 0
+    assert not proposal.token_ids
     tokens, parents, scores = seq.spec_state.beam
     first = {t: math.exp(s) for t, p, s in zip(tokens, parents, scores) if p == -1}
     assert len(first) == 2 and set(proposal.unverified_guesses) == {33, *first}  # the n-gram guess: 33
@@ -481,9 +483,8 @@ def test_a_sequence_not_guessing_still_has_its_best_guess_checked(target, specul
     seq = llm.engine.sequences[seq_id]
     llm.engine.step()
     proposal = llm.engine.speculator.proposer.propose([seq], [0])[0]
-    assert len(proposal.token_ids) == 2 and proposal.parents == [-1, -1]  # depth 1 of the beam
-    truncated = proposal.truncated(0, 100)
-    assert truncated.num_candidates == 0
+    verified = llm.engine.speculator._verified_part(proposal, 0, 100)
+    assert not verified.token_ids and len(verified.unverified_guesses) == 2  # depth 1 of the beam
     llm.abort(seq_id)
     assert_no_leak(llm)
 
@@ -562,19 +563,25 @@ def test_each_sequence_gets_the_hidden_state_behind_its_last_token(target, specu
     a fresh prefill of the sequence computes it, to fp32 rounding; the neighbouring positions' states, where they
     were fed other tokens, are far off."""
     llm = mlp_llm(target, speculator, device, num_blocks=num_blocks, enforce_eager=enforce_eager, max_num_seqs=8)
-    engine = llm.engine
+    engine, proposer = llm.engine, llm.engine.speculator.proposer
     for prompt in PROMPTS[:5]:
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     tolerance = KV_TOLERANCE[torch.device(device).type]
     checked = far_neighbours = 0
+    stepped, given = [], []  # each step's sequences, and the hidden states the proposer guessed from (a row each)
+    verify, guess_ahead = engine.speculator.verify, proposer.guess_ahead
+    engine.speculator.verify = lambda seqs, *rest: stepped.append(list(seqs)) or verify(seqs, *rest)
+    proposer.guess_ahead = lambda hidden, *rest: given.append(hidden) or guess_ahead(hidden, *rest)
     while engine.has_unfinished():
         engine.step()
+        rows = {seq.seq_id: row for seq, row in zip(stepped[-1], given[-1])} if stepped else {}
+        stepped.clear()
         for seq in engine.sequences.values():
-            if seq.is_finished or seq.spec_state.hidden is None:
+            if seq.is_finished or seq.seq_id not in rows:
                 continue
             assert seq.spec_state.num_tokens == seq.num_tokens
             fresh = forward_hidden(plain, seq.token_ids)  # row j: the state whose logits predict token j + 1
-            ours = seq.spec_state.hidden.float()
+            ours = rows[seq.seq_id].float()
             torch.testing.assert_close(ours, fresh[-2], **tolerance)
             for j in (-1, -3):  # (a neighbour fed the same token, in a repeating text, may have the same state)
                 if seq.token_ids[j] != seq.token_ids[-2]:

@@ -7,7 +7,7 @@ import torch
 
 from nanospec import LLM, SamplingParams
 from nanospec.sequence import Sequence
-from nanospec.speculative.penalties import apply_penalties
+from nanospec.sampling.penalties import apply_penalties
 from nanospec.speculative.proposal import Proposal
 from tiny import assert_no_leak, make_tiny_llama
 
@@ -66,8 +66,8 @@ def test_each_tree_node_is_penalized_with_its_own_path():
     expected = logits.clone()
     for row, path in zip(rows, node_paths):
         expected[row] = _penalized_by_hand(logits[row], prompt, output + path, params)
-    apply_penalties(logits, [Sequence(1, [9], SamplingParams(), 0, None, []), seq], [Proposal(), proposal],
-                    [[0], rows])
+    apply_penalties(logits, [Sequence(1, [9], SamplingParams(), 0, None, []), seq], [[0], rows],
+                    [[[]], [[]] + proposal.paths()])
     torch.testing.assert_close(logits, expected)
 
 

@@ -5,7 +5,7 @@ import torch
 
 from nanospec.cache.block_manager import BlockManager
 from nanospec.speculative import cost
-from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy, non_decreasing_fit
+from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy, chain_ranking, non_decreasing_fit
 
 CPU_FP32 = [38.0, 72.0, 70.0, 71.0, 72.0, 73.0]  # ms per forward of 1..6 tokens (MODEL_NOTES, this CPU)
 GPU_FLAT = [10.0] * 6  # a GPU: verifying 6 tokens costs what 1 does
@@ -15,29 +15,42 @@ def estimate(successes, trials):
     return AcceptanceEstimate(successes=successes, trials=trials)
 
 
+def choose_ks(policy, estimates, num_tokens, num_seqs):
+    """Each chain's depth: the policy over each one's ranking (depth j with chance alpha^j)."""
+    return policy.choose_nodes([chain_ranking(e.alpha(), policy.max_k) for e in estimates], num_tokens, num_seqs)
+
+
+def choose_k(policy, e):
+    return choose_ks(policy, [e], 1, 1)[0]
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
 def test_expected_tokens():
-    assert GoodputPolicy.expected_tokens(0.0, 5) == 1.0
-    assert GoodputPolicy.expected_tokens(1.0, 5) == 6.0
-    assert GoodputPolicy.expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
 
 
 def test_flat_cost_curve_always_guesses_the_most():
     policy = GoodputPolicy(5, GPU_FLAT)
-    assert policy.choose_k(estimate(1, 10)) == 5  # alpha ~ 0.18: any acceptance pays
-    assert policy.choose_k(estimate(9, 10)) == 5
+    assert choose_k(policy, estimate(1, 10)) == 5  # alpha ~ 0.18: any acceptance pays
+    assert choose_k(policy, estimate(9, 10)) == 5
 
 
 def test_cpu_cost_curve_guesses_only_when_acceptance_is_high():
     policy = GoodputPolicy(5, CPU_FP32)
-    assert policy.choose_k(estimate(0, 20)) == 0       # alpha ~ 0.05: plain decoding is faster
-    assert policy.choose_k(estimate(19, 20)) == 5      # alpha ~ 0.9: guess as many as allowed
-    assert policy.choose_k(AcceptanceEstimate()) == 5  # prior 0.6: worth a try
+    assert choose_k(policy, estimate(0, 20)) == 0       # alpha ~ 0.05: plain decoding is faster
+    assert choose_k(policy, estimate(19, 20)) == 5      # alpha ~ 0.9: guess as many as allowed
+    assert choose_k(policy, AcceptanceEstimate()) == 5  # prior 0.6: worth a try
 
 
 def test_draft_cost_limits_k():
     # each guess costs a third of a target forward: long chains stop paying at moderate acceptance
     policy = GoodputPolicy(5, GPU_FLAT, draft_cost=3.3)
-    assert 0 < policy.choose_k(estimate(14, 20)) < 5
+    assert 0 < choose_k(policy, estimate(14, 20)) < 5
 
 
 def test_estimate_decays_back_towards_the_prior():
@@ -71,18 +84,18 @@ CPU_LARGER = {12: 66.4, 24: 96.0, 48: 150.0, 96: 260.0}
 
 def single_sequence_rule(policy, e):
     """argmax over k of E(k) / (T(k + 1) + k D), the smallest k on ties (the module docstring's rule)."""
-    alpha = e.alpha(policy.prior)
+    alpha = e.alpha()
     return max(range(policy.max_k + 1), key=lambda k: (
-        GoodputPolicy.expected_tokens(alpha, k) / (policy.target_cost[k] + k * policy.draft_cost), -k))
+        expected_tokens(alpha, k) / (policy.target_cost[k] + k * policy.draft_cost), -k))
 
 
 def test_batch_of_one_is_the_single_sequence_rule():
     policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER)
     for successes in (0, 2, 5, 10, 15, 19):
         e = estimate(successes, 20)
-        assert policy.choose_ks([e], 1, 1) == [single_sequence_rule(policy, e)]
+        assert choose_ks(policy, [e], 1, 1) == [single_sequence_rule(policy, e)]
     drafted = GoodputPolicy(5, GPU_FLAT, draft_cost=3.3)
-    assert drafted.choose_ks([estimate(14, 20)], 1, 1) == [single_sequence_rule(drafted, estimate(14, 20))]
+    assert choose_ks(drafted, [estimate(14, 20)], 1, 1) == [single_sequence_rule(drafted, estimate(14, 20))]
 
 
 def test_forward_cost_interpolates_and_extrapolates():
@@ -94,16 +107,16 @@ def test_forward_cost_interpolates_and_extrapolates():
 
 def test_a_compute_bound_batch_guesses_only_what_is_likely_to_pay():
     policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER)
-    alone = policy.choose_k(estimate(8, 20))
+    alone = choose_k(policy, estimate(8, 20))
     assert alone > 0  # alpha ~0.4 pays for a sequence alone on this CPU ...
-    assert policy.choose_ks([estimate(8, 20)] * 16, 16, 16) == [0] * 16  # ... not in a batch of 16
-    ks = policy.choose_ks([estimate(8, 20)] * 15 + [estimate(20, 20)], 16, 16)
+    assert choose_ks(policy, [estimate(8, 20)] * 16, 16, 16) == [0] * 16  # ... not in a batch of 16
+    ks = choose_ks(policy, [estimate(8, 20)] * 15 + [estimate(20, 20)], 16, 16)
     assert ks[:15] == [0] * 15 and ks[15] > 0  # the one that is nearly always right still guesses
 
 
 def test_a_flat_cost_curve_guesses_the_most_in_a_batch_too():
     policy = GoodputPolicy(5, GPU_FLAT, larger_forwards={12: 10.0, 24: 10.0, 48: 10.0, 96: 10.0})
-    assert policy.choose_ks([estimate(3, 10)] * 16, 16, 16) == [5] * 16
+    assert choose_ks(policy, [estimate(3, 10)] * 16, 16, 16) == [5] * 16
 
 
 def test_a_ranked_tree_verifies_the_nodes_likely_enough_to_pay():
@@ -120,9 +133,9 @@ def test_a_ranked_tree_verifies_the_nodes_likely_enough_to_pay():
 def test_a_ranked_chain_is_the_chain_rule():
     policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER, draft_cost=2.0)
     for successes in (0, 5, 10, 15, 19):
-        alpha = estimate(successes, 20).alpha(policy.prior)
-        chain = [(alpha ** j, j) for j in range(1, 6)]
-        assert policy.choose_nodes([chain], 1, 1) == policy.choose_ks([estimate(successes, 20)], 1, 1)
+        alpha = estimate(successes, 20).alpha()
+        nodes = [(alpha ** j, j) for j in range(1, 6)]
+        assert policy.choose_nodes([nodes], 1, 1) == [single_sequence_rule(policy, estimate(successes, 20))]
 
 
 def test_a_calibration_is_the_ratio_of_accepted_to_expected():

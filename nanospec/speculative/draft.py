@@ -47,10 +47,11 @@ from nanospec.model.loader import load_checkpoint
 from nanospec.model.parallel import check_shardable
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
+from nanospec.sampling.tensors import SamplingTensors
 from nanospec.speculative.cost import time_forwards
+from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
-from nanospec.speculative.sampling import SamplingTensors
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's random stream differs from the target's for the same request
 
@@ -60,6 +61,7 @@ class DraftState:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0  # draft K/V exists for token_ids[:num_cached]
     num_reusable: int = 0  # of this step's guesses, how many (the first) have draft K/V in sequence order
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the chain's alpha
 
 
 class DraftProposer(Proposer):
@@ -92,7 +94,7 @@ class DraftProposer(Proposer):
         self.max_model_len = c.max_position_embeddings
         self.k = config.num_speculative_tokens
         self.max_tokens_per_step = self.k if self.tree_top_k == 1 else self.tree_budget
-        self.adaptive_k = self.tree_top_k == 1
+        self.ranked = self.tree_top_k == 1  # a chain's depths, ranked by alpha^j before any draft forward runs
         self.block_size = block_size
         self.block_manager = BlockManager(num_blocks, block_size)
         self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, self.model.num_kv_heads, c.head_dim,
@@ -106,6 +108,9 @@ class DraftProposer(Proposer):
 
     def start(self, seq: Sequence) -> None:
         seq.spec_state = DraftState()
+
+    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
+        return [chain_ranking(seq.spec_state.acceptance.alpha(), self.max_tokens_per_step) for seq in seqs]
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         if self.tree_top_k > 1:
@@ -233,6 +238,7 @@ class DraftProposer(Proposer):
         fed in sequence order (a tree's nodes sit in tree order: its K/V is dropped whole, and the next
         step backfills the accepted path and the bonus token in one ragged forward)."""
         st: DraftState = seq.spec_state
+        st.acceptance.observe_chain(proposal, verdict)
         keep = seq.num_tokens - len(verdict.emitted) + min(verdict.num_accepted, st.num_reusable)
         st.num_cached = min(st.num_cached, keep)
         self.block_manager.truncate(st.block_table, st.num_cached)

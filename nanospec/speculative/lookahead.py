@@ -232,11 +232,36 @@ def _window_row(num_tree_nodes: int, width: int, level: int, column: int) -> int
     return num_tree_nodes + (width - 1) + (level - 1) * width + column
 
 
+@dataclass
+class LookaheadProposal(Proposal):
+    """The trie of pool candidates (verified), then the window (fed, not verified: the target's argmax at its rows
+    comes back to the proposer). ``window_parents`` number the fed nodes, the trie first (-1: the root)."""
+    window_tokens: list[int] = field(default_factory=list)
+    window_parents: list[int] = field(default_factory=list)
+
+    def fed(self) -> tuple[list[int], list[int]]:
+        return self.token_ids + self.window_tokens, self.parents + self.window_parents
+
+    @property
+    def is_chain(self) -> bool:
+        return not self.window_tokens and super().is_chain
+
+    def truncated(self, max_depth: int, max_nodes: int) -> Proposal:
+        """The trie cut as any tree is; the window stays only if it still fits in ``max_nodes`` with it."""
+        tree = Proposal.truncated(self, max_depth, max_nodes)
+        if len(tree.token_ids) + len(self.window_tokens) > max_nodes:
+            return Proposal(tree.token_ids, tree.parents) if tree is self else tree
+        if tree is self:
+            return self
+        shift = len(tree.token_ids) - len(self.token_ids)  # window nodes hang under the root or one another
+        return LookaheadProposal(tree.token_ids, tree.parents, window_tokens=self.window_tokens,
+                                 window_parents=[p + shift if p >= 0 else p for p in self.window_parents])
+
+
 class LookaheadProposer(Proposer):
     """Lookahead decoding in the engine: each step's proposal is the trie of pool candidates, followed by the
-    window as fed-only nodes; the target's argmax over the window comes back in ``commit``."""
-
-    adaptive_k = False  # the window must run every step to keep its Jacobi iteration going
+    window as fed-only nodes; the target's argmax over the window comes back in ``commit``. Unranked: the window
+    must run every step to keep its Jacobi iteration going."""
 
     def __init__(self, window_size: int, ngram_size: int, guess_set_size: int):
         self.decoder = LookaheadDecoder(window_size, ngram_size, guess_set_size)
@@ -245,19 +270,33 @@ class LookaheadProposer(Proposer):
     def start(self, seq: Sequence) -> None:
         seq.spec_state = _SeqLookahead(self.decoder.new_state(seq.token_ids))
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         proposals = []
         for seq in seqs:
             st: _SeqLookahead = seq.spec_state
             step = st.step = self.decoder.build_step(st.state, seq.token_ids[-1])
-            proposals.append(Proposal(step.tokens[1:], [p - 1 for p in step.parents[1:]],
-                                      num_candidates=step.num_tree_nodes - 1))
+            n = step.num_tree_nodes - 1
+            tokens, parents = step.tokens[1:], [p - 1 for p in step.parents[1:]]
+            proposals.append(LookaheadProposal(tokens[:n], parents[:n], window_tokens=tokens[n:],
+                                               window_parents=parents[n:]))
         return proposals
+
+    def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
+                     verification) -> list[torch.Tensor]:
+        """The target's argmax at each window row, ``[B, widest window]`` (padded with the root's)."""
+        windows = [len(p.window_tokens) if isinstance(p, LookaheadProposal) else 0 for p in proposals]
+        width = max(windows, default=0)
+        if not width:
+            return []
+        rows = [[first + 1 + len(p.token_ids) + i if i < n else first for i in range(width)]
+                for first, p, n in zip(verification.first_rows, proposals, windows)]
+        return [logits[torch.tensor(rows, device=logits.device)].argmax(dim=-1)]
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         st: _SeqLookahead = seq.spec_state
-        if st.step is not None and verdict.extra_argmax is not None:
-            self.decoder.update(st.state, st.step, verdict.extra_argmax, verdict.emitted)
+        window = len(proposal.window_tokens) if isinstance(proposal, LookaheadProposal) else 0
+        if st.step is not None and window:
+            self.decoder.update(st.state, st.step, verdict.ahead[0][:window], verdict.emitted)
         else:  # the prefill, or a step whose window did not fit before the end of the context
             self.decoder.commit_without_step(st.state, verdict.emitted)
         st.step = None

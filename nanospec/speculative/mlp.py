@@ -2,53 +2,44 @@
 
 Every step's forward already computes, for each sequence, the target's final hidden state ``h`` (after its final
 norm) at the row whose logits drew the sequence's last emitted token ``t_0``: the root's row when no guess was
-accepted, else the last accepted node's; after a prefill (or a recompute after preemption), the last prompt row.
-Because this proposer ``needs_hidden_states``, the engine asks the runner for them. During verification, on the
-device and before the step's one read, the Speculator picks that row of every sequence in one gather and this
-proposer runs its stages from ``(h, t_0)`` (:meth:`guess_ahead`, :mod:`nanospec.model.mlp_speculator`):
+accepted, else the last accepted node's; after a prefill (or a recompute), the last prompt row. This proposer
+``needs_hidden_states``; after verification, on the device and before the step's one read, it runs its stages from
+``(h, t_0)`` (:meth:`MLPSpeculatorProposer.read_forward`, :mod:`nanospec.model.mlp_speculator`):
 
     state_0 = h  (h / rms(h) / sqrt(2) with scale_input)
     for i = 0 .. k-1:   state_i+1 = GELU(LN_i(proj_i(state_i) + (emb_weight / state_weight) * emb_i(t_i)))
                         t_i+1     = argmax head_i(state_i+1)
-    proposal            the chain t_1 .. t_k
 
-The guesses come back with the verdicts (``Verdict.ahead``), and the next step's :meth:`propose` only slices them:
-guessing costs the speculator's ``k`` small stages, batched over the step's sequences, and no device read of its
-own. That cost is measured at start-up (:meth:`MLPSpeculatorProposer.measure_cost`) and weighed by the goodput
-policy like a draft forward; with the policy the beam goes only one depth deeper than the step verified (a
-sequence the policy has stopped pays for one stage, not ``k``, and the beam deepens by at most one a step).
-The guesses are one-hot: verification is the matched rule, so greedy output and
-seeded sampling are exactly plain decoding's, whatever the speculator's weights.
+The guesses come back with the verdicts (``Verdict.ahead``): guessing costs ``k`` small stages batched over the
+step's sequences and no device read of its own. Its cost is measured at start-up (:meth:`measure_cost`) and
+weighed by the goodput policy like a draft forward; with the policy the beam goes one depth deeper than the step
+verified. The guesses are one-hot: verification is the matched rule, so greedy output and seeded sampling are
+exactly plain decoding's, whatever the speculator's weights.
 
-**Candidate trees** (``tree_top_k: w > 1``, as IBM serves its speculators): instead of the chain, a beam search
-over the stages (:meth:`MLPSpeculator.propose_tree`) keeps at each depth the ``w`` most probable paths, scored by
-the speculator's summed log-probabilities; without the policy the target verifies all ``k * w`` nodes in its one
-forward. **Prompt lookup** (``prompt_lookup: True``): the n-gram proposer's chain (:mod:`nanospec.speculative.ngram`)
-joins the tree too, so text the answer copies from the prompt is guessed even where the speculator cannot.
+**Trees** (``tree_top_k: w > 1``, as IBM serves its speculators): a beam search over the stages
+(:meth:`MLPSpeculator.propose_tree`) keeps at each depth the ``w`` most probable paths, scored by summed
+log-probabilities. **Prompt lookup** (``prompt_lookup: True``): the n-gram chain (:mod:`nanospec.speculative.ngram`)
+joins the tree, so text the answer copies from the prompt is guessed even where the speculator cannot.
 
-**Ranked nodes.** Every proposal, chain or tree, comes best first with each node's chance to lie on the accepted
-path (``Proposal.chances``), and the goodput policy verifies the prefix that pays (:mod:`nanospec.speculative.policy`):
+**Ranked nodes.** Every proposal comes best first with each node's chance to lie on the accepted path, and the
+goodput policy verifies the prefix that pays (:mod:`nanospec.speculative.policy`):
 
     beam node with path score s (summed log-probabilities)   chance = min(1, c * exp(s))
     n-gram chain's token at depth d                           chance = a^d
     a node on both                                            the larger
 
-``c`` calibrates the speculator's confidence to the target (it is over-confident: paths it gives 0.75 are
-accepted ~0.45 of the time on the benchmark prompts): per sequence, decayed, the accepted beam depth over the sum of
-the verified beam nodes' ``exp(s)``, shrunk towards ``CALIBRATION_PRIOR``. ``a`` is the n-gram chain's own
-acceptance estimate, as for the n-gram proposer. Both are :class:`AcceptanceEstimate` s. A child is never more
-likely than its parent, so sorting by chance (shorter paths first on ties) keeps every prefix a tree. The policy
-thus shapes the tree to the machine: a CPU verifies the few likeliest nodes of a wide beam, a GPU all of them.
-A sequence the policy stops still has its first depth checked against the outcome, which feeds ``c`` and ``a``;
-its beam goes only one depth deeper than the step verified (a stopped sequence pays for one stage, not ``k``).
+``c`` calibrates the speculator's confidence to the target: per sequence, decayed, the accepted beam depth over the
+sum of the verified beam nodes' ``exp(s)``, shrunk towards ``CALIBRATION_PRIOR``; ``a`` is the n-gram chain's own
+acceptance estimate. A child is never more likely than its parent, so sorting by chance (shorter paths first on
+ties) keeps every prefix a tree. A sequence the policy stops still has its first depth checked against the outcome,
+which feeds ``c`` and ``a``.
 
-Per sequence the proposer keeps ``h`` (on the device), the guesses from it, and how many tokens the sequence had
-then; a sequence whose state is missing or stale (just added, preempted, a failed step) guesses nothing until its
-next step has run. ``speculative_config``: ``{"method": "mlp_speculator", "model": PATH, "num_speculative_tokens": k,
+Per sequence the proposer keeps the beam and the ranked tree made from it when the sequence's last outcome came;
+a sequence whose state is missing or stale (just added, preempted, a failed step) guesses nothing until its next
+step has run. ``speculative_config``: ``{"method": "mlp_speculator", "model": PATH, "num_speculative_tokens": k,
 "tree_top_k": w, "prompt_lookup": False}``; without ``model``, the speculator shipped for the embedded
 SmolLM2-135M-Instruct (``nanospec/speculators/smollm2-135m-instruct``). ``tree_top_k`` and ``prompt_lookup``, where
-left out, come from the directory's ``speculative_config.json`` (``config.with_served_defaults``; the shipped
-one: a beam of 16 with prompt lookup, the setting measured best on the benchmark prompts), else a chain.
+left out, come from the directory's ``speculative_config.json`` (``config.with_served_defaults``), else a chain.
 """
 
 from __future__ import annotations
@@ -106,9 +97,9 @@ DECAY = 0.8              # both estimates' counts decay by this a step (the poli
 
 @dataclass
 class MLPState:
-    hidden: torch.Tensor | None = None  # [emb_dim] on the device: the target's final hidden state behind the last token
-    num_tokens: int = 0                 # the sequence's length when it was taken (its last token is t_0)
-    beam: list[list] | None = None      # the beam from it, computed during verification: [token ids, parents, scores]
+    num_tokens: int = 0                 # the sequence's length at its last outcome (its last token is t_0)
+    beam: list[list] | None = None      # guessed then, during verification: [token ids, parents, scores]
+    ranked: Proposal | None = None      # the beam and the n-gram chain, ranked: the next proposal
     lookup: NgramIndex | None = None    # the sequence's n-gram index, with prompt lookup
     calibration: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)        # c
     lookup_acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a
@@ -118,13 +109,13 @@ class MLPState:
 
 class MLPSpeculatorProposer(Proposer):
     needs_hidden_states = True
-    ranks_nodes = True
+    ranked = True
 
     def __init__(self, speculator: MLPSpeculator, num_speculative_tokens: int | None = None, tree_top_k: int = 1,
-                 prompt_lookup: NgramProposer | None = None):
+                 prompt_lookup: NgramProposer | None = None, adaptive: bool = True):
         """``num_speculative_tokens``: the deepest guess a step verifies (default and at most: the speculator's
         ``n_predict``, its number of stages); ``tree_top_k``: the beam width (1: a chain); ``prompt_lookup``: an
-        n-gram proposer whose chain joins the tree."""
+        n-gram proposer whose chain joins the tree; ``adaptive``: the goodput policy chooses what is verified."""
         n_predict = speculator.config.n_predict
         k = n_predict if not num_speculative_tokens else num_speculative_tokens
         if k > n_predict:
@@ -138,6 +129,7 @@ class MLPSpeculatorProposer(Proposer):
         self.k = k
         self.width = tree_top_k
         self.prompt_lookup = prompt_lookup
+        self.adaptive = adaptive
         self.max_tokens_per_step = k * (tree_top_k + (prompt_lookup is not None))
 
     @classmethod
@@ -152,32 +144,43 @@ class MLPSpeculatorProposer(Proposer):
         lookup = None
         if config.prompt_lookup:
             lookup = NgramProposer(speculator.config.n_predict, config.prompt_lookup_min, config.prompt_lookup_max)
-        return cls(speculator, config.num_speculative_tokens, config.tree_top_k, lookup)
+        return cls(speculator, config.num_speculative_tokens, config.tree_top_k, lookup, config.adaptive)
 
     def start(self, seq: Sequence) -> None:
         seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)
 
     def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """During verification, on the device: every sequence's beam, ``min(depth, k)`` deep, from the state behind
-        its last emitted token; it comes back in the verdicts' read, for the next step's proposal."""
+        """On the device: every sequence's beam, ``min(depth, k)`` deep, from the state behind its last emitted
+        token (``[B, hidden]``, ``[B]``)."""
         return list(self.model.propose_tree(hidden_states, last_tokens, min(depth, self.k), self.width))
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """Each sequence's ranked tree (its beam, computed during the last verification, down to ``ks[i]`` depths
-        or as deep as it was computed, and the n-gram chain); no device work. A sequence at ``k = 0`` still gets its
-        first depth, which the speculator checks without verifying it."""
-        return [self._ranked_tree(seq.spec_state, min(max(k, 1), self.k)) if self._has_current_state(seq)
-                else Proposal() for seq, k in zip(seqs, ks)]
+    def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
+                     verification) -> list[torch.Tensor]:
+        """During verification: the beam from the hidden state behind each sequence's last emitted token, read with
+        the verdicts; with the policy one depth deeper than this step verified (the guesses deepen by at most one
+        a step, and a step that verifies little pays for little guessing)."""
+        rows, last_tokens = verification.last_emitted()
+        depth = max((p.max_depth() for p in proposals), default=0) + 1 if self.adaptive else self.k
+        return self.guess_ahead(hidden[rows], last_tokens, depth)
 
-    def _ranked_tree(self, state: MLPState, depth: int) -> Proposal:
+    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
+        return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
+                for p, depth in zip(self.propose(seqs, depths), depths)]
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
+        """Each sequence's ranked tree, made when its last outcome came (the speculator cuts it to the depth it
+        verifies); no device work."""
+        return [seq.spec_state.ranked if self._has_current_state(seq) else Proposal() for seq in seqs]
+
+    def _ranked_tree(self, state: MLPState) -> Proposal:
         """The beam's paths and the n-gram chain, merged, best first by chance (module docstring)."""
-        tokens, parents, scores = (nodes[: depth * self.width] for nodes in state.beam)
+        tokens, parents, scores = state.beam
         state.beam_paths = {tuple(path): math.exp(score) for path, score in zip(Proposal(tokens, parents).paths(),
                                                                                  scores)}
         scale = state.calibration.alpha(CALIBRATION_PRIOR)
         chance = {path: min(1.0, scale * p) for path, p in state.beam_paths.items()}
         if self.prompt_lookup is not None:
-            state.chain = self.prompt_lookup.chain(state.lookup, depth)
+            state.chain = self.prompt_lookup.chain(state.lookup, self.k)
             a = state.lookup_acceptance.alpha(LOOKUP_PRIOR)
             for d in range(1, len(state.chain) + 1):
                 path = tuple(state.chain[:d])
@@ -190,18 +193,19 @@ class MLPSpeculatorProposer(Proposer):
     @staticmethod
     def _has_current_state(seq: Sequence) -> bool:
         state: MLPState | None = seq.spec_state
-        return state is not None and state.beam is not None and state.num_tokens == seq.num_tokens
+        return state is not None and state.ranked is not None and state.num_tokens == seq.num_tokens
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Calibrate the chances on the outcome; keep the hidden state behind the sequence's new last token, and the
-        beam from it, for the next step."""
+        """Calibrate the chances on the outcome; keep the beam guessed from the hidden state behind the sequence's
+        new last token, ranked with the n-gram chain, for the next step."""
         state: MLPState = seq.spec_state
         verified = [tuple(path) for path in proposal.paths()] or [(t,) for t in proposal.unverified_guesses]
         if verified:
             self._calibrate(state, verified, verdict.emitted)
-        state.hidden, state.beam, state.num_tokens = verdict.hidden_state, verdict.ahead, seq.num_tokens
+        state.beam, state.num_tokens = verdict.ahead, seq.num_tokens
         if state.lookup is not None:
             state.lookup.extend(verdict.emitted)
+        state.ranked = self._ranked_tree(state) if state.beam is not None else None
 
     @staticmethod
     def _calibrate(state: MLPState, verified: list[tuple[int, ...]], emitted: list[int]) -> None:
@@ -217,7 +221,7 @@ class MLPSpeculatorProposer(Proposer):
             state.lookup_acceptance.observe(len(chain), accepted_depth(chain), DECAY)
 
     def preempt(self, seq: Sequence) -> None:
-        seq.spec_state.hidden = seq.spec_state.beam = None
+        seq.spec_state.beam = seq.spec_state.ranked = None
 
     def measure_cost(self) -> float:
         """Seconds one depth of guesses costs on this device: a batch-1 beam ``k`` deep, read back as in a step,

@@ -23,9 +23,11 @@ token trie, shared prefixes once, at most `budget` nodes.
 from __future__ import annotations
 
 from collections.abc import Sequence as Tokens
+from dataclasses import dataclass, field
 from itertools import islice
 
 from nanospec.sequence import Sequence
+from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
 from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
@@ -93,10 +95,17 @@ class NgramIndex:
         return None
 
 
+@dataclass
+class NgramState:
+    index: NgramIndex
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the chain's alpha
+
+
 class NgramProposer(Proposer):
     """Proposes draft tokens by prompt lookup (see the module docstring for the exact rule), from one
-    incremental index per sequence (its ``spec_state``). Guesses are free: each step proposes the whole
-    chain (or tree) and the engine verifies as much of it as pays off."""
+    incremental index per sequence (in its ``spec_state``). Guesses are free: each step proposes the whole
+    chain (or tree); a chain is ranked by its acceptance estimate and the engine verifies as much of it as pays
+    off, a tree is verified whole."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  max_candidates: int = 1, tree_budget: int | None = None):
@@ -116,7 +125,7 @@ class NgramProposer(Proposer):
         self.max_candidates = max_candidates
         self.tree_budget = tree_budget or num_speculative_tokens * max_candidates
         self.max_tokens_per_step = num_speculative_tokens if max_candidates == 1 else self.tree_budget
-        self.adaptive_k = max_candidates == 1
+        self.ranked = max_candidates == 1
 
     def new_index(self, prompt_ids: list[int]) -> NgramIndex:
         """Per-sequence state; feed it the accepted output with `extend`."""
@@ -162,12 +171,16 @@ class NgramProposer(Proposer):
 
     # ---------------------------------------------------------------- as the engine's proposer
     def start(self, seq: Sequence) -> None:
-        seq.spec_state = self.new_index(seq.token_ids)
+        seq.spec_state = NgramState(self.new_index(seq.token_ids))
 
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
+        return [chain_ranking(seq.spec_state.acceptance.alpha(), self.max_tokens_per_step) for seq in seqs]
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         if self.max_candidates == 1:
-            return [Proposal.chain(self.chain(seq.spec_state)) for seq in seqs]
-        return [Proposal(*self.tree(seq.spec_state, self.tree_budget)) for seq in seqs]
+            return [Proposal.chain(self.chain(seq.spec_state.index)) for seq in seqs]
+        return [Proposal(*self.tree(seq.spec_state.index, self.tree_budget)) for seq in seqs]
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        seq.spec_state.extend(verdict.emitted)
+        seq.spec_state.acceptance.observe_chain(proposal, verdict)
+        seq.spec_state.index.extend(verdict.emitted)

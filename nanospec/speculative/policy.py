@@ -1,27 +1,17 @@
-"""How many tokens to guess: the goodput rule (Liu et al. 2024, "SmartSpec"), for the whole batch.
+"""How many guesses to verify: the goodput rule (Liu et al. 2024, "SmartSpec"), for the whole batch.
 
-If each draft is accepted with probability ``alpha`` (independently), verifying ``k`` drafts yields
-on average ``E(k) = 1 + alpha + ... + alpha^k = (1 - alpha^(k+1)) / (1 - alpha)`` tokens and costs
-``C(k) = T(k+1) + k * D``, where ``T(m)`` is the target's forward time over ``m`` tokens and ``D``
-one draft forward (0 for the n-gram proposer). Alone, a sequence verifies the ``k`` in ``0..K``
-that maximises ``E(k) / C(k)``. In a batch every guess shares one forward: with ``M`` tokens fed
-without guesses and ``S`` sequences (each emits a token), guess ``j`` of sequence ``i`` adds
-``alpha_i^j`` expected tokens and one token to the forward, so the engine takes guesses in order of
-that chance and keeps the prefix that maximises ``(S + sum of chances) / (T(M + n) + max_i k_i D)``.
-At batch 1 this is the rule above. ``T`` and ``D`` are measured on this machine when the engine
-starts: on a GPU ``T`` is flat until the batch is large and speculation pays; on the 2-core CI CPU
-in fp32 (SmolLM2, warm) a forward over 3-6 tokens costs about what one over a single token does, over 8
-~1.1 single ones, over 16 ~1.5 and over 32 ~3, so past a few a guess must be right often enough to pay
-for its share, and in a batch of 16 far more often.
+A ranked proposer lists each sequence's guesses best first, each node with its chance ``c`` to lie on the accepted
+path (a chain's depth ``j``: ``alpha^j``; a parent is never less likely than its child, so every prefix is a tree).
+At most one node per depth is accepted, so verifying a set of nodes yields ``S + sum of their chances`` tokens in
+expectation (each of the ``S`` sequences emits one token of the target's own) and costs ``T(M + n) + d * D``:
+``T(m)`` the target's forward over ``m`` tokens (``M`` fed without guesses, ``n`` nodes), ``D`` one depth of
+guessing (0 for n-gram), ``d`` the deepest node taken. :meth:`GoodputPolicy.choose_nodes` takes the nodes of the
+whole batch in order of chance and keeps the prefix that maximises that ratio. For one sequence and a chain it is
+the ``k`` that maximises ``E(k) / (T(k + 1) + k D)``, ``E(k) = 1 + alpha + ... + alpha^k``.
 
-**Ranked trees** (the MLP speculator's beam): a proposer that can say, for every node of its tree, the chance
-that the node lies on the accepted path hands the nodes over best first (a parent is never less likely than its
-child, so every prefix is a tree). The same rule then runs over nodes instead of depths: node ``j`` of sequence
-``i`` adds its chance ``c_ij`` and one token, ``longest`` is the deepest node taken, and each sequence verifies
-a prefix of its list. It holds because at most one node per depth is accepted: the expected number of accepted
-guesses is the sum of the verified nodes' chances. On a GPU, where ``T`` is flat, a wide tree is verified
-whole; on a CPU only the few nodes likely enough to pay for their token. A chain is the list
-``(alpha, alpha^2, ..)``.
+``T`` and ``D`` are measured when the engine starts. Where ``T`` is flat (a GPU below its compute bound) a wide tree
+is verified whole; where it rises (a CPU), only the nodes likely enough to pay for their token, and in a large batch
+far fewer.
 
 ``alpha`` is estimated per request from its own history: decayed counts of accepted and tried
 drafts, shrunk towards a prior, ``alpha = (S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)``. The
@@ -34,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 PRIOR_WEIGHT = 2.0
+CHAIN_PRIOR = 0.6  # a chain's alpha before it has been tried
+DECAY = 0.8        # an estimate's counts decay by this a step
 
 
 @dataclass
@@ -41,18 +33,31 @@ class AcceptanceEstimate:
     successes: float = 0.0
     trials: float = 0.0
 
-    def alpha(self, prior: float) -> float:
+    def alpha(self, prior: float = CHAIN_PRIOR) -> float:
         return (self.successes + PRIOR_WEIGHT * prior) / (self.trials + PRIOR_WEIGHT)
 
-    def observe(self, num_tried: int, num_accepted: int, decay: float) -> None:
+    def observe(self, num_tried: int, num_accepted: int, decay: float = DECAY) -> None:
         """``num_tried`` drafts were checked in order; the first ``num_accepted`` matched."""
         self.observe_expected(min(num_tried, num_accepted + 1), num_accepted, decay)
 
-    def observe_expected(self, expected: float, num_accepted: int, decay: float) -> None:
+    def observe_expected(self, expected: float, num_accepted: int, decay: float = DECAY) -> None:
         """As a calibration: guesses predicted to give ``expected`` accepted tokens gave ``num_accepted``
         (``alpha`` is then the ratio of the two, decayed and shrunk towards the prior)."""
         self.successes = decay * self.successes + num_accepted
         self.trials = decay * self.trials + expected
+
+    def observe_chain(self, proposal, verdict) -> None:
+        """After a step of a chain: its verified depth and how much of it was accepted; a chain left out of
+        verification counts as depth 1 tried, a hit if the target's token is its first guess."""
+        if proposal.token_ids:
+            self.observe(proposal.max_depth(), verdict.num_accepted)
+        elif proposal.unverified_guesses:
+            self.observe(1, int(verdict.emitted[0] in proposal.unverified_guesses))
+
+
+def chain_ranking(alpha: float, k: int) -> list[tuple[float, int]]:
+    """A chain's nodes as the policy sees them: depth ``j`` lies on the accepted path with chance ``alpha^j``."""
+    return [(alpha ** j, j) for j in range(1, k + 1)]
 
 
 def non_decreasing_fit(values: list[float]) -> list[float]:
@@ -68,8 +73,8 @@ def non_decreasing_fit(values: list[float]) -> list[float]:
 
 
 class GoodputPolicy:
-    def __init__(self, max_k: int, target_cost: list[float], draft_cost: float = 0.0, prior: float = 0.6,
-                 decay: float = 0.8, larger_forwards: dict[int, float] | None = None):
+    def __init__(self, max_k: int, target_cost: list[float], draft_cost: float = 0.0,
+                 larger_forwards: dict[int, float] | None = None):
         """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1
         (``max_k``: the most guesses, or nodes, one sequence verifies); ``draft_cost``: one depth of guessing;
         ``larger_forwards`` maps larger token counts to their measured times (batches). A forward over more
@@ -83,12 +88,6 @@ class GoodputPolicy:
         measured = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())
         self.points = list(zip([m for m, _ in measured], non_decreasing_fit([t for _, t in measured])))
         self.draft_cost = draft_cost
-        self.prior = prior
-        self.decay = decay
-
-    @staticmethod
-    def expected_tokens(alpha: float, k: int) -> float:
-        return float(k + 1) if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
     def forward_cost(self, num_tokens: int) -> float:
         """``T(num_tokens)`` from the measured points."""
@@ -101,17 +100,6 @@ class GoodputPolicy:
         (m0, t0), (m1, t1) = points[-2:] if len(points) > 1 else (points[0], (points[0][0] + 1, points[0][1]))
         return t1 + max(t1 - t0, 0.0) * (num_tokens - m1) / (m1 - m0)
 
-    def choose_k(self, estimate: AcceptanceEstimate) -> int:
-        """A sequence alone in its forward: the ``k`` that maximises ``E(k) / C(k)``."""
-        return self.choose_ks([estimate], 1, 1)[0]
-
-    def choose_ks(self, estimates: list[AcceptanceEstimate], num_tokens: int, num_seqs: int) -> list[int]:
-        """Guesses per speculating sequence (chains) when the forward already feeds ``num_tokens`` tokens of
-        ``num_seqs`` sequences (the speculating ones included): guess ``j`` is accepted with chance ``alpha^j``."""
-        alphas = [e.alpha(self.prior) for e in estimates]
-        return self.choose_nodes([[(alpha ** j, j) for j in range(1, self.max_k + 1)] for alpha in alphas],
-                                 num_tokens, num_seqs)
-
     def choose_nodes(self, chances: list[list[tuple[float, int]]], num_tokens: int, num_seqs: int) -> list[int]:
         """How many of each sequence's nodes to verify: ``chances[i]`` lists sequence ``i``'s nodes best first, each
         as (chance it is on the accepted path, depth), a parent before its children; the forward already feeds
@@ -120,11 +108,9 @@ class GoodputPolicy:
         to its best."""
         nodes = sorted(((chance, -j, i, depth) for i, node_list in enumerate(chances)
                         for j, (chance, depth) in enumerate(node_list)), reverse=True)
-        counts = [0] * len(chances)
         expected, longest = float(num_seqs), 0
         best_n, best = 0, expected / self.forward_cost(num_tokens)
-        for n, (chance, _, i, depth) in enumerate(nodes, 1):
-            counts[i] += 1
+        for n, (chance, _, _, depth) in enumerate(nodes, 1):
             expected += chance
             longest = max(longest, depth)
             goodput = expected / (self.forward_cost(num_tokens + n) + longest * self.draft_cost)

@@ -2,10 +2,10 @@
 
 A **proposal** is a token tree under the sequence's root (its last committed token). Node ``i`` holds
 ``token_ids[i]`` and hangs under node ``parents[i] < i``, or under the root when ``parents[i] == -1``.
-A chain ``d_1 .. d_k`` is the tree ``parents = [-1, 0, 1, ..., k - 2]``. The first ``num_candidates``
-nodes are the guesses the target verifies; the nodes after them are only fed, so that the target's
-argmax at each comes back to the proposer (lookahead's Jacobi window). Their parents are the root or
-other such nodes, never a candidate.
+A chain ``d_1 .. d_k`` is the tree ``parents = [-1, 0, 1, ..., k - 2]``. A **ranked** tree lists its nodes best
+first, each with its chance to lie on the accepted path (``chances``; a parent is never less likely than its child,
+so every prefix is a tree): the goodput policy verifies the prefix that pays. A tree without chances is verified
+whole.
 
 **Layout in the step batch** (:func:`build_step_batch`, the one place rows, positions and masks come
 from). A sequence feeds its uncached tokens, then every node of its proposal (a proposal is only made
@@ -13,7 +13,8 @@ in decode, where the root is the one uncached token). Node ``i`` is stored at ``
 position ``root + depth(i)`` and sees the cached context, the root and its own ancestors (a bitmask;
 a chain needs none: it is causal). The sequence's logits rows are the root's and then every node's,
 in node order: the distribution after the root judges the depth-1 nodes, the one after node ``i``
-judges ``i``'s children.
+judges ``i``'s children. A proposer may feed nodes after the tree that are not verified (``fed``: lookahead's
+window), under the root or one another.
 
 A **verdict** is what verification decided: the accepted path (node indices, a child of the root
 first) and the tokens emitted, the path's tokens and then one token of the target's own.
@@ -35,23 +36,24 @@ from nanospec.sequence import Sequence
 class Proposal:
     token_ids: list[int] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
-    num_candidates: int | None = None  # None: every node is a candidate
-    draft_probs: torch.Tensor | None = None  # [num_candidates, V]: what each guess was sampled from (None: one-hot)
+    chances: list[float] | None = None  # a ranked tree's: each node's chance to lie on the accepted path
+    draft_probs: torch.Tensor | None = None  # [nodes, V]: what each guess was sampled from (None: one-hot)
     # the first guesses (the root's children) of a proposal left out of verification: checked against the outcome
     unverified_guesses: tuple[int, ...] = ()
-    # a ranked tree's (the nodes best first): each candidate's chance to lie on the accepted path (policy.py)
-    chances: list[float] | None = None
 
     def __post_init__(self):
-        if self.num_candidates is None:
-            self.num_candidates = len(self.token_ids)
         if len(self.parents) != len(self.token_ids):
             raise ValueError(f"a proposal needs one parent per token: {len(self.token_ids)} tokens, "
                              f"{len(self.parents)} parents")
 
     @classmethod
-    def chain(cls, token_ids: list[int], draft_probs: torch.Tensor | None = None) -> Proposal:
-        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), draft_probs=draft_probs)
+    def chain(cls, token_ids: list[int], draft_probs: torch.Tensor | None = None,
+              chances: list[float] | None = None) -> Proposal:
+        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), chances, draft_probs)
+
+    def fed(self) -> tuple[list[int], list[int]]:
+        """(tokens, parents) of every node the step feeds: the tree, then any nodes fed but not verified."""
+        return self.token_ids, self.parents
 
     @property
     def depths(self) -> list[int]:
@@ -60,61 +62,49 @@ class Proposal:
 
     @property
     def is_chain(self) -> bool:
-        """Every node is a candidate and the child of the one before: the causal layout, no mask needed."""
-        return self.num_candidates == len(self.token_ids) and all(p == i - 1 for i, p in enumerate(self.parents))
+        """Every fed node is the child of the one before: the causal layout, no mask needed."""
+        return all(p == i - 1 for i, p in enumerate(self.fed()[1]))
 
     def max_depth(self) -> int:
-        """The depth of the deepest candidate (0 without candidates)."""
-        return max(self.depths[: self.num_candidates], default=0)
+        """The depth of the deepest node (0 for an empty tree)."""
+        return max(self.depths, default=0)
 
     def paths(self) -> list[list[int]]:
-        """For each candidate node, the tokens from the root's child down to the node itself."""
+        """For each node, the tokens from the root's child down to the node itself."""
         paths: list[list[int]] = []
-        for token, parent in zip(self.token_ids[: self.num_candidates], self.parents):
+        for token, parent in zip(self.token_ids, self.parents):
             paths.append((paths[parent] if parent >= 0 else []) + [token])
         return paths
 
     def first_guesses(self) -> tuple[int, ...]:
-        """The candidates at depth 1 (the root's children)."""
-        return tuple(t for t, p in zip(self.token_ids[: self.num_candidates], self.parents) if p == -1)
+        """The nodes at depth 1 (the root's children)."""
+        return tuple(t for t, p in zip(self.token_ids, self.parents) if p == -1)
 
     def layout(self) -> tuple[list[int], torch.Tensor]:
-        """(position offsets from the root, ancestor bitmask) over the root and every node, root first."""
-        parents = [-1] + [p + 1 for p in self.parents]
+        """(position offsets from the root, ancestor bitmask) over the root and every fed node, root first."""
+        parents = [-1] + [p + 1 for p in self.fed()[1]]
         return tree_depths(parents), tree_mask_from_parents(parents)
 
     def truncated(self, max_depth: int, max_nodes: int) -> Proposal:
-        """This proposal with only the candidates at depth <= ``max_depth``, at most ``max_nodes`` of them (the
-        first ones, so still a tree: a parent comes before its children), and the fed-only nodes only if they
-        still fit in ``max_nodes`` with them."""
+        """This proposal with only the nodes at depth <= ``max_depth``, at most ``max_nodes`` of them (the first
+        ones, so still a tree: a parent comes before its children)."""
         depths = self.depths
-        keep = [i for i in range(self.num_candidates) if depths[i] <= max_depth][:max_nodes]
-        extra = range(self.num_candidates, len(self.token_ids))
-        if len(keep) + len(extra) > max_nodes:
-            extra = range(0)
-        if len(keep) == self.num_candidates and len(extra) == len(self.token_ids) - self.num_candidates:
+        keep = [i for i in range(len(self.token_ids)) if depths[i] <= max_depth][:max_nodes]
+        if len(keep) == len(self.token_ids):
             return self
-        nodes = keep + list(extra)
-        new_index = {old: new for new, old in enumerate(nodes)}
+        new_index = {old: new for new, old in enumerate(keep)}
         new_index[-1] = -1
-        probs = None
-        if self.draft_probs is not None:  # only chains carry them, so the kept candidates are a prefix
-            probs = self.draft_probs[: len(keep)]
+        probs = self.draft_probs[: len(keep)] if self.draft_probs is not None else None  # (chains only: a prefix)
         chances = [self.chances[i] for i in keep] if self.chances is not None else None
-        return Proposal([self.token_ids[i] for i in nodes], [new_index[self.parents[i]] for i in nodes],
-                        num_candidates=len(keep), draft_probs=probs, chances=chances)
+        return Proposal([self.token_ids[i] for i in keep], [new_index[self.parents[i]] for i in keep], chances, probs)
 
 
 @dataclass
 class Verdict:
     emitted: list[int]            # the accepted path's tokens, then the target's own token after it
     path: list[int] = field(default_factory=list)  # node indices of the accepted path, the root's child first
-    extra_argmax: list[int] | None = None  # the target's argmax at each fed-only node
     logprobs: list[TokenLogprob] | None = None  # per emitted token, when the request asks for them
-    # the target's final hidden state ([hidden], on the device) at the row whose logits drew the last emitted
-    # token: the root's when no guess was accepted, else the last accepted node's (for a proposer that reads it)
-    hidden_state: torch.Tensor | None = None
-    ahead: list[list[int]] | None = None  # what the proposer computed from this outcome on the device, read with it
+    ahead: list[list] | None = None  # what the proposer read from this step's forward (Proposer.read_forward)
 
     @property
     def num_accepted(self) -> int:
@@ -161,10 +151,11 @@ def build_step_batch(seqs: list[Sequence], proposals: list[Proposal], block_size
     token_lists, starts, logits_rows, positions, masks = [], [], [], [], []
     for seq, proposal in zip(seqs, proposals):
         uncached = seq.token_ids[seq.num_cached_tokens:]
-        token_lists.append(uncached + proposal.token_ids)
+        fed = proposal.fed()[0]
+        token_lists.append(uncached + fed)
         starts.append(seq.num_cached_tokens)
         root_row = len(uncached) - 1
-        logits_rows.append(range(root_row, root_row + 1 + len(proposal.token_ids)))
+        logits_rows.append(range(root_row, root_row + 1 + len(fed)))
         if proposal.is_chain:
             positions.append(None)
             masks.append(None)

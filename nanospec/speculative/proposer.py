@@ -1,15 +1,20 @@
-"""What the speculator asks of a proposer (n-gram, lookahead, draft model, ...).
+"""What the speculator asks of a proposer (n-gram, lookahead, draft model, MLP speculator).
 
-Per speculating sequence: ``start`` when it is added; ``propose`` each decode step (batched, with
-the number of guesses ``ks`` the step will verify per sequence: a proposer whose guesses cost a
-forward each makes that many; one whose guesses are free may return more, and the speculator keeps
-what it verifies; where it verifies none, it checks the first guesses, depth 1, against the outcome);
-``commit`` after the sequence grew by the tokens its verdict emitted (not called for a sequence that finished);
-``preempt`` when its KV is dropped for recompute; ``free`` when it finishes. Hooks a proposer has no
-use for keep these do-nothing defaults. A proposer with ``needs_hidden_states`` (the MLP speculator) finds in
-each verdict it is given the target's final hidden state behind the last emitted token (``Verdict.hidden_state``),
-and ``Verdict.ahead``: what its ``guess_ahead`` made of those states on the device during verification, read in
-the same device read as the verdicts (so its next proposal needs no read of its own).
+Every proposer proposes a token tree per sequence (a chain is a tree). A **ranked** proposer (``ranked = True``)
+lists its nodes best first with each one's chance to lie on the accepted path, and :meth:`Proposer.rank` tells the
+goodput policy those chances before the step: a chain's depth ``j`` with ``alpha^j`` (``alpha`` its acceptance
+estimate: a draft model's per-depth choice is a ranking too), the MLP speculator's beam by its calibrated scores.
+The policy keeps the prefix of each ranking that pays, and ``propose`` is asked for that many depths (a proposer
+whose guesses are free may return more; the speculator keeps what it verifies). An unranked proposer's trees are
+verified whole.
+
+Per speculating sequence: ``start`` when it is added; ``rank`` and ``propose`` each decode step (batched);
+``read_forward`` on the device after verification, for a proposer that reads the step's forward (the MLP speculator
+its hidden states, lookahead its window's argmax), whose values come back in the step's one read as
+``Verdict.ahead``; ``commit`` after the sequence grew by the tokens its verdict emitted (not called for a sequence
+that finished); ``preempt`` when its KV is dropped for recompute; ``free`` when it finishes. A proposal none of whose
+nodes is verified still carries its first guesses (``Proposal.unverified_guesses``), checked against the outcome.
+Hooks a proposer has no use for keep these do-nothing defaults.
 """
 
 from __future__ import annotations
@@ -23,26 +28,28 @@ from nanospec.speculative.proposal import Proposal, Verdict
 
 
 class Proposer(abc.ABC):
-    max_tokens_per_step: int  # the most nodes one proposal holds: KV slots to reserve beyond the root
-    adaptive_k = True  # the speculator may verify fewer depths than proposed (nanospec.speculative.policy)
-    # True: its proposals are ranked trees (nodes best first, with ``Proposal.chances``), all it guessed: the policy
-    # verifies a prefix of each; False: the policy picks each sequence's depth first and ``propose`` guesses that deep
-    ranks_nodes = False
+    max_tokens_per_step: int  # the most nodes one proposal feeds: KV slots to reserve beyond the root
+    ranked = False  # its proposals are ranked (rank() gives the chances): the policy may verify a prefix of each
     max_model_len: int | None = None  # the longest sequence it can guess for (a draft model's context); None: any
-    needs_hidden_states = False  # True: verdicts carry the target's hidden state behind the last emitted token
+    needs_hidden_states = False  # the step's forward returns the target's final hidden states, for read_forward
+
+    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
+        """For a ranked proposer: per sequence, (chance, depth) of each node it would propose at most ``depths[i]``
+        deep, best first (the policy's input)."""
+        raise NotImplementedError(f"{type(self).__name__} does not rank its proposals")
 
     @abc.abstractmethod
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
-        """One proposal per sequence."""
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
+        """One proposal per sequence, ``depths[i]`` deep (the speculator cuts what is deeper)."""
 
-    def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """For ``needs_hidden_states``: on the device, from each sequence's hidden state ``[B, H]`` and last emitted
-        token ``[B]``, tensors ``[B, ...]`` that come back in the verdicts as ``Verdict.ahead``; guesses
-        ``depth`` deep at most (the deepest the next step may verify)."""
+    def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
+                     verification) -> list[torch.Tensor]:
+        """On the device, after verification (:class:`~nanospec.speculative.verify.Verification`): tensors
+        ``[B, ...]`` read in the step's one read, row ``b`` landing in sequence ``b``'s ``Verdict.ahead``."""
         return []
 
     def measure_cost(self) -> float:
-        """Seconds one guess costs (a draft forward); 0 for proposers that need no model."""
+        """Seconds one depth of guesses costs (a draft forward); 0 for proposers that need no model."""
         return 0.0
 
     def start(self, seq: Sequence) -> None:

@@ -1,15 +1,13 @@
 """The Speculator owns everything speculative about an engine step, in the order the engine asks:
 
-    propose   which sequences guess and how deep (the goodput policy, the context, max_tokens), and the
-              proposer's token tree for each (a chain is a tree); of a ranked tree (nodes best first, each
-              with its chance) the policy keeps the prefix that pays
-    verify    one pass over the target's logits: each sequence's accepted path and the token after it
-              (plain sampling for a sequence that does not speculate); the accepted path's K/V is
-              then moved next to the root, so the sequence's K/V is contiguous again; for a proposer
-              that reads hidden states, each verdict gets the one behind its last emitted token, and
-              the proposer's next guesses from it, read with the verdicts
-    commit    the outcome goes back to the proposer (its own state, draft K/V rollback) and into the
-              sequence's acceptance estimate
+    propose   which sequences guess and how deep (the context, max_tokens and, for a ranked proposer, the goodput
+              policy: of each sequence's ranked guesses the prefix that pays), and the proposer's token tree for
+              each (a chain is a tree)
+    verify    one pass over the target's logits (:mod:`nanospec.speculative.verify`): each sequence's accepted path
+              and the token after it (plain sampling for a sequence that does not speculate); what the proposer
+              reads from the forward (its next guesses) comes back in the same, the step's one, device read; the
+              accepted path's K/V then moves next to the root, so the sequence's K/V is contiguous again
+    commit    the outcome goes back to the proposer (its acceptance estimate, its own state, draft K/V rollback)
 
 Without a proposer the same seam proposes nothing and verify is plain sampling.
 """
@@ -22,7 +20,7 @@ from nanospec.cache.block_manager import BlockManager, slots_of
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import time_forwards
-from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy
+from nanospec.speculative.policy import GoodputPolicy
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 from nanospec.speculative.verify import verify
@@ -46,7 +44,7 @@ class Speculator:
             raise ValueError(f"the KV pool ({block_manager.num_blocks} blocks of {self.block_size} tokens) cannot "
                              f"hold one speculative step ({self.max_tokens_per_step + 2} tokens); raise num_blocks "
                              f"/ block_size or lower num_speculative_tokens")
-        if adaptive and proposer.adaptive_k:
+        if adaptive and proposer.ranked:
             self.policy = self._calibrated_policy(block_manager, max_num_seqs, max_num_batched_tokens)
 
     def _calibrated_policy(self, block_manager: BlockManager, max_num_seqs: int,
@@ -74,7 +72,6 @@ class Speculator:
     def start(self, seq: Sequence) -> None:
         if self.speculates(seq):
             self.proposer.start(seq)
-            seq.acceptance = AcceptanceEstimate()
 
     def num_lookahead_slots(self, seq: Sequence) -> int:
         """KV slots a sequence needs this step beyond its own tokens: room for a proposal when it is in decode."""
@@ -91,9 +88,9 @@ class Speculator:
 
     # ---------------------------------------------------------------- the step
     def propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        """One proposal per sequence (empty for those that do not guess this step). A proposal is cut to the
-        depth that pays (goodput policy), that the context has room for, and that max_tokens can still emit
-        (one token always comes from the target)."""
+        """One proposal per sequence (empty for those that do not guess this step). A proposal is cut to what pays
+        (the goodput policy, for a ranked proposer), what the context has room for, and what max_tokens can still
+        emit (one token always comes from the target)."""
         proposals = [Proposal() for _ in seqs]
         guessing = [i for i, s in enumerate(seqs) if self.num_lookahead_slots(s) > 0]
         if not guessing:
@@ -103,58 +100,44 @@ class Speculator:
         rooms = [max(self.max_model_len - s.num_tokens - 1, 0) for s in guessers]
         depths = [max(0, min(self.max_tokens_per_step, room, s.params.max_tokens - s.num_output_tokens - 1))
                   for s, room in zip(guessers, rooms)]
-        num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
-        if self.proposer.ranks_nodes:  # all it guessed, best first: the policy keeps a prefix of each
-            guessed = self.proposer.propose(guessers, depths)
-            if self.policy is not None:
-                counts = self.policy.choose_nodes([[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
-                                                   for p, depth in zip(guessed, depths)], num_tokens, len(seqs))
-                rooms = [min(count, room) for count, room in zip(counts, rooms)]
-        else:  # the policy picks each depth first: a draft model's guesses cost a forward each
-            if self.policy is not None:
-                ks = self.policy.choose_ks([s.acceptance for s in guessers], num_tokens, len(seqs))
-                depths = [min(k, depth) for k, depth in zip(ks, depths)]
-            guessed = self.proposer.propose(guessers, depths)
-        for i, proposal, depth, room in zip(guessing, guessed, depths, rooms):
+        if self.policy is not None:  # the prefix of each ranking that pays; the first c nodes lie at most c deep
+            num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+            counts = self.policy.choose_nodes(self.proposer.rank(guessers, depths), num_tokens, len(seqs))
+            depths = [min(count, depth) for count, depth in zip(counts, depths)]
+            rooms = [min(count, room) for count, room in zip(counts, rooms)]
+        for i, proposal, depth, room in zip(guessing, self.proposer.propose(guessers, depths), depths, rooms):
             proposals[i] = self._verified_part(proposal, depth, room)
         return proposals
 
     def _verified_part(self, proposal: Proposal, max_depth: int, max_nodes: int) -> Proposal:
-        """The candidates to verify: down to ``max_depth``, the first ``max_nodes``; none: the first guesses are
+        """The nodes to verify: down to ``max_depth``, the first ``max_nodes``; none: the first guesses are
         still checked against the outcome."""
         self._check_vocabulary(proposal)
         verified = proposal.truncated(max_depth, max_nodes)
-        if verified.num_candidates == 0:
+        if not verified.token_ids:
             verified.unverified_guesses = proposal.first_guesses()
         return verified
 
     def _check_vocabulary(self, proposal: Proposal) -> None:
         vocab = self.model.config.vocab_size
-        bad = next((t for t in proposal.token_ids if not 0 <= t < vocab), None)
+        bad = next((t for t in proposal.fed()[0] if not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"{type(self.proposer).__name__} proposed token id {bad}, outside the vocabulary "
                              f"[0, {vocab})")
 
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                hidden: torch.Tensor | None = None) -> list[Verdict]:
-        """Each sequence's verdict; an accepted path off the chain has its K/V moved next to the root. With the
-        step's final hidden states (``hidden``, a row per logits row) each verdict gets its ``hidden_state``, the
-        one at the row whose logits drew the last emitted token, picked on the device by one gather, and the
-        proposer's guesses from it (``Proposer.guess_ahead``) come back in the verdicts' one read."""
-        states: list[torch.Tensor] = []
-
-        def guess_ahead(rows: torch.Tensor, last_tokens: torch.Tensor) -> list[torch.Tensor]:
-            states.append(hidden[rows])
-            # with the goodput policy, one depth deeper than this step verified: a step that verifies little pays
-            # for little guessing ahead (the guesses deepen by at most one a step)
-            depth = self.proposer.max_tokens_per_step if self.policy is None else \
-                max((p.max_depth() for p in proposals), default=0) + 1
-            return self.proposer.guess_ahead(states[0], last_tokens, depth)
-
-        verdicts = verify(seqs, proposals, logits, self.runner.to_device, guess_ahead if hidden is not None else None)
+        """Each sequence's verdict, with what the proposer read from the forward (``Verdict.ahead``; ``hidden``: the
+        step's final hidden states, a row per logits row, for a proposer that reads them), from one device read; an
+        accepted path off the chain has its K/V moved next to the root."""
+        outcome = verify(seqs, proposals, logits, self.runner.to_device)
+        ahead = self.proposer.read_forward(proposals, logits, hidden, outcome) if self.proposer is not None else []
+        verdicts, values = outcome.read(ahead)  # the step's one device read
+        for b, verdict in enumerate(verdicts):
+            if ahead:  # [B, ...] each: a row per sequence
+                verdict.ahead = [v[b * (t.numel() // len(seqs)):(b + 1) * (t.numel() // len(seqs))]
+                                 for v, t in zip(values, ahead)]
         self._compact_accepted_paths(seqs, verdicts)
-        for verdict, state in zip(verdicts, states[0].unbind(0) if states else ()):
-            verdict.hidden_state = state
         return verdicts
 
     def _compact_accepted_paths(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
@@ -171,14 +154,6 @@ class Speculator:
         self.runner.copy_kv_slots(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """After ``seq`` grew by ``verdict.emitted`` (and did not finish): tell the proposer and the estimate."""
-        if not self.speculates(seq):
-            return
-        self.proposer.commit(seq, proposal, verdict)
-        if self.proposer.ranks_nodes:  # its chances are its own to calibrate
-            return
-        decay = self.policy.decay if self.policy is not None else 1.0
-        if proposal.num_candidates:
-            seq.acceptance.observe(proposal.max_depth(), verdict.num_accepted, decay)
-        elif proposal.unverified_guesses:  # as if depth 1 had been verified: a hit if the target's token is there
-            seq.acceptance.observe(1, int(verdict.emitted[0] in proposal.unverified_guesses), decay)
+        """After ``seq`` grew by ``verdict.emitted`` (and did not finish): tell the proposer."""
+        if self.speculates(seq):
+            self.proposer.commit(seq, proposal, verdict)

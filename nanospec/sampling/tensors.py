@@ -1,11 +1,10 @@
-"""A batch's sampling settings on the device, made once per use from its sequences' ``SamplingParams``.
+"""A batch's sampling settings on the device, and the token each row draws.
 
 One entry per logits row: by default one row per sequence, drawn at the position of its next token
-(``num_tokens + offset``); with ``depths``, ``len(depths[i])`` rows for sequence ``i``, the row at depth
-``d`` drawn at ``num_tokens + d`` (a token tree: the root's row is depth 0). ``seeds`` are the requests'
-seeds (xor a salt, for a stream of their own) and ``offsets`` the positions: the counters of
-:mod:`nanospec.kernels.random`. A ``top_k`` too large for int32 keeps every token, as any ``top_k`` at or
-above the vocabulary does.
+(``num_tokens + offset``); with ``depths``, ``len(depths[i])`` rows for sequence ``i``, the row at depth ``d`` drawn
+at ``num_tokens + d`` (a token tree: the root's row is depth 0). ``seeds`` are the requests' seeds (xor a salt, for
+a stream of their own) and ``offsets`` the positions: the counters of :mod:`nanospec.kernels.random`. A ``top_k``
+too large for int32 keeps every token, as any ``top_k`` at or above the vocabulary does.
 """
 
 from __future__ import annotations
@@ -50,3 +49,11 @@ class SamplingTensors:
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """One token per row: plain sampling, the exponential race at the row's (seed, position)."""
         return sample(logits, self.temperature, self.top_k, self.top_p, self.seeds, self.offsets)
+
+
+def draw_tokens(logits: torch.Tensor, seqs: list[Sequence], depths: list[list[int]]) -> torch.Tensor:
+    """The token plain decoding draws from each row (rows and depths as in :meth:`SamplingTensors.of`): the argmax
+    when every request is greedy, else the exponential race at the row's (seed, position). On the device."""
+    if all(s.params.greedy for s in seqs):
+        return logits.argmax(dim=-1)
+    return SamplingTensors.of(seqs, logits.device, depths=depths).sample(logits)

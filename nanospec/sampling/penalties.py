@@ -1,19 +1,19 @@
-"""Repetition, frequency and presence penalties on the logits of a verify step, each row with its own prefix.
+"""What plain decoding does to a row of logits before it draws: ``min_tokens`` and the penalties.
 
-For one logits row, let ``c_v`` be how often token ``v`` occurs in the output so far and ``seen_v`` whether it
-occurs in the prompt or the output. vLLM's (and OpenAI's) penalties, in this order:
+``min_tokens``: a row whose token would be output token number ``< min_tokens`` cannot end the request, so its stop
+tokens get ``-inf``.
+
+Penalties (vLLM's and OpenAI's), for one row, with ``c_v`` how often token ``v`` occurs in the output so far and
+``seen_v`` whether it occurs in the prompt or the output, in this order:
 
     l_v = l_v / r   if seen_v and l_v > 0        (r = repetition_penalty; 1 is off)
     l_v = l_v * r   if seen_v and l_v <= 0
     l_v = l_v - frequency_penalty * c_v - presence_penalty * [c_v > 0]
 
-**Under speculation** a sequence's rows are its root's and one per node of its token tree. The root's row
-judges the token after the committed output; node ``j``'s row judges the token after node ``j``, so it counts
-the committed output *and the tokens on the path from the root down to node j* (node j's own token
-included). Each row is then exactly the row plain decoding would have penalized had that path been
-emitted, so greedy and matched verification stay lossless with penalties on.
-
-Plain torch on the device: the per-sequence counts are one scatter-add, each row's path one more; no host read.
+A row's output is the committed output followed by its path (the package docstring), so the row of a tree node is
+exactly the row plain decoding would have processed had that path been emitted: greedy and matched verification
+stay lossless with penalties on. Plain torch on the device, no host read: the per-sequence counts are one
+scatter-add, each row's path one more.
 """
 
 from __future__ import annotations
@@ -21,22 +21,36 @@ from __future__ import annotations
 import torch
 
 from nanospec.sequence import Sequence
-from nanospec.speculative.proposal import Proposal
 
 
-def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], proposals: list[Proposal],
-                    seq_rows: list[list[int]]) -> None:
-    """Penalize ``logits`` in place. ``seq_rows[i]``: the rows of ``seqs[i]`` in ``logits``, its root's first and
-    then one per candidate node of ``proposals[i]``, in node order. Sequences without penalties are left alone."""
+def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]],
+                                      depths: list[list[int]]) -> None:
+    """``logits[row, stop token] = -inf`` for every row (of ``seqs[i]``: ``seq_rows[i]``, at ``depths[i]`` past the
+    committed output) whose token would be output token number ``< min_tokens``."""
+    rows, cols = [], []
+    for seq, seq_row, seq_depths in zip(seqs, seq_rows, depths):
+        missing = seq.params.min_tokens - seq.num_output_tokens
+        if missing <= 0 or not seq.stop_token_ids:
+            continue
+        for row, depth in zip(seq_row, seq_depths):
+            if depth < missing:
+                rows += [row] * len(seq.stop_token_ids)
+                cols += seq.stop_token_ids
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]],
+                    paths: list[list[list[int]]]) -> None:
+    """Penalize ``logits`` in place: row ``seq_rows[i][j]`` counts the output of ``seqs[i]`` followed by
+    ``paths[i][j]``. Sequences without penalties are left alone."""
     rows, owners, path_rows, path_tokens, penalized = [], [], [], [], []
-    for seq, proposal, srows in zip(seqs, proposals, seq_rows):
+    for seq, srows, spaths in zip(seqs, seq_rows, paths):
         if not seq.params.has_penalties:
             continue
-        paths = proposal.paths()
-        for j, row in enumerate(srows):
-            if j > 0:  # node j - 1: its path's tokens count as output
-                path_rows += [len(rows)] * len(paths[j - 1])
-                path_tokens += paths[j - 1]
+        for row, path in zip(srows, spaths):
+            path_rows += [len(rows)] * len(path)
+            path_tokens += path
             rows.append(row)
             owners.append(len(penalized))
         penalized.append(seq)
@@ -71,4 +85,3 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], proposals: list[
     x = torch.where(in_prompt | in_output, torch.where(x > 0, x / repetition, x * repetition), x)
     x = x - frequency * counts - presence * in_output.float()
     logits[row_index] = x.to(logits.dtype)
-
