@@ -30,7 +30,8 @@ from safetensors.torch import load_file, save_file
 from nanospec import LLM, SamplingParams
 from nanospec.model.mlp_speculator import load_mlp_speculator
 from nanospec.speculative.ngram import NgramIndex, NgramProposer
-from nanospec.train_speculator import encode_chat, load_prompt_set, teacher_forced_hidden
+from nanospec.train.data import encode_chat, load_prompt_set
+from nanospec.train.record import teacher_forced_hidden
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = ROOT / "nanospec" / "speculators" / "smollm2-135m-instruct"

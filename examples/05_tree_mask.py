@@ -11,7 +11,7 @@ root following the target's argmax; the accepted path's K/V is then moved next t
 import torch
 
 from nanospec.kernels.attention_mask import tree_depths, tree_mask_from_parents, unpack_mask
-from nanospec.kernels.tree_rejection import greedy_tree_verify
+from nanospec.kernels.tree_verify import greedy_tree_verify
 
 #          0        1       2       3        4       5        6
 words = ["<root>", "the", "a", "cat", "dog", "sat", "ran"]

@@ -29,7 +29,7 @@ p.add_argument("--prompt", default="Explain in three sentences why the sky is bl
 args = p.parse_args()
 if args.speculator is None and not (SHIPPED_FOR_EMBEDDED / "config.json").is_file():
     sys.exit(f"the MLP speculator shipped for the embedded SmolLM2 is missing ({SHIPPED_FOR_EMBEDDED}); "
-             f"pass --speculator PATH (python -m nanospec.train_speculator trains one)")
+             f"pass --speculator PATH (python -m nanospec.train trains one)")
 
 K = 3
 # the chain of its stages, every guess verified (served as shipped it is a beam of 16 + prompt lookup, whose

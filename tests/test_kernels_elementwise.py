@@ -9,7 +9,7 @@ from nanospec.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and
 from nanospec.kernels.backend import backend
 from nanospec.kernels.kv_store import copy_kv_slots_ref, copy_kv_slots_triton, store_kv_ref, store_kv_triton
 from nanospec.kernels.rmsnorm import rms_norm, rms_norm_ref, rms_norm_triton
-from nanospec.kernels.rope import apply_rope_ref, apply_rope_triton, build_rope_cache, rope_inv_freq
+from nanospec.kernels.rope import apply_rope_ref, build_rope_cache, rope_inv_freq
 
 # Tolerances of a Triton kernel (fp32 math, one rounding) against its reference, on either device. fp32: the two
 # differ in the order of operations and, compiled on CUDA, in fused multiply-adds and the hardware's exp2 / rsqrt
@@ -161,27 +161,6 @@ def test_apply_rope_ref_matches_hf(device):
     q_out, k_out = apply_rope_ref(q, k, positions, cache)
     torch.testing.assert_close(q_out, hf_q[0].transpose(0, 1))
     torch.testing.assert_close(k_out, hf_k[0].transpose(0, 1))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("q_heads, kv_heads, head_dim", [(9, 3, 64), (5, 1, 24)])
-def test_apply_rope_triton_matches_ref(device, dtype, q_heads, kv_heads, head_dim):
-    q, k = _fused_qkv_views(7, q_heads, kv_heads, head_dim, dtype, device)
-    cache = build_rope_cache(head_dim, 64, 10000.0, LLAMA3_SCALING, device=device)
-    positions = torch.tensor([5, 0, 63, 7, 8, 9, 40], device=device)
-    expected_q, expected_k = apply_rope_ref(q, k, positions, cache)
-    q_out, k_out = apply_rope_triton(q, k, positions, cache)
-    assert q_out.dtype == k_out.dtype == dtype
-    assert q_out.is_contiguous() and k_out.is_contiguous()
-    torch.testing.assert_close(q_out, expected_q, **TOLERANCE[dtype])
-    torch.testing.assert_close(k_out, expected_k, **TOLERANCE[dtype])
-
-
-def test_apply_rope_triton_empty(device):
-    q, k = _fused_qkv_views(0, 4, 2, 16, torch.float32, device)
-    cache = build_rope_cache(16, 8, 10000.0, device=device)
-    q_out, k_out = apply_rope_triton(q, k, torch.empty(0, dtype=torch.int64, device=device), cache)
-    assert q_out.shape == (0, 4, 16) and k_out.shape == (0, 2, 16)
 
 
 # ----------------------------------------------------------------------------------------------

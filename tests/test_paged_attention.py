@@ -19,6 +19,7 @@ from nanospec.kernels.attention_mask import (
     unpack_mask,
 )
 from nanospec.kernels.backend import backend
+from nanospec.kernels.cpu_attention import PagedAttentionPlan, paged_attention_cpu
 from nanospec.kernels.paged_attention import paged_attention, paged_attention_ref
 
 
@@ -145,9 +146,12 @@ def dense_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc
 
 
 def run(impl, batch, tree_mask=None):
-    """``impl`` ("ref": the torch reference; "triton": the kernel) on the batch (and mask) as given."""
+    """``impl`` ("ref": the torch reference; "cpu": the CPU backend; "triton": the kernel) on the batch (and mask)
+    as given."""
     if impl == "ref":
         return paged_attention_ref(**batch, tree_mask=tree_mask)
+    if impl == "cpu":
+        return paged_attention_cpu(**batch, tree_mask=tree_mask)
     with backend("triton"):
         return paged_attention(**batch, tree_mask=tree_mask)
 
@@ -162,7 +166,7 @@ def check(impl, batch, tree_mask=None, atol=1e-4):
     torch.testing.assert_close(out.cpu().double(), expected, atol=atol, rtol=atol)
 
 
-IMPLS = ["ref", "triton"]
+IMPLS = ["ref", "cpu", "triton"]
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -267,8 +271,6 @@ def test_causal_bitmask_equals_no_mask(device, impl):
 def test_plan_reads_consecutive_blocks_as_a_slice(device):
     """A sequence whose blocks are consecutive (a lone request's are) is read as a slice, not gathered:
     same result as the dense reference, for a decode, a causal prefill and a tree."""
-    from nanospec.kernels.paged_attention import PagedAttentionPlan
-
     q_lens, ctx_lens, block_size = [1, 7, 5], [22, 3, 9], 4
     batch = make_batch(q_lens, ctx_lens, num_q_heads=6, num_kv_heads=2, head_dim=32, block_size=block_size,
                        device=device)
@@ -282,5 +284,5 @@ def test_plan_reads_consecutive_blocks_as_a_slice(device):
     tree = concat_masks([causal_mask(1), causal_mask(7), tree_mask_from_parents([-1, 0, 0, 1, 2])]).to(device)
     plan = PagedAttentionPlan(tables, batch["seq_lens"], batch["query_start_loc"], block_size, 3, tree)
     assert all(isinstance(g.kv, slice) for g in plan.groups)
-    check("ref", batch, tree_mask=tree)
-    check("ref", batch)
+    check("cpu", batch, tree_mask=tree)
+    check("cpu", batch)

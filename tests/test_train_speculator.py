@@ -1,4 +1,4 @@
-"""python -m nanospec.train_speculator on a tiny random Llama: what it writes, that it is reproducible and
+"""python -m nanospec.train on a tiny random Llama: what it writes, that it is reproducible and
 resumable, that its recorded hidden states are the target's, and that bad arguments fail clearly."""
 
 import json
@@ -12,9 +12,10 @@ from safetensors.torch import load_file
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
 from nanospec.model.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, load_mlp_speculator
-from nanospec.train_speculator import (IGNORE, PROMPT_SET, Examples, encode_chat, generate_with_hidden,
-                                       held_out_prompts, load_prompt_set, main, stage_losses, teacher_forced_hidden,
-                                       teacher_hidden)
+from nanospec.train.__main__ import main
+from nanospec.train.data import IGNORE, PROMPT_SET, Examples, encode_chat, held_out_prompts, load_prompt_set
+from nanospec.train.loop import stage_losses, teacher_hidden
+from nanospec.train.record import generate_with_hidden, teacher_forced_hidden
 from tiny import make_tiny_llama
 
 SHIPPED = Path(__file__).resolve().parent.parent / "nanospec" / "speculators" / "smollm2-135m-instruct"

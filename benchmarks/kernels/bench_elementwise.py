@@ -2,8 +2,8 @@
 
     PYTHONPATH=. python benchmarks/kernels/bench_elementwise.py [--dtype bf16|fp16|fp32]
 
-Ops: rms_norm (plain and with the fused residual add), apply_rope, silu_and_mul, store_kv, apply_rope
-then store_kv (two launches) against the fused rope_store_kv, and copy_kv_slots, at SmolLM2-135M and
+Ops: rms_norm (plain and with the fused residual add), silu_and_mul, store_kv, the fused RoPE + KV write
+(rope_store_kv) and copy_kv_slots, at SmolLM2-135M and
 Llama-3.2-1B shapes, for decode-sized to prefill-sized token counts. Prints microseconds per call
 (triton.testing.do_bench, median) and the bandwidth the Triton kernel reaches (bytes it must read and
 write / time). Needs a CUDA GPU: without one it exits with status 2.
@@ -33,7 +33,7 @@ def cases(model, num_tokens, dtype):
     from nanospec.kernels.activation import silu_and_mul_ref, silu_and_mul_triton
     from nanospec.kernels.kv_store import copy_kv_slots_ref, copy_kv_slots_triton, store_kv_ref, store_kv_triton
     from nanospec.kernels.rmsnorm import rms_norm_ref, rms_norm_triton
-    from nanospec.kernels.rope import apply_rope_ref, apply_rope_triton, build_rope_cache
+    from nanospec.kernels.rope import build_rope_cache
     from nanospec.kernels.rope_store_kv import rope_store_kv_ref, rope_store_kv_triton
 
     hidden, q_heads, kv_heads, head_dim, ffn = MODELS[model]
@@ -56,8 +56,6 @@ def cases(model, num_tokens, dtype):
     cache = build_rope_cache(head_dim, 8192, 500000.0, device=device)
     positions = torch.randint(0, 8192, (num_tokens,), device=device)
     rope_bytes = 2 * (q.numel() + k.numel()) * element + num_tokens * head_dim * 4
-    yield ("apply_rope", lambda: apply_rope_triton(q, k, positions, cache),
-           lambda: apply_rope_ref(q, k, positions, cache), rope_bytes)
 
     gate_up = torch.randn(num_tokens, 2 * ffn, device=device, dtype=dtype)
     yield ("silu_and_mul", lambda: silu_and_mul_triton(gate_up), lambda: silu_and_mul_ref(gate_up),
@@ -71,15 +69,8 @@ def cases(model, num_tokens, dtype):
     yield ("store_kv", lambda: store_kv_triton(k, v, k_cache, v_cache, slots),
            lambda: store_kv_ref(k, v, k_cache, v_cache, slots), kv_bytes)
 
-    # what a layer does before attending: two kernels (apply_rope, store_kv) or the fused one
-    def unfused():
-        q_out, k_out = apply_rope_triton(q, k, positions, cache)
-        store_kv_triton(k_out, v, k_cache, v_cache, slots)
-        return q_out
-
+    # what a layer does before attending: RoPE and the KV write, fused
     fused_bytes = rope_bytes + 2 * k.numel() * element
-    yield ("rope,store_kv", unfused, lambda: rope_store_kv_ref(q, k, v, positions, cache, k_cache, v_cache, slots),
-           fused_bytes)
     yield ("rope_store_kv", lambda: rope_store_kv_triton(q, k, v, positions, cache, k_cache, v_cache, slots),
            lambda: rope_store_kv_ref(q, k, v, positions, cache, k_cache, v_cache, slots), fused_bytes)
 

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/kernels/bench_sampling.py [--dtype bf16|fp16|fp32]
 
-Ops: greedy, probs_from_logits (temperature only, top-k, top-p, both), sample_from_probs and the
+Ops: probs_from_logits (temperature only, top-k, top-p, both), sample_from_probs and the
 whole of sample, for 1 to 64 rows at the vocabularies of SmolLM2-135M (49152) and Llama-3.2-1B
 (128256). Prints microseconds per call (triton.testing.do_bench, median). The Triton top-k / top-p
 kernel makes 32 passes over a row per threshold it searches, so those columns show what the
@@ -34,8 +34,6 @@ SETTINGS = {
 def cases(vocab_size, num_rows, dtype):
     """Yields (op name, triton callable, reference callable)."""
     from nanospec.kernels.sampling import (
-        greedy_ref,
-        greedy_triton,
         probs_from_logits_ref,
         probs_from_logits_triton,
         sample_from_probs_ref,
@@ -48,7 +46,6 @@ def cases(vocab_size, num_rows, dtype):
     logits = torch.randn(num_rows, vocab_size, device=device, dtype=dtype) * 4
     seeds = torch.randint(0, 2**62, (num_rows,), device=device)
     offsets = torch.arange(num_rows, device=device)
-    yield "greedy", lambda: greedy_triton(logits), lambda: greedy_ref(logits)
 
     for name, (temperature, top_k, top_p) in SETTINGS.items():
         args = (

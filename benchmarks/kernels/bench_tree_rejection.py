@@ -48,12 +48,8 @@ def main():
 
     from triton.testing import do_bench
 
-    from nanospec.kernels.tree_rejection import (
-        greedy_tree_verify_ref,
-        greedy_tree_verify_triton,
-        tree_rejection_sample_ref,
-        tree_rejection_sample_triton,
-    )
+    from nanospec.kernels.tree_rejection import tree_rejection_sample_ref, tree_rejection_sample_triton
+    from nanospec.kernels.tree_verify import greedy_tree_verify_ref, greedy_tree_verify_triton
 
     print(torch.cuda.get_device_name())
     header = ("model", "tree", "op", "batch", "triton us", "torch us", "speedup", "tokens/row", "rows differ")

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from nanospec.kernels.backend import use_triton
+from nanospec.kernels.backend import dispatch
 
 
 @triton.jit
@@ -29,6 +29,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_row_stride, ffn_size, BLOCK: tl.const
 
 
 def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``x = [gate | up]`` ``[T, 2F]``: ``[T, F]``."""
     ffn_size = x.shape[-1] // 2
     if x.dtype == torch.float32:
         return F.silu(x.narrow(-1, 0, ffn_size)).mul_(x.narrow(-1, ffn_size, ffn_size))
@@ -50,7 +51,4 @@ def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    if use_triton(x):
-        return silu_and_mul_triton(x)
-    return silu_and_mul_ref(x)
+silu_and_mul = dispatch(silu_and_mul_triton, silu_and_mul_ref)

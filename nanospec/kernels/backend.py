@@ -3,17 +3,22 @@
 * ``triton``  - the Triton kernel. On CUDA tensors it is compiled; on CPU tensors it runs only under
   Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported), which is how the
   kernels are tested on a machine without a GPU.
-* ``torch``   - the plain-PyTorch reference of the same op (same signature, same result).
-* ``auto``    - (default) Triton for CUDA tensors, the reference for everything else.
+* ``torch``   - the plain-PyTorch reference of the same op (same signature, same result); the model's
+  attention runs its CPU backend (:mod:`nanospec.kernels.cpu_attention`) instead.
+* ``auto``    - (default) Triton for CUDA tensors, torch for everything else.
 
 Choose with the environment variable ``NANOSPEC_BACKEND`` or, in code, with :func:`set_backend`
-(also usable as a context manager through :func:`backend`).
+(also usable as a context manager through :func:`backend`). Every op module declares its op once:
+``<op> = dispatch(<op>_triton, <op>_ref)``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -58,3 +63,16 @@ def use_triton(t: torch.Tensor) -> bool:
             )
         return True
     return t.is_cuda
+
+
+def dispatch(triton_op: Callable, ref_op: Callable) -> Callable:
+    """The op: ``triton_op`` when its first argument (the main input tensor) should run the Triton kernel, else
+    ``ref_op``; both take the same arguments. It carries the reference's name, signature and docstring."""
+    first = next(iter(inspect.signature(ref_op).parameters))
+
+    @functools.wraps(ref_op)
+    def op(*args, **kwargs):
+        return (triton_op if use_triton(args[0] if args else kwargs[first]) else ref_op)(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = ref_op.__name__.removesuffix("_ref")
+    return op

@@ -1,10 +1,11 @@
-"""Writing and moving K/V in the paged cache.
+"""Moving K/V inside the paged cache (``copy_kv_slots``), and the slot write it is built on.
 
 Layout per layer: ``k_cache, v_cache: [num_blocks, block_size, Hk, D]``. A slot is
 ``block_id * block_size + offset_in_block``: an index into the view ``[num_blocks * block_size, Hk, D]``
 (so the first two dims of a cache must be mergeable, e.g. the cache is contiguous).
 
-store_kv (in place), for every new token t with ``slot_mapping[t] >= 0`` (negative slots are padding):
+store_kv (in place; the engine writes new K/V fused with RoPE: :mod:`nanospec.kernels.rope_store_kv`), for every
+new token t with ``slot_mapping[t] >= 0`` (negative slots are padding):
 
     k_cache[slot_mapping[t]] = k[t];  v_cache[slot_mapping[t]] = v[t]
 
@@ -27,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanospec.kernels.backend import use_triton
+from nanospec.kernels.backend import dispatch
 
 
 @triton.jit
@@ -98,34 +99,16 @@ def _slot_view(cache: torch.Tensor) -> torch.Tensor:
     return cache.view(-1, *cache.shape[2:])
 
 
-def real_token_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
-    """Rows of the tokens that write K/V (slot >= 0; padding tokens have slot -1), or None when all do."""
-    if not bool((slot_mapping < 0).any()):  # most batches have no padding
-        return None
-    return (slot_mapping >= 0).nonzero().squeeze(1)
-
-
-def store_kv_ref(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    rows = real_token_rows(slot_mapping)
-    if rows is not None:
-        k, v, slot_mapping = k[rows], v[rows], slot_mapping[rows]
+def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+    real = slot_mapping >= 0
+    k, v, slot_mapping = k[real], v[real], slot_mapping[real]
     _slot_view(k_cache).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     _slot_view(v_cache).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
 
-def store_kv_triton(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
+def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
     num_tokens, num_heads, head_dim = k.shape
     if num_tokens == 0:
         return
@@ -155,36 +138,16 @@ def store_kv_triton(
     )
 
 
-def store_kv(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    if use_triton(k):
-        store_kv_triton(k, v, k_cache, v_cache, slot_mapping)
-    else:
-        store_kv_ref(k, v, k_cache, v_cache, slot_mapping)
-
-
-def copy_kv_slots_ref(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    src_slots: torch.Tensor,
-    dst_slots: torch.Tensor,
-) -> None:
+def copy_kv_slots_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor,
+                      dst_slots: torch.Tensor) -> None:
+    """``cache[dst_slots[i]] = old cache[src_slots[i]]`` for K and V, all reads before any writes."""
     for cache in (k_cache, v_cache):
         slots = _slot_view(cache)
         slots.index_copy_(0, dst_slots, slots.index_select(0, src_slots))
 
 
-def copy_kv_slots_triton(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    src_slots: torch.Tensor,
-    dst_slots: torch.Tensor,
-) -> None:
+def copy_kv_slots_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor,
+                         dst_slots: torch.Tensor) -> None:
     num_pairs = src_slots.shape[0]
     if num_pairs == 0:
         return
@@ -210,13 +173,4 @@ def copy_kv_slots_triton(
     store_kv_triton(k_moved, v_moved, k_cache, v_cache, dst_slots)
 
 
-def copy_kv_slots(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    src_slots: torch.Tensor,
-    dst_slots: torch.Tensor,
-) -> None:
-    if use_triton(k_cache):
-        copy_kv_slots_triton(k_cache, v_cache, src_slots, dst_slots)
-    else:
-        copy_kv_slots_ref(k_cache, v_cache, src_slots, dst_slots)
+copy_kv_slots = dispatch(copy_kv_slots_triton, copy_kv_slots_ref)

@@ -21,20 +21,17 @@ BLOCK_N with an online (flash-attention) softmax; each key's slot is looked up i
 a tile may span cache blocks. Without a tree mask the loop stops at the last key the block's last
 query can see.
 
-The torch reference works out what depends only on the batch (each sequence's cache slots and mask)
-once, in :class:`PagedAttentionPlan`; the CPU engine builds one plan per forward for all its layers.
+The reference computes the formula one sequence at a time; the engine's CPU backend plans the batch once per
+forward for every layer (:mod:`nanospec.kernels.cpu_attention`).
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from nanospec.kernels.attention_mask import unpack_mask
-from nanospec.kernels.backend import use_triton
+from nanospec.kernels.backend import dispatch
 
 _LOG2E = 1.4426950408889634
 
@@ -137,17 +134,9 @@ def _paged_attention_kernel(
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & dim_valid[None, :])
 
 
-def paged_attention_triton(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    tree_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
+def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                           seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                           tree_mask: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     assert num_q_heads % num_kv_heads == 0, "query heads must be a multiple of kv heads"
@@ -186,152 +175,35 @@ def paged_attention_triton(
     return out
 
 
-@dataclass
-class _Group:
-    """Query rows of the batch and the cache slots they attend over (see :class:`PagedAttentionPlan`)."""
-    rows: slice | torch.Tensor      # a slice of the batch's rows, or row indices (batched decode)
-    kv: slice | torch.Tensor        # a slice of the flat slot axis, or slot indices ([S, L] for batched decode)
-    q_len: int                      # new tokens per sequence
-    bias: torch.Tensor | None       # additive mask (0 / -inf): [q_len * group, L], or [S, 1, 1, L] batched
-    batched: bool = False
+def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
+                        tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of the new tokens ``q [T, Hq, D]`` over their sequences' paged K/V; returns ``[T, Hq, D]``. The
+    formula, one sequence at a time, in fp32."""
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
+    k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for s, seq_len in enumerate(lens):
+        q_len = starts[s + 1] - starts[s]
+        if q_len == 0:
+            continue
+        keys = torch.arange(seq_len, device=q.device)
+        slots = block_tables[s, keys // block_size].long() * block_size + keys % block_size
+        k = k_slots[slots].float().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        v = v_slots[slots].float().repeat_interleave(group, dim=1)
+        new = keys - (seq_len - q_len)  # index among the new tokens; negative for the context
+        if tree_mask is None:
+            new_visible = new[None, :] <= torch.arange(q_len, device=q.device)[:, None]
+        else:
+            bits = new.clamp(min=0)
+            words = tree_mask[starts[s]:starts[s + 1]][:, bits // 64]
+            new_visible = ((words >> (bits % 64)) & 1).bool()
+        visible = (new < 0)[None, :] | new_visible  # [q_len, L]
+        scores = torch.einsum("qhd,khd->hqk", q[starts[s]:starts[s + 1]].float(), k) * scale
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1)
+        out[starts[s]:starts[s + 1]] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
 
 
-class PagedAttentionPlan:
-    """The torch reference's per-batch work, done once per forward and shared by every layer.
-
-    For each sequence: the flat cache slots of its storage indices (a plain slice when its blocks are
-    consecutive, as a lone request's are) and its additive mask among the new tokens (causal, or the
-    tree bitmask unpacked), with one row per (new token, query head of a kv head's group), token-major.
-    Sequences with one new token each, when there are several, are attended together: padded to the
-    longest, in one batched matmul. :meth:`attend` then costs a handful of torch ops per layer.
-    """
-
-    def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 block_size: int, group: int, tree_mask: torch.Tensor | None = None):
-        device = block_tables.device
-        self.group = group
-        starts, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
-        self.num_tokens = starts[-1] if starts else 0
-        q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
-        decode = [s for s, q_len in enumerate(q_lens) if q_len == 1]
-        batched = set(decode) if len(decode) > 1 else set()
-        self.groups: list[_Group] = []
-        if batched:
-            self.groups.append(self._batched_decode(decode, starts, lens, tables, block_size, device))
-        for s, q_len in enumerate(q_lens):
-            if q_len == 0 or s in batched:
-                continue
-            seq_len, ctx_len = lens[s], lens[s] - q_len
-            visible = None
-            if tree_mask is not None and q_len > 1:
-                visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
-                visible[:, ctx_len:] = unpack_mask(tree_mask[starts[s]:starts[s + 1]], q_len)
-            elif q_len > 1:
-                visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(diagonal=ctx_len)
-            bias = None
-            if visible is not None:
-                bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-                bias = bias.repeat_interleave(group, dim=0)
-            self.groups.append(_Group(slice(starts[s], starts[s + 1]), _slots(tables[s], seq_len, block_size, device),
-                                      q_len, bias))
-        self.one_group_for_all_rows = (len(self.groups) == 1 and isinstance(self.groups[0].rows, slice)
-                                       and self.groups[0].rows == slice(0, self.num_tokens))
-
-    def _batched_decode(self, seqs, starts, lens, tables, block_size, device) -> _Group:
-        longest = max(lens[s] for s in seqs)
-        slots = torch.zeros(len(seqs), longest, dtype=torch.int64, device=device)  # padding reads slot 0, masked
-        bias = torch.zeros(len(seqs), 1, 1, longest, device=device)
-        for i, s in enumerate(seqs):
-            slots[i, :lens[s]] = _slot_indices(tables[s], lens[s], block_size, device)
-            bias[i, ..., lens[s]:] = float("-inf")
-        rows = [starts[s] for s in seqs]
-        in_order = rows == list(range(self.num_tokens))
-        return _Group(slice(0, self.num_tokens) if in_order else torch.tensor(rows, device=device), slots, 1, bias,
-                      batched=True)
-
-    def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
-        """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``.
-
-        ``k_slots`` / ``v_slots``: the cache with its block axes merged, ``[num_blocks * block_size, Hk, D]``.
-        """
-        if self.one_group_for_all_rows:
-            return self._attend_group(self.groups[0], q, k_slots, v_slots)
-        out = q.new_zeros(q.shape)
-        for g in self.groups:
-            out[g.rows] = self._attend_group(g, q[g.rows], k_slots, v_slots)
-        return out
-
-    def _attend_group(self, g: _Group, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads, group = num_heads // self.group, self.group
-        q_in = q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)
-        if g.batched:                                  # S sequences, one token each, padded to the longest
-            k = k_slots[g.kv].permute(0, 2, 3, 1)      # [S, Hk, D, L]
-            v = v_slots[g.kv].transpose(1, 2)          # [S, Hk, L, D]
-            scores = torch.matmul(q_in.view(-1, num_kv_heads, group, head_dim), k)
-            scores = scores.add_(g.bias if g.bias.dtype == scores.dtype else g.bias.to(scores.dtype))
-        else:                                          # one sequence: [Hk, q_len * group, L]
-            k = k_slots[g.kv].permute(1, 2, 0)         # [Hk, D, L]
-            v = v_slots[g.kv].transpose(0, 1)          # [Hk, L, D]
-            if g.q_len == 1:                           # rows are the heads of each group already
-                q_in = q_in.view(num_kv_heads, group, head_dim)
-            else:
-                q_in = q_in.view(g.q_len, num_kv_heads, group, head_dim).transpose(0, 1)
-                q_in = q_in.reshape(num_kv_heads, g.q_len * group, head_dim)
-            if g.bias is None:
-                scores = torch.bmm(q_in, k)
-            else:
-                scores = torch.baddbmm(g.bias if g.bias.dtype == k.dtype else g.bias.to(k.dtype), q_in, k)
-        probs = torch.softmax(scores, dim=-1) if scores.dtype == torch.float32 else \
-            torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        result = torch.matmul(probs, v) if g.batched else torch.bmm(probs, v)
-        if not g.batched and g.q_len > 1:              # [Hk, q_len * group, D] -> [q_len, Hk, group, D]
-            result = result.view(num_kv_heads, g.q_len, group, head_dim).transpose(0, 1)
-        result = result.reshape(num_tokens, num_heads, head_dim)
-        return result if result.dtype == q.dtype else result.to(q.dtype)
-
-
-def _slot_indices(table: list[int], seq_len: int, block_size: int, device) -> torch.Tensor:
-    blocks = torch.tensor(table[: (seq_len + block_size - 1) // block_size], dtype=torch.int64, device=device)
-    return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:seq_len]
-
-
-def _slots(table: list[int], seq_len: int, block_size: int, device) -> slice | torch.Tensor:
-    """The flat cache slots of storage indices ``0 .. seq_len-1``: a slice when the blocks are consecutive."""
-    num_blocks = (seq_len + block_size - 1) // block_size
-    if all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1)):
-        first = table[0] * block_size if num_blocks else 0
-        return slice(first, first + seq_len)
-    return _slot_indices(table, seq_len, block_size, device)
-
-
-def paged_attention_ref(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    tree_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    plan = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1],
-                              q.shape[1] // k_cache.shape[2], tree_mask)
-    return plan.attend(q * scale, k_cache.flatten(0, 1), v_cache.flatten(0, 1))
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    max_query_len: int,
-    tree_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of the new tokens ``q [T, Hq, D]`` over their sequences' paged K/V; returns ``[T, Hq, D]``."""
-    args = (q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, max_query_len, tree_mask)
-    return paged_attention_triton(*args) if use_triton(q) else paged_attention_ref(*args)
+paged_attention = dispatch(paged_attention_triton, paged_attention_ref)

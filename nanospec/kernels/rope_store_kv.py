@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from nanospec.kernels.backend import use_triton
+from nanospec.kernels.backend import dispatch
 from nanospec.kernels.kv_store import store_kv_ref
-from nanospec.kernels.rope import _cos_sin, _rotate_heads, apply_rope_ref
+from nanospec.kernels.rope import apply_rope_ref, load_cos_sin, rotate_heads
 
 
 @triton.jit
@@ -55,13 +55,13 @@ def _rope_store_kv_kernel(
     BLOCK_DIM: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
-    cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, token, half_dim, BLOCK_HALF)
-    _rotate_heads(q_ptr + token * q_token_stride, q_out_ptr + token * num_q_heads * 2 * half_dim, q_head_stride,
+    cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, half_dim, BLOCK_HALF)
+    rotate_heads(q_ptr + token * q_token_stride, q_out_ptr + token * num_q_heads * 2 * half_dim, q_head_stride,
                   2 * half_dim, num_q_heads, half_dim, cos, sin, BLOCK_Q_HEADS, BLOCK_HALF)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # a padding token writes no K/V
         return
-    _rotate_heads(k_ptr + token * k_token_stride, k_cache_ptr + slot * k_cache_slot_stride, k_head_stride,
+    rotate_heads(k_ptr + token * k_token_stride, k_cache_ptr + slot * k_cache_slot_stride, k_head_stride,
                   k_cache_head_stride, num_kv_heads, half_dim, cos, sin, BLOCK_KV_HEADS, BLOCK_HALF)
     heads = tl.arange(0, BLOCK_KV_HEADS)[:, None]
     dims = tl.arange(0, BLOCK_DIM)[None, :]
@@ -74,6 +74,7 @@ def _rope_store_kv_kernel(
 def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
                       cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> torch.Tensor:
+    """Rotated ``q``; writes the rotated ``k`` and ``v`` into the caches (see the module docstring)."""
     q_out, k_out = apply_rope_ref(q, k, positions, cos_sin_cache)
     store_kv_ref(k_out, v, k_cache, v_cache, slot_mapping)
     return q_out
@@ -103,10 +104,4 @@ def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     return q_out
 
 
-def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                  cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                  slot_mapping: torch.Tensor) -> torch.Tensor:
-    """Rotated ``q``; writes the rotated ``k`` and ``v`` into the caches (see the module docstring)."""
-    if use_triton(q):
-        return rope_store_kv_triton(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
-    return rope_store_kv_ref(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping)
+rope_store_kv = dispatch(rope_store_kv_triton, rope_store_kv_ref)

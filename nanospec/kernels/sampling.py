@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k, top-p, and seeded draws from a distribution.
+"""Token sampling: temperature, top-k, top-p, and seeded draws from a distribution.
 
 ``probs_from_logits`` turns one row of logits ``x`` into the distribution a request samples from:
 
@@ -38,8 +38,7 @@ speculation. The division rounds to nearest in both backends, so Triton and torc
 for the same ``(probs, seed, offset)``, bit for bit. (``sample`` from logits inherits the backends'
 ulp-level differences in ``exp``: its tokens can differ only when two scores are within rounding.)
 
-``sample`` is ``probs_from_logits`` followed by ``sample_from_probs``; ``greedy`` is a row-wise argmax
-(the first index on ties). Shapes: logits ``[N, V]`` (fp32/bf16/fp16), temperature and top_p ``[N]``
+``sample`` is ``probs_from_logits`` followed by ``sample_from_probs``. Shapes: logits ``[N, V]`` (fp32/bf16/fp16), temperature and top_p ``[N]``
 float32, top_k ``[N]`` int32, seeds and offsets ``[N]`` int64; ``N`` may be 0.
 """
 
@@ -49,7 +48,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanospec.kernels.backend import use_triton
+from nanospec.kernels.backend import dispatch
 from nanospec.kernels.exponential_race import race, race_ref
 
 _MAX_BLOCK_V = 1024
@@ -183,13 +182,6 @@ def _sample_from_probs_kernel(
     tl.store(samples_ptr + row, token)
 
 
-@triton.jit
-def _greedy_kernel(logits_ptr, tokens_ptr, logits_row_stride, vocab_size, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    _, argmax = _row_argmax(logits_ptr + row * logits_row_stride, vocab_size, BLOCK_V)
-    tl.store(tokens_ptr + row, argmax)
-
-
 # ---------------------------------------------------------------------------------------------------
 # torch reference
 
@@ -228,13 +220,9 @@ def _keep_threshold_ref(keys, weights, top_k, top_p) -> torch.Tensor:
     return threshold
 
 
-def greedy_ref(logits: torch.Tensor) -> torch.Tensor:
-    return logits.argmax(dim=-1)
-
-
-def probs_from_logits_ref(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def probs_from_logits_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                          top_p: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[N, V]`` distribution each row samples from (see the module docstring)."""
     x = logits.float()
     one_hot = torch.zeros_like(x).scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)
     greedy_rows = temperature == 0
@@ -250,12 +238,14 @@ def probs_from_logits_ref(
 
 
 def sample_from_probs_ref(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` (unnormalised is fine), a pure function of (probs, seed, offset)."""
     if probs.shape[0] == 0:
         return torch.empty(0, dtype=torch.int64, device=probs.device)
     return race_ref(probs, seeds, offsets)
 
 
 def sample_ref(logits, temperature, top_k, top_p, seeds, offsets) -> torch.Tensor:
+    """``sample_from_probs(probs_from_logits(logits, ...), seeds, offsets)``: int64 ``[N]``."""
     return sample_from_probs_ref(probs_from_logits_ref(logits, temperature, top_k, top_p), seeds, offsets)
 
 
@@ -267,18 +257,8 @@ def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def greedy_triton(logits: torch.Tensor) -> torch.Tensor:
-    logits = _rows_with_unit_stride(logits)
-    num_rows, vocab_size = logits.shape
-    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
-    if num_rows > 0:
-        _greedy_kernel[(num_rows,)](logits, tokens, logits.stride(0), vocab_size, BLOCK_V=_block_v(vocab_size))
-    return tokens
-
-
-def probs_from_logits_triton(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
+def probs_from_logits_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                             top_p: torch.Tensor) -> torch.Tensor:
     logits = _rows_with_unit_stride(logits)
     num_rows, vocab_size = logits.shape
     probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
@@ -317,40 +297,6 @@ def sample_triton(logits, temperature, top_k, top_p, seeds, offsets) -> torch.Te
     return sample_from_probs_triton(probs_from_logits_triton(logits, temperature, top_k, top_p), seeds, offsets)
 
 
-# ---------------------------------------------------------------------------------------------------
-# dispatchers
-
-
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax of ``[N, V]`` logits (the first index on ties), int64 ``[N]``."""
-    return greedy_triton(logits) if use_triton(logits) else greedy_ref(logits)
-
-
-def probs_from_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """The float32 ``[N, V]`` distribution each row samples from (see the module docstring)."""
-    if use_triton(logits):
-        return probs_from_logits_triton(logits, temperature, top_k, top_p)
-    return probs_from_logits_ref(logits, temperature, top_k, top_p)
-
-
-def sample_from_probs(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs`` (unnormalised is fine), a pure function of (probs, seed, offset)."""
-    if use_triton(probs):
-        return sample_from_probs_triton(probs, seeds, offsets)
-    return sample_from_probs_ref(probs, seeds, offsets)
-
-
-def sample(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    seeds: torch.Tensor,
-    offsets: torch.Tensor,
-) -> torch.Tensor:
-    """``sample_from_probs(probs_from_logits(logits, ...), seeds, offsets)``: int64 ``[N]``."""
-    if use_triton(logits):
-        return sample_triton(logits, temperature, top_k, top_p, seeds, offsets)
-    return sample_ref(logits, temperature, top_k, top_p, seeds, offsets)
+probs_from_logits = dispatch(probs_from_logits_triton, probs_from_logits_ref)
+sample_from_probs = dispatch(sample_from_probs_triton, sample_from_probs_ref)
+sample = dispatch(sample_triton, sample_ref)

@@ -44,16 +44,11 @@ Randomness, from :mod:`nanospec.kernels.random`, with the row's ``seed`` and ``o
         j = 0: w = p, W = S_p (the chain's test); then w, W are the current residual and its mass
     the token drawn at depth d:                      argmax_v w_v / E_v,  E_v = -log(uniform(seed, offset + d, v))
 
-A chain (``parents = [-1, 0, 1, ...]``, ``draft_probs[b, i]`` the q that drafted node i) is therefore
-exactly :func:`nanospec.kernels.rejection.rejection_sample` (j = 0 at every depth): same numbers, same
-arithmetic, the same tokens. The arithmetic follows that module so that the Triton kernel and the
-reference emit identical tokens: sums in float64 rounded to float32, ``E_v`` the float64 log rounded to
-float32, divisions rounded to nearest (``tl.math.div_rn``), no fused multiply-add (the kernel is
-compiled with ``enable_fp_fusion=False``), ties to the lowest token id.
-
-Greedy verification (temperature 0) follows the target's argmax: at ``cur`` move to the first child whose
-token is ``target_argmax[cur]``; if there is none, emit ``target_argmax[cur]`` and stop.
-``tree_rejection_sample`` with one-hot target rows returns exactly ``greedy_tree_verify``.
+A chain (``parents = [-1, 0, 1, ...]``, ``draft_probs[b, i]`` the q that drafted node i) is ordinary
+speculative sampling (j = 0 at every depth). The Triton kernel and the reference emit identical tokens: sums in
+float64 rounded to float32, ``E_v`` the float64 log rounded to float32, divisions rounded to nearest
+(``tl.math.div_rn``), no fused multiply-add (the kernel is compiled with ``enable_fp_fusion=False``), ties to the
+lowest token id. With one-hot target rows it returns exactly :mod:`nanospec.kernels.tree_verify`'s walk.
 
 Outputs, both ``[B, N]`` int64 padded with -1: ``path_nodes`` (the accepted nodes, root excluded) and
 ``emitted`` (their tokens, then the recovered or bonus token: one more than the path).
@@ -69,7 +64,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanospec.kernels.backend import use_triton
+from nanospec.kernels.backend import dispatch
 from nanospec.kernels.exponential_race import draw_token, exponentials_ref
 from nanospec.kernels.random import uniform, uniform_ref
 
@@ -214,59 +209,19 @@ def _tree_rejection_sample_kernel(
     tl.store(emitted_ptr + row * N + nodes, emitted, mask=nodes < N)
 
 
-@triton.jit
-def _greedy_tree_verify_kernel(
-    target_argmax_ptr,  # [B, N] int64
-    node_tokens_ptr,  # [B, N] int64
-    parents_ptr,  # [B, N] int64
-    num_nodes_ptr,  # [B] int64
-    path_nodes_ptr,  # [B, N] int64 out
-    emitted_ptr,  # [B, N] int64 out
-    N,
-    BLOCK_N: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    num_nodes = tl.load(num_nodes_ptr + row).to(tl.int32)
-    nodes = tl.arange(0, BLOCK_N)
-    in_tree = (nodes > 0) & (nodes < tl.minimum(num_nodes, N))
-    parents = tl.load(parents_ptr + row * N + nodes, mask=in_tree, other=-1).to(tl.int32)
-    tokens = tl.load(node_tokens_ptr + row * N + nodes, mask=in_tree, other=-1)
-    target = tl.load(target_argmax_ptr + row * N + nodes, mask=nodes < N, other=-1)
-
-    path = tl.full([BLOCK_N], -1, tl.int64)
-    emitted = tl.full([BLOCK_N], -1, tl.int64)
-    cur = tl.full((), 0, tl.int32)
-    depth = tl.full((), 0, tl.int32)
-    moved = tl.full((), 1, tl.int1)
-    while moved:
-        best = tl.sum(tl.where(nodes == cur, target, 0), axis=0)
-        child = tl.min(tl.where((parents == cur) & (tokens == best), nodes, BLOCK_N), axis=0)
-        moved = child < BLOCK_N
-        emitted = tl.where(nodes == depth, best, emitted)
-        path = tl.where(nodes == tl.where(moved, depth, -1), child.to(tl.int64), path)
-        cur = tl.where(moved, child, cur)
-        depth += moved.to(tl.int32)
-    tl.store(path_nodes_ptr + row * N + nodes, path, mask=nodes < N)
-    tl.store(emitted_ptr + row * N + nodes, emitted, mask=nodes < N)
-
-
 # ----------------------------------------------------------------------------------------------------
 # Rejection sampling over a tree
 # ----------------------------------------------------------------------------------------------------
 
 
-def tree_rejection_sample_ref(
-    target_probs: torch.Tensor,
-    node_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    num_nodes: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
-    *,
-    seeds: torch.Tensor,
-    offsets: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """All rows walk their trees together: a loop over depth and over the j-th child, vectorised over rows.
-    The scalar arithmetic is that of the kernel, one row per tensor element."""
+def tree_rejection_sample_ref(target_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
+                              num_nodes: torch.Tensor, draft_probs: torch.Tensor | None = None, *,
+                              seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Verify a token tree per row against ``target_probs [B, N, V]`` (one row per node): the accepted
+    ``path_nodes [B, N]`` and the ``emitted [B, N]`` tokens (one more than the path), both -1 padded.
+
+    All rows walk their trees together: a loop over depth and over the j-th child, vectorised over rows, with the
+    kernel's scalar arithmetic, one row per tensor element."""
     batch, max_nodes, vocab_size = target_probs.shape
     device = target_probs.device
     rows = torch.arange(batch, device=device)
@@ -375,16 +330,9 @@ def tree_rejection_sample_ref(
     return path, emitted
 
 
-def tree_rejection_sample_triton(
-    target_probs: torch.Tensor,
-    node_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    num_nodes: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
-    *,
-    seeds: torch.Tensor,
-    offsets: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_rejection_sample_triton(target_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
+                                 num_nodes: torch.Tensor, draft_probs: torch.Tensor | None = None, *,
+                                 seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     batch, max_nodes, vocab_size = target_probs.shape
     device = target_probs.device
     path = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
@@ -415,91 +363,4 @@ def tree_rejection_sample_triton(
     return path, emitted
 
 
-def tree_rejection_sample(
-    target_probs: torch.Tensor,
-    node_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    num_nodes: torch.Tensor,
-    draft_probs: torch.Tensor | None = None,
-    *,
-    seeds: torch.Tensor,
-    offsets: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify a token tree per row against ``target_probs [B, N, V]`` (one row per node): the accepted
-    ``path_nodes [B, N]`` and the ``emitted [B, N]`` tokens (one more than the path), both -1 padded."""
-    verify = tree_rejection_sample_triton if use_triton(target_probs) else tree_rejection_sample_ref
-    return verify(target_probs, node_tokens, parents, num_nodes, draft_probs, seeds=seeds, offsets=offsets)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Greedy verification over a tree
-# ----------------------------------------------------------------------------------------------------
-
-
-def greedy_tree_verify_ref(
-    target_argmax: torch.Tensor,
-    node_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    num_nodes: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, max_nodes = target_argmax.shape
-    device = target_argmax.device
-    rows = torch.arange(batch, device=device)
-    nodes = torch.arange(max_nodes, device=device)
-    in_tree = (nodes > 0) & (nodes < num_nodes.to(device)[:, None])
-    parents = torch.where(in_tree, parents.to(device).long(), -1)
-    tokens = node_tokens.to(device).long()
-    target_argmax = target_argmax.long()
-
-    path = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
-    emitted = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
-    cur = torch.zeros(batch, dtype=torch.int64, device=device)
-    walking = torch.ones(batch, dtype=torch.bool, device=device)
-    for depth in range(max_nodes):
-        if not walking.any():
-            break
-        best = target_argmax[rows, cur]
-        matches = (parents == cur[:, None]) & (tokens == best[:, None])
-        child = torch.where(matches, nodes, max_nodes).min(-1).values
-        moved = walking & (child < max_nodes)
-        emitted[:, depth] = torch.where(walking, best, -1)
-        path[:, depth] = torch.where(moved, child, -1)
-        cur = torch.where(moved, child, cur)
-        walking = moved
-    return path, emitted
-
-
-def greedy_tree_verify_triton(
-    target_argmax: torch.Tensor,
-    node_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    num_nodes: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    batch, max_nodes = target_argmax.shape
-    device = target_argmax.device
-    path = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
-    emitted = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
-    if batch > 0:
-        _greedy_tree_verify_kernel[(batch,)](
-            target_argmax.to(torch.int64).contiguous(),
-            node_tokens.to(device=device, dtype=torch.int64).contiguous(),
-            parents.to(device=device, dtype=torch.int64).contiguous(),
-            num_nodes.to(device=device, dtype=torch.int64).contiguous(),
-            path,
-            emitted,
-            max_nodes,
-            BLOCK_N=triton.next_power_of_2(max_nodes),
-            num_warps=1,
-        )
-    return path, emitted
-
-
-def greedy_tree_verify(
-    target_argmax: torch.Tensor,
-    node_tokens: torch.Tensor,
-    parents: torch.Tensor,
-    num_nodes: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Follow ``target_argmax [B, N]`` down each row's tree: ``(path_nodes, emitted)``, both -1 padded."""
-    verify = greedy_tree_verify_triton if use_triton(target_argmax) else greedy_tree_verify_ref
-    return verify(target_argmax, node_tokens, parents, num_nodes)
+tree_rejection_sample = dispatch(tree_rejection_sample_triton, tree_rejection_sample_ref)

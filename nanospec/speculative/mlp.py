@@ -86,7 +86,7 @@ def speculator_path(model: str | None, target_config) -> Path:
     if not (SHIPPED_FOR_EMBEDDED / "config.json").is_file():
         raise FileNotFoundError(f"the MLP speculator shipped for the embedded SmolLM2-135M-Instruct is missing from "
                                 f"this installation ({SHIPPED_FOR_EMBEDDED}); pass speculative_config['model'], the "
-                                f"directory of one (python -m nanospec.train_speculator trains one)")
+                                f"directory of one (python -m nanospec.train trains one)")
     return SHIPPED_FOR_EMBEDDED
 
 

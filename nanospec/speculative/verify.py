@@ -36,7 +36,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nanospec.kernels.tree_rejection import greedy_tree_verify, tree_rejection_sample
+from nanospec.kernels.tree_rejection import tree_rejection_sample
+from nanospec.kernels.tree_verify import greedy_tree_verify
 from nanospec.sampling.logprobs import gather_logprobs, raw_logprobs, token_logprobs
 from nanospec.sampling.penalties import apply_penalties, ban_stop_tokens_before_min_tokens
 from nanospec.sampling.tensors import SamplingTensors, draw_tokens
