@@ -10,7 +10,8 @@ root following the target's argmax; the accepted path's K/V is then moved next t
 
 import torch
 
-from nanospec.kernels.attention_mask import tree_depths, tree_mask_from_parents, unpack_mask
+from nanospec.kernels.attention_mask import unpack_mask
+from nanospec.speculative.proposal import tree_depths, tree_mask
 from nanospec.kernels.tree_verify import greedy_tree_verify
 
 #          0        1       2       3        4       5        6
@@ -18,14 +19,14 @@ words = ["<root>", "the", "a", "cat", "dog", "sat", "ran"]
 parents = [-1, 0, 0, 1, 1, 3, 3]  # root -> {the, a}; the -> {cat, dog}; cat -> {sat, ran}
 context_len = 10
 
-mask = unpack_mask(tree_mask_from_parents(parents), len(parents))
+mask = unpack_mask(tree_mask(parents), len(parents))
 depths = tree_depths(parents)
 print("node  token    parent  position   sees (new tokens of this step)")
 for i, word in enumerate(words):
     row = "".join("x" if mask[i, j] else "." for j in range(len(words)))
     print(f"{i:>4}  {word:<8} {parents[i]:>6}  {context_len + depths[i]:>8}   {row}")
 print("packed as int64 bit words (what the attention kernel reads):",
-      tree_mask_from_parents(parents).flatten().tolist())
+      tree_mask(parents).flatten().tolist())
 
 # pretend the target's argmax after each node is this (in word ids): after <root> "the", after "the" "cat", ...
 target_argmax = torch.tensor([[1, 3, 0, 5, 0, 2, 0]])  # after "cat" the target wants "sat", after "sat" it wants "a"

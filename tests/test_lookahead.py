@@ -6,7 +6,8 @@ import random
 import pytest
 import torch
 
-from nanospec.kernels.attention_mask import pack_mask, tree_mask_from_parents, unpack_mask
+from nanospec.kernels.attention_mask import pack_mask, unpack_mask
+from nanospec.speculative.proposal import tree_mask
 from nanospec.speculative.lookahead import LookaheadDecoder
 
 
@@ -120,7 +121,7 @@ def test_step_structure_random(seed):
     # the mask is the ancestor mask of one tree spanning both branches
     parents = full_parents(step)
     assert parents[:t] == step.tree_parents
-    assert torch.equal(step.mask, tree_mask_from_parents(parents))
+    assert torch.equal(step.mask, tree_mask(parents))
     assert step.mask.shape == (n, (n + 63) // 64)
     for row in range(n):
         causal_path(step, row, visible)
@@ -158,7 +159,7 @@ def test_mask_spans_several_words():
     step = decoder.build_step(state, 7)
     assert len(step.tokens) == 1 + 8 * 4 + 39 == 72
     assert step.mask.shape == (72, 2)
-    assert torch.equal(step.mask, tree_mask_from_parents(full_parents(step)))
+    assert torch.equal(step.mask, tree_mask(full_parents(step)))
 
 
 # ----------------------------------------------------------------------------- pool and window updates

@@ -247,25 +247,6 @@ def test_extend_incrementally_equals_building_from_scratch():
             assert proposer.tree(index, 12) == proposer.tree(fresh, 12)
 
 
-def test_truncate_equals_building_from_scratch():
-    rng = random.Random(2)
-    proposer = NgramProposer(4, prompt_lookup_min=1, prompt_lookup_max=4, max_candidates=3)
-    for _ in range(30):
-        tokens = [rng.randrange(4) for _ in range(rng.randint(0, 120))]
-        index = proposer.new_index(tokens)
-        length = rng.randint(0, len(tokens))
-        index.truncate(length)
-        fresh = proposer.new_index(tokens[:length])
-        assert index.tokens == fresh.tokens
-        assert index.ends == fresh.ends
-        assert proposer.chain(index) == proposer.chain(fresh)
-        assert proposer.tree(index, 12) == proposer.tree(fresh, 12)
-        index.extend(tokens[length:])  # and it grows back to the same state
-        assert index.ends == proposer.new_index(tokens).ends
-    with pytest.raises(ValueError, match="truncate"):
-        NgramIndex(1, 2, [1, 2, 3]).truncate(4)
-
-
 # ----------------------------------------------------------------------------- cost
 def fastest_seconds_per_call(fns, calls=200, rounds=40):
     """The best per-call time of each fn, over short batches run in turns (robust to a busy machine)."""

@@ -10,17 +10,11 @@ import random
 import pytest
 import torch
 
-from nanospec.kernels.attention_mask import (
-    causal_mask,
-    concat_masks,
-    pack_mask,
-    tree_depths,
-    tree_mask_from_parents,
-    unpack_mask,
-)
+from nanospec.kernels.attention_mask import causal_mask, concat_masks, pack_mask, unpack_mask
 from nanospec.kernels.backend import backend
 from nanospec.kernels.cpu_attention import PagedAttentionPlan, paged_attention_cpu
 from nanospec.kernels.paged_attention import paged_attention, paged_attention_ref
+from nanospec.speculative.proposal import tree_depths, tree_mask
 
 
 # ----------------------------------------------------------------------------------------------
@@ -60,13 +54,13 @@ def test_tree_mask_and_depths():
     #    / \     \
     #   3   4     5
     parents = [-1, 0, 0, 1, 1, 2]
-    dense = unpack_mask(tree_mask_from_parents(parents), 6)
+    dense = unpack_mask(tree_mask(parents), 6)
     expected = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 2, 5}}
     for node, seen in expected.items():
         assert set(torch.nonzero(dense[node]).flatten().tolist()) == seen
     assert tree_depths(parents) == [0, 1, 1, 2, 2, 2]
     with pytest.raises(ValueError):
-        tree_mask_from_parents([-1, 2, 0])
+        tree_mask([-1, 2, 0])
 
 
 def test_concat_masks_pads_words():
@@ -243,7 +237,7 @@ def test_half_precision(device, impl, dtype):
 def test_random_trees(device, impl):
     rng = random.Random(0)
     q_lens = [1, 6, 13]
-    masks = [tree_mask_from_parents([-1] + [rng.randrange(i) for i in range(1, n)]) for n in q_lens]
+    masks = [tree_mask([-1] + [rng.randrange(i) for i in range(1, n)]) for n in q_lens]
     batch = make_batch(q_lens, [9, 0, 21], num_q_heads=6, num_kv_heads=2, head_dim=64, block_size=4, device=device)
     check(impl, batch, tree_mask=concat_masks(masks).to(device))
 
@@ -281,7 +275,7 @@ def test_plan_reads_consecutive_blocks_as_a_slice(device):
         tables[s, :num_blocks] = torch.arange(first, first + num_blocks, device=device)
         first += num_blocks
     batch["block_tables"] = tables
-    tree = concat_masks([causal_mask(1), causal_mask(7), tree_mask_from_parents([-1, 0, 0, 1, 2])]).to(device)
+    tree = concat_masks([causal_mask(1), causal_mask(7), tree_mask([-1, 0, 0, 1, 2])]).to(device)
     plan = PagedAttentionPlan(tables, batch["seq_lens"], batch["query_start_loc"], block_size, 3, tree)
     assert all(isinstance(g.kv, slice) for g in plan.groups)
     check("cpu", batch, tree_mask=tree)

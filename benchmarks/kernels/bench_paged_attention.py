@@ -16,7 +16,8 @@ import torch
 import triton
 
 from common import require_cuda
-from nanospec.kernels.attention_mask import concat_masks, tree_mask_from_parents
+from nanospec.kernels.attention_mask import concat_masks
+from nanospec.speculative.proposal import tree_mask
 from nanospec.kernels.paged_attention import paged_attention_ref, paged_attention_triton
 
 MODELS = {"smollm2-135m": (9, 3, 64), "llama-1b": (32, 8, 64)}
@@ -55,7 +56,7 @@ def make_batch(num_seqs, q_len, ctx_len, num_q_heads, num_kv_heads, head_dim, dt
 def two_branch_tree_mask(num_seqs, q_len, device):
     """A tree per sequence: node 0 the root, odd nodes on one branch, even nodes on the other."""
     parents = [-1] + [max(i - 2, 0) for i in range(1, q_len)]
-    return concat_masks([tree_mask_from_parents(parents)] * num_seqs).to(device)
+    return concat_masks([tree_mask(parents)] * num_seqs).to(device)
 
 
 def main() -> None:

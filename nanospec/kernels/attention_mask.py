@@ -7,10 +7,8 @@ new token ``b`` iff bit ``b % 64`` of word ``b // 64`` of row ``i`` is set,
 
 Bit 63 is the int64 sign bit; packing sums disjoint powers of two (``1 << 63`` is ``-2**63``), which never
 overflows, and unpacking shifts arithmetically then keeps the lowest bit, so bit 63 round-trips.
-The cached context of a sequence is always visible and is not part of the mask.
-
-Trees: node ``i`` has parent ``parents[i] < i`` (``-1`` for a root); a node sees itself and its ancestors
-and sits at position ``context_len + depth``.
+The cached context of a sequence is always visible and is not part of the mask. A token tree's mask (each node
+sees itself and its ancestors) is built with the proposals (:func:`nanospec.speculative.proposal.tree_mask`).
 """
 
 from __future__ import annotations
@@ -18,8 +16,6 @@ from __future__ import annotations
 import torch
 
 BITS_PER_WORD = 64
-_WORD = (1 << BITS_PER_WORD) - 1
-_SIGN = 1 << (BITS_PER_WORD - 1)
 _BIT_VALUES = torch.ones(BITS_PER_WORD, dtype=torch.int64) << torch.arange(BITS_PER_WORD, dtype=torch.int64)
 
 
@@ -47,34 +43,6 @@ def unpack_mask(words: torch.Tensor, n: int) -> torch.Tensor:
 def causal_mask(q_len: int) -> torch.Tensor:
     """Each of ``q_len`` new tokens sees itself and the new tokens before it."""
     return pack_mask(torch.ones(q_len, q_len, dtype=torch.bool).tril())
-
-
-def tree_mask_from_parents(parents: list[int]) -> torch.Tensor:
-    """Each node sees itself and its ancestors; ``parents[i] < i`` or ``-1`` for a root.
-
-    A row is built as a Python-int bitset (its parent's row plus its own bit), then split into words."""
-    words = num_words(len(parents))
-    bitsets: list[int] = []
-    rows: list[list[int]] = []
-    for node, parent in enumerate(parents):
-        if not -1 <= parent < node:
-            raise ValueError(f"parent of node {node} is {parent}: it must be -1 or an earlier node")
-        bits = (bitsets[parent] if parent >= 0 else 0) | (1 << node)
-        bitsets.append(bits)
-        row = []
-        for w in range(words):
-            word = (bits >> (BITS_PER_WORD * w)) & _WORD
-            row.append(word - (1 << BITS_PER_WORD) if word & _SIGN else word)  # bit 63 is the int64 sign bit
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.int64).view(len(parents), words)
-
-
-def tree_depths(parents: list[int]) -> list[int]:
-    """Depth of each node (roots 0); node ``i`` sits at position ``context_len + depth[i]``."""
-    depths: list[int] = []
-    for parent in parents:
-        depths.append(0 if parent < 0 else depths[parent] + 1)
-    return depths
 
 
 def concat_masks(masks: list[torch.Tensor]) -> torch.Tensor:

@@ -1,25 +1,15 @@
 """Moving K/V inside the paged cache (``copy_kv_slots``), and the slot write it is built on.
 
-Layout per layer: ``k_cache, v_cache: [num_blocks, block_size, Hk, D]``. A slot is
-``block_id * block_size + offset_in_block``: an index into the view ``[num_blocks * block_size, Hk, D]``
-(so the first two dims of a cache must be mergeable, e.g. the cache is contiguous).
+Layout per layer: ``k_cache, v_cache: [num_blocks, block_size, Hk, D]``; slot ``block_id * block_size + offset``
+indexes the view ``[num_blocks * block_size, Hk, D]``.
 
-store_kv (in place; the engine writes new K/V fused with RoPE: :mod:`nanospec.kernels.rope_store_kv`), for every
-new token t with ``slot_mapping[t] >= 0`` (negative slots are padding):
+    store_kv:       k_cache[slot_mapping[t]] = k[t], v likewise, for every t with slot_mapping[t] >= 0
+    copy_kv_slots:  cache[dst_slots[i]] = old cache[src_slots[i]] for K and V, every read before any write
 
-    k_cache[slot_mapping[t]] = k[t];  v_cache[slot_mapping[t]] = v[t]
-
-``k``, ``v`` ``[T, Hk, D]`` may be strided views of a fused qkv projection (last dim contiguous).
-
-copy_kv_slots (in place), for every pair i, all reads before any writes:
-
-    cache[dst_slots[i]] = old cache[src_slots[i]]            (K and V)
-
-so a destination may also be the source of another pair (compacting an accepted tree path moves
-slots down onto slots that are themselves still to be read). ``dst_slots`` must be distinct.
-The Triton version gathers the sources into a temporary, then scatters it with the store kernel.
-
-Both Triton kernels run one program per token, moving all of its heads at once.
+so a destination may also be another pair's source (compacting an accepted tree path moves slots down onto slots
+still to be read); ``dst_slots`` must be distinct. The engine writes new K/V fused with RoPE
+(:mod:`nanospec.kernels.rope_store_kv`). Triton: one program per token, all its heads; the copy gathers the sources
+into a temporary, then scatters it with the store kernel.
 """
 
 from __future__ import annotations
@@ -32,25 +22,9 @@ from nanospec.kernels.backend import dispatch
 
 
 @triton.jit
-def _store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    slot_mapping_ptr,
-    k_token_stride,
-    k_head_stride,
-    v_token_stride,
-    v_head_stride,
-    k_cache_slot_stride,
-    k_cache_head_stride,
-    v_cache_slot_stride,
-    v_cache_head_stride,
-    num_heads,
-    head_dim,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
-):
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_token_stride, k_head_stride,
+                     v_token_stride, v_head_stride, k_cache_slot_stride, k_cache_head_stride, v_cache_slot_stride,
+                     v_cache_head_stride, num_heads, head_dim, BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
     if slot < 0:  # padding token
@@ -66,21 +40,9 @@ def _store_kv_kernel(
 
 
 @triton.jit
-def _gather_kv_kernel(
-    k_cache_ptr,
-    v_cache_ptr,
-    k_out_ptr,
-    v_out_ptr,
-    slots_ptr,
-    k_cache_slot_stride,
-    k_cache_head_stride,
-    v_cache_slot_stride,
-    v_cache_head_stride,
-    num_heads,
-    head_dim,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
-):
+def _gather_kv_kernel(k_cache_ptr, v_cache_ptr, k_out_ptr, v_out_ptr, slots_ptr, k_cache_slot_stride,
+                      k_cache_head_stride, v_cache_slot_stride, v_cache_head_stride, num_heads, head_dim,
+                      BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
     index = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + index).to(tl.int64)
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
@@ -117,25 +79,11 @@ def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_c
     if v.stride(-1) != 1:
         v = v.contiguous()
     k_slots, v_slots = _slot_view(k_cache), _slot_view(v_cache)
-    _store_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_slots,
-        v_slots,
-        slot_mapping,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        k_slots.stride(0),
-        k_slots.stride(1),
-        v_slots.stride(0),
-        v_slots.stride(1),
-        num_heads,
-        head_dim,
-        BLOCK_HEADS=triton.next_power_of_2(num_heads),
-        BLOCK_DIM=triton.next_power_of_2(head_dim),
-    )
+    _store_kv_kernel[(num_tokens,)](k, v, k_slots, v_slots, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+                                    v.stride(1), k_slots.stride(0), k_slots.stride(1), v_slots.stride(0),
+                                    v_slots.stride(1), num_heads, head_dim,
+                                    BLOCK_HEADS=triton.next_power_of_2(num_heads),
+                                    BLOCK_DIM=triton.next_power_of_2(head_dim))
 
 
 def copy_kv_slots_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor,
@@ -155,21 +103,10 @@ def copy_kv_slots_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots
     num_heads, head_dim = k_slots.shape[1:]
     k_moved = torch.empty((num_pairs, num_heads, head_dim), dtype=k_cache.dtype, device=k_cache.device)
     v_moved = torch.empty((num_pairs, num_heads, head_dim), dtype=v_cache.dtype, device=v_cache.device)
-    _gather_kv_kernel[(num_pairs,)](
-        k_slots,
-        v_slots,
-        k_moved,
-        v_moved,
-        src_slots,
-        k_slots.stride(0),
-        k_slots.stride(1),
-        v_slots.stride(0),
-        v_slots.stride(1),
-        num_heads,
-        head_dim,
-        BLOCK_HEADS=triton.next_power_of_2(num_heads),
-        BLOCK_DIM=triton.next_power_of_2(head_dim),
-    )
+    _gather_kv_kernel[(num_pairs,)](k_slots, v_slots, k_moved, v_moved, src_slots, k_slots.stride(0), k_slots.stride(1),
+                                    v_slots.stride(0), v_slots.stride(1), num_heads, head_dim,
+                                    BLOCK_HEADS=triton.next_power_of_2(num_heads),
+                                    BLOCK_DIM=triton.next_power_of_2(head_dim))
     store_kv_triton(k_moved, v_moved, k_cache, v_cache, dst_slots)
 
 

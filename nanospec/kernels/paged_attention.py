@@ -37,19 +37,14 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _paged_attention_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tree_mask_ptr,
-    scale_log2e,
-    stride_q_token, stride_q_head,
-    stride_k_block, stride_k_slot, stride_k_head,
-    stride_v_block, stride_v_slot, stride_v_head,
-    stride_out_token, stride_out_head,
-    stride_block_table, stride_tree_mask,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_TREE_MASK: tl.constexpr, DOT_FP32: tl.constexpr,
-):
+def _paged_attention_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+                            block_tables_ptr, seq_lens_ptr, query_start_loc_ptr, tree_mask_ptr, scale_log2e,
+                            stride_q_token, stride_q_head, stride_k_block, stride_k_slot, stride_k_head,
+                            stride_v_block, stride_v_slot, stride_v_head, stride_out_token, stride_out_head,
+                            stride_block_table, stride_tree_mask,
+                            HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            HAS_TREE_MASK: tl.constexpr, DOT_FP32: tl.constexpr):
     seq = tl.program_id(0)
     first_query = tl.program_id(1) * BLOCK_M
     kv_head = tl.program_id(2)

@@ -57,13 +57,8 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None,
     raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
 
 
-def build_rope_cache(
-    head_dim: int,
-    max_position: int,
-    theta: float,
-    rope_scaling: dict | None = None,
-    device=None,
-) -> torch.Tensor:
+def build_rope_cache(head_dim: int, max_position: int, theta: float, rope_scaling: dict | None = None,
+                     device=None) -> torch.Tensor:
     """``[max_position, head_dim]`` fp32: cos(p * inv_freq) in the first half, sin in the second."""
     inv_freq = rope_inv_freq(head_dim, theta, rope_scaling, device)
     positions = torch.arange(max_position, dtype=torch.float32, device=device)
@@ -72,18 +67,8 @@ def build_rope_cache(
 
 
 @triton.jit
-def rotate_heads(
-    in_row_ptr,
-    out_row_ptr,
-    in_head_stride,
-    out_head_stride,
-    num_heads,
-    half_dim,
-    cos,
-    sin,
-    BLOCK_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-):
+def rotate_heads(in_row_ptr, out_row_ptr, in_head_stride, out_head_stride, num_heads, half_dim, cos, sin,
+                 BLOCK_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Rotate the ``num_heads`` head vectors of one token (``in_row_ptr``: its first head) into
     ``out_row_ptr`` (fp32 math, stored in the output's dtype)."""
     heads = tl.arange(0, BLOCK_HEADS)[:, None]

@@ -26,34 +26,11 @@ from nanospec.kernels.rope import apply_rope_ref, load_cos_sin, rotate_heads
 
 
 @triton.jit
-def _rope_store_kv_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    q_out_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    positions_ptr,
-    slot_mapping_ptr,
-    cos_sin_ptr,
-    q_token_stride,
-    q_head_stride,
-    k_token_stride,
-    k_head_stride,
-    v_token_stride,
-    v_head_stride,
-    k_cache_slot_stride,
-    k_cache_head_stride,
-    v_cache_slot_stride,
-    v_cache_head_stride,
-    num_q_heads,
-    num_kv_heads,
-    half_dim,
-    BLOCK_Q_HEADS: tl.constexpr,
-    BLOCK_KV_HEADS: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,
-    BLOCK_DIM: tl.constexpr,
-):
+def _rope_store_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, positions_ptr, slot_mapping_ptr,
+                          cos_sin_ptr, q_token_stride, q_head_stride, k_token_stride, k_head_stride, v_token_stride,
+                          v_head_stride, k_cache_slot_stride, k_cache_head_stride, v_cache_slot_stride,
+                          v_cache_head_stride, num_q_heads, num_kv_heads, half_dim, BLOCK_Q_HEADS: tl.constexpr,
+                          BLOCK_KV_HEADS: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_DIM: tl.constexpr):
     token = tl.program_id(0).to(tl.int64)
     cos, sin = load_cos_sin(positions_ptr, cos_sin_ptr, token, half_dim, BLOCK_HALF)
     rotate_heads(q_ptr + token * q_token_stride, q_out_ptr + token * num_q_heads * 2 * half_dim, q_head_stride,
@@ -91,16 +68,15 @@ def rope_store_kv_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, posi
     if num_tokens == 0:
         return q_out
     k_slots, v_slots = k_cache.view(-1, *k_cache.shape[2:]), v_cache.view(-1, *v_cache.shape[2:])
-    _rope_store_kv_kernel[(num_tokens,)](
-        q, k, v, q_out, k_slots, v_slots, positions, slot_mapping, cos_sin_cache.contiguous(),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_slots.stride(0), k_slots.stride(1), v_slots.stride(0), v_slots.stride(1),
-        num_q_heads, num_kv_heads, head_dim // 2,
-        BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads),
-        BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
-        BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
-        BLOCK_DIM=triton.next_power_of_2(head_dim),
-    )
+    _rope_store_kv_kernel[(num_tokens,)](q, k, v, q_out, k_slots, v_slots, positions, slot_mapping,
+                                         cos_sin_cache.contiguous(), q.stride(0), q.stride(1), k.stride(0),
+                                         k.stride(1), v.stride(0), v.stride(1),
+                                         k_slots.stride(0), k_slots.stride(1), v_slots.stride(0), v_slots.stride(1),
+                                         num_q_heads, num_kv_heads, head_dim // 2,
+                                         BLOCK_Q_HEADS=triton.next_power_of_2(num_q_heads),
+                                         BLOCK_KV_HEADS=triton.next_power_of_2(num_kv_heads),
+                                         BLOCK_HALF=triton.next_power_of_2(head_dim // 2),
+                                         BLOCK_DIM=triton.next_power_of_2(head_dim))
     return q_out
 
 

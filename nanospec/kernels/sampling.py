@@ -2,44 +2,23 @@
 
 ``probs_from_logits`` turns one row of logits ``x`` into the distribution a request samples from:
 
-* temperature ``T == 0`` (greedy): the one-hot of ``argmax x`` (the first index on ties).
-* otherwise ``w_v = exp((x_v - max x) / T)`` and the kept tokens are ``{v : x_v >= tau}``, where the
-  threshold ``tau`` is the larger of
+* temperature ``T == 0`` (greedy): the one-hot of ``argmax x`` (the first index on ties);
+* otherwise ``w_v = exp((x_v - max x) / T)`` over the kept tokens ``{v : x_v >= tau}``, normalised, where ``tau`` is
+  the larger of top-k's ``tau_k`` (on when ``0 < k < V``: the k-th largest logit, every tie kept) and top-p's
+  ``tau_p`` (on when ``top_p < 1``: the largest ``t`` with ``sum_{x_v >= max(tau_k, t)} w_v >= top_p *
+  sum_{x_v >= tau_k} w_v``: vLLM's smallest nucleus, the crossing token and its ties included).
 
-  - top-k (on when ``0 < k < V``): ``tau_k`` = the k-th largest logit. Ties with it are all kept,
-    so more than k tokens survive when the k-th value repeats.
-  - top-p (on when ``top_p < 1``): ``tau_p`` = the largest logit value ``t`` with
-    ``sum_{x_v >= max(tau_k, t)} w_v >= top_p * sum_{x_v >= tau_k} w_v``. That is vLLM's smallest
-    set of most probable (top-k surviving) tokens whose mass reaches ``top_p``, the token that
-    crosses the threshold included, plus every token tied with it.
+Thresholds compare logits through an order-preserving integer key of the float32 bits, so both backends keep the
+same top-k set. The Triton kernel is sort-free: one program per row finds each threshold by bisection over the
+2**32 keys (32 passes over the row in ``BLOCK_V`` tiles); the reference uses ``torch.topk``. Top-p compares float
+sums, so the backends can differ only where a candidate's mass equals ``top_p * mass`` to within rounding.
 
-  and ``probs_v = w_v / sum_{kept} w`` for kept tokens, 0 for the others.
-
-Thresholds compare logits, not probabilities, through an order-preserving integer key of the float32
-bits (``key(a) < key(b)`` iff ``a < b``, and ``-0.0`` just below ``+0.0``), so both backends pick the
-same top-k set from the same logits. The Triton kernel is sort-free: one program per row finds each
-threshold by bisection over the 2**32 integer keys (32 rounds, each a pass over the row in BLOCK_V
-tiles counting tokens, or summing their mass, at or above the midpoint). The torch reference uses
-``torch.topk``. Top-p decisions compare float sums, so the two backends can differ only when the
-mass at a candidate threshold equals ``top_p * mass`` to within rounding.
-
-``sample_from_probs`` draws one token per row by an exponential race over the row, with the numbers
-``uniform(seed, offset, v)`` of :mod:`nanospec.kernels.random` (one per vocabulary entry ``v``):
-
-    E_v   = -log(uniform(seed, offset, v))           independent Exp(1), the float64 log rounded to float32
-    token = argmax_v max(p_v, 0) / E_v               ties to the lowest id
-
-so ``P(token = v) = p_v / sum p`` (the minimum of independent exponentials ``E_v / p_v`` is the one of rate
-``p_v`` with that probability). ``probs`` need not be normalised, zeros are never drawn, a one-hot row
-always gives its token and a row with no positive entry gives 0. The same race, at the same
-``(seed, offset)``, is what speculative verification compares its guesses with (a guess is accepted iff it
-is the token this draw would give), so a seeded request samples the same tokens with or without
-speculation. The division rounds to nearest in both backends, so Triton and torch return the same token
-for the same ``(probs, seed, offset)``, bit for bit. (``sample`` from logits inherits the backends'
-ulp-level differences in ``exp``: its tokens can differ only when two scores are within rounding.)
-
-``sample`` is ``probs_from_logits`` followed by ``sample_from_probs``. Shapes: logits ``[N, V]`` (fp32/bf16/fp16), temperature and top_p ``[N]``
-float32, top_k ``[N]`` int32, seeds and offsets ``[N]`` int64; ``N`` may be 0.
+``sample_from_probs`` draws one token per row by the exponential race of :mod:`nanospec.kernels.exponential_race`
+at the row's ``(seed, offset)``: ``P(v) = p_v / sum p`` (unnormalised is fine, zeros are never drawn, a row without
+mass gives 0), bit-identical in both backends. Speculative verification compares its guesses with this very draw,
+so a seeded request samples the same tokens with or without speculation. ``sample`` is ``probs_from_logits`` then
+``sample_from_probs``. Shapes: logits ``[N, V]`` (fp32/bf16/fp16), temperature and top_p ``[N]`` float32, top_k
+``[N]`` int32, seeds and offsets ``[N]`` int64; ``N`` may be 0.
 """
 
 from __future__ import annotations
@@ -108,16 +87,8 @@ def _mass_at_or_above(row_logits, vocab_size, key_threshold, row_max, temperatur
 
 
 @triton.jit
-def _probs_from_logits_kernel(
-    logits_ptr,
-    temperature_ptr,
-    top_k_ptr,
-    top_p_ptr,
-    probs_ptr,
-    logits_row_stride,
-    vocab_size,
-    BLOCK_V: tl.constexpr,
-):
+def _probs_from_logits_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, probs_ptr, logits_row_stride,
+                              vocab_size, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_logits = logits_ptr + row * logits_row_stride
     row_probs = probs_ptr + row * vocab_size
@@ -167,15 +138,8 @@ def _probs_from_logits_kernel(
 
 
 @triton.jit
-def _sample_from_probs_kernel(
-    probs_ptr,
-    seeds_ptr,
-    offsets_ptr,
-    samples_ptr,
-    probs_row_stride,
-    vocab_size,
-    BLOCK_V: tl.constexpr,
-):
+def _sample_from_probs_kernel(probs_ptr, seeds_ptr, offsets_ptr, samples_ptr, probs_row_stride, vocab_size,
+                              BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     token = race(probs_ptr + row * probs_row_stride, tl.load(seeds_ptr + row), tl.load(offsets_ptr + row),
                  vocab_size, BLOCK_V)
@@ -263,16 +227,9 @@ def probs_from_logits_triton(logits: torch.Tensor, temperature: torch.Tensor, to
     num_rows, vocab_size = logits.shape
     probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
     if num_rows > 0:
-        _probs_from_logits_kernel[(num_rows,)](
-            logits,
-            temperature.float().contiguous(),
-            top_k.to(torch.int32).contiguous(),
-            top_p.float().contiguous(),
-            probs,
-            logits.stride(0),
-            vocab_size,
-            BLOCK_V=_block_v(vocab_size),
-        )
+        _probs_from_logits_kernel[(num_rows,)](logits, temperature.float().contiguous(),
+                                               top_k.to(torch.int32).contiguous(), top_p.float().contiguous(), probs,
+                                               logits.stride(0), vocab_size, BLOCK_V=_block_v(vocab_size))
     return probs
 
 
@@ -281,15 +238,9 @@ def sample_from_probs_triton(probs: torch.Tensor, seeds: torch.Tensor, offsets: 
     num_rows, vocab_size = probs.shape
     samples = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
     if num_rows > 0:
-        _sample_from_probs_kernel[(num_rows,)](
-            probs,
-            seeds.to(torch.int64).contiguous(),
-            offsets.to(torch.int64).contiguous(),
-            samples,
-            probs.stride(0),
-            vocab_size,
-            BLOCK_V=_block_v(vocab_size),
-        )
+        _sample_from_probs_kernel[(num_rows,)](probs, seeds.to(torch.int64).contiguous(),
+                                               offsets.to(torch.int64).contiguous(), samples, probs.stride(0),
+                                               vocab_size, BLOCK_V=_block_v(vocab_size))
     return samples
 
 

@@ -1,9 +1,8 @@
 """Lossless verification of a token tree: rejection sampling over several candidates per position.
 
-Row ``b`` holds a tree of ``n = num_nodes[b]`` nodes. Node 0 is the root (the last committed token);
-node ``i > 0`` has parent ``parents[b, i] < i`` and token ``node_tokens[b, i]``. ``target_probs[b, i]`` is
-the target distribution after node ``i`` (row sums ``S`` need not be 1: rows are normalised). The
-children of a node are tried in increasing node index:
+Row ``b`` holds a tree of ``num_nodes[b]`` nodes: node 0 the root, node ``i > 0`` under ``parents[b, i] < i`` with
+token ``node_tokens[b, i]``; ``target_probs[b, i]`` is the target distribution after node ``i`` (normalised here).
+The children of a node are tried in increasing node index (SpecInfer, Miao et al. 2023):
 
     cur = 0, p = norm(target_probs[b, 0])
     loop:
@@ -13,49 +12,26 @@ children of a node are tried in increasing node index:
             on rejection:  p = norm(max(p - q, 0))                                (the residual)
         every child rejected (or none): emit a token drawn from p and stop
 
-so a row emits the tokens of its accepted path and one more: the recovered token (drawn from the
-residual) or, at a leaf, the bonus token (drawn from the leaf's target row). Each emitted token is
-distributed exactly as a token sampled from the target (SpecInfer's multi-step speculative sampling,
-Miao et al. 2023): conditioned on the rejections so far, the next candidate is still an independent
-draw from q, so trying it against the residual is one more step of ordinary rejection sampling.
+Each emitted token is distributed exactly as the target's: given the rejections so far, the next candidate is an
+independent draw from q, so trying it against the residual is one more step of rejection sampling.
 
-* One-hot candidates (``draft_probs`` is None: n-gram, lookahead, any candidates chosen without
-  sampling): q is one-hot at t_c, so acceptance has probability p(t_c) and the residual is p with t_c
-  zeroed. A duplicate token, already zeroed, is always rejected. Kept as the raw row with the rejected
-  tokens masked out, of mass ``W = S - sum of p over the distinct rejected tokens`` (float64, rounded).
-* A draft model: the children of a node are independent samples of one distribution q (the draft's
-  distribution after that node; drawn with replacement: sampling without replacement would bias the
-  output), stored in each child's row ``draft_probs[b, c]``; the kernel reads it from the node's first
-  child. With one q, the residual after j rejections has a closed form:
-  ``norm(max(p - c_j q, 0))`` with ``c_0 = 0`` and ``c_{j+1} = c_j + Z_j``, ``Z_j`` the mass of
-  ``max(p - c_j q, 0)`` (p and q normalised), because ``max(max(p - c q, 0) / Z - q, 0)`` is
-  ``max(p - (c + Z) q, 0) / Z``. So no residual is stored: one pass over the vocabulary per rejection
-  computes ``Z``. Here too a duplicate of a rejected token is rejected: a token can be rejected only
-  where p(t) < q(t), and there the residual is zero.
+* One-hot candidates (``draft_probs`` None): acceptance has probability ``p(t_c)`` and the residual is ``p`` with
+  ``t_c`` zeroed, kept as the raw row with the rejected tokens masked out (a duplicate is always rejected).
+* A draft model: a node's children are independent draws (with replacement) of one q, stored in each child's row
+  ``draft_probs[b, c]``. After j rejections the residual is ``norm(max(p - c_j q, 0))``, ``c_0 = 0``,
+  ``c_{j+1} = c_j + Z_j`` with ``Z_j`` the mass of ``max(p - c_j q, 0)``: one pass over the vocabulary per rejection.
 
-If a residual has no mass (a rejection of probability 0, e.g. p == q), every later child of that node is
-rejected and the token is drawn from the node's target row instead: well defined, no NaN.
+A residual without mass falls back to the node's target row. Randomness (:mod:`nanospec.kernels.random`), at the
+row's ``seed``, ``offset`` and the depth ``d`` being verified (root 0): the j-th child tried is accepted iff
+``uniform(seed, offset + d, V + j) * q(t) * W < w(t) * S_q`` (``w``, ``W``: the current residual and its mass), and
+the drawn token is ``argmax_v w_v / E_v``, ``E_v = -log(uniform(seed, offset + d, v))``. A chain is ordinary
+speculative sampling (j = 0 at every depth); with one-hot target rows this is :mod:`nanospec.kernels.tree_verify`'s
+walk. The kernel and the reference emit identical tokens: float64 sums rounded to float32, divisions rounded to
+nearest, no fused multiply-add (``enable_fp_fusion=False``), ties to the lowest id.
 
-Randomness, from :mod:`nanospec.kernels.random`, with the row's ``seed`` and ``offset`` and the depth
-``d`` of the node being verified (the root is depth 0):
-
-    acceptance of the j-th child tried at depth d:   u = uniform(seed, offset + d, V + j)
-        accept iff  u * q(t) * W < w(t) * S_q        (one-hot: q(t) = S_q = 1)
-        j = 0: w = p, W = S_p (the chain's test); then w, W are the current residual and its mass
-    the token drawn at depth d:                      argmax_v w_v / E_v,  E_v = -log(uniform(seed, offset + d, v))
-
-A chain (``parents = [-1, 0, 1, ...]``, ``draft_probs[b, i]`` the q that drafted node i) is ordinary
-speculative sampling (j = 0 at every depth). The Triton kernel and the reference emit identical tokens: sums in
-float64 rounded to float32, ``E_v`` the float64 log rounded to float32, divisions rounded to nearest
-(``tl.math.div_rn``), no fused multiply-add (the kernel is compiled with ``enable_fp_fusion=False``), ties to the
-lowest token id. With one-hot target rows it returns exactly :mod:`nanospec.kernels.tree_verify`'s walk.
-
-Outputs, both ``[B, N]`` int64 padded with -1: ``path_nodes`` (the accepted nodes, root excluded) and
-``emitted`` (their tokens, then the recovered or bonus token: one more than the path).
-
-Triton: one program per row, the tree (parents, tokens) in registers, a loop over depth and, inside it,
-over the children of the current node, the vocabulary streamed in ``BLOCK_V`` tiles: one pass per visited
-node for its row sums, one per rejection with a draft model, one for the final draw. No host sync.
+Outputs, both ``[B, N]`` int64 padded with -1: ``path_nodes`` (accepted nodes, root excluded) and ``emitted`` (their
+tokens, then the recovered or bonus token). Triton: one program per row, the tree in registers, the vocabulary
+streamed in ``BLOCK_V`` tiles: a pass per visited node, one per rejection with a draft model, one for the draw.
 """
 
 from __future__ import annotations
@@ -69,11 +45,6 @@ from nanospec.kernels.exponential_race import draw_token, exponentials_ref
 from nanospec.kernels.random import uniform, uniform_ref
 
 _TINY = torch.finfo(torch.float32).tiny  # floor for a row sum, so an all-zero row gives no NaN
-
-
-# ----------------------------------------------------------------------------------------------------
-# Triton
-# ----------------------------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -109,22 +80,9 @@ def _residual_mass(p_ptr, q_ptr, p_sum, q_sum, coef, V, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _tree_rejection_sample_kernel(
-    target_probs_ptr,  # [B, N, V]
-    draft_probs_ptr,  # [B, N, V] (unused without HAS_DRAFT_PROBS)
-    node_tokens_ptr,  # [B, N] int64
-    parents_ptr,  # [B, N] int64
-    num_nodes_ptr,  # [B] int64
-    seeds_ptr,  # [B] int64
-    offsets_ptr,  # [B] int64
-    path_nodes_ptr,  # [B, N] int64 out
-    emitted_ptr,  # [B, N] int64 out
-    N,
-    V,
-    HAS_DRAFT_PROBS: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-):
+def _tree_rejection_sample_kernel(target_probs_ptr, draft_probs_ptr, node_tokens_ptr, parents_ptr, num_nodes_ptr,
+                                  seeds_ptr, offsets_ptr, path_nodes_ptr, emitted_ptr, N, V,
+                                  HAS_DRAFT_PROBS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     num_nodes = tl.load(num_nodes_ptr + row).to(tl.int32)
     seed = tl.load(seeds_ptr + row)
@@ -207,11 +165,6 @@ def _tree_rejection_sample_kernel(
     emitted = tl.where(nodes == depth, token.to(tl.int64), emitted)
     tl.store(path_nodes_ptr + row * N + nodes, path, mask=nodes < N)
     tl.store(emitted_ptr + row * N + nodes, emitted, mask=nodes < N)
-
-
-# ----------------------------------------------------------------------------------------------------
-# Rejection sampling over a tree
-# ----------------------------------------------------------------------------------------------------
 
 
 def tree_rejection_sample_ref(target_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
@@ -342,24 +295,13 @@ def tree_rejection_sample_triton(target_probs: torch.Tensor, node_tokens: torch.
     target_probs = target_probs.contiguous()
     has_draft_probs = draft_probs is not None
     block_v = min(triton.next_power_of_2(vocab_size), 2048)
+    as_int64 = [t.to(device=device, dtype=torch.int64).contiguous() for t in (node_tokens, parents, num_nodes, seeds,
+                                                                           offsets)]
     _tree_rejection_sample_kernel[(batch,)](
-        target_probs,
-        draft_probs.contiguous() if has_draft_probs else target_probs,
-        node_tokens.to(device=device, dtype=torch.int64).contiguous(),
-        parents.to(device=device, dtype=torch.int64).contiguous(),
-        num_nodes.to(device=device, dtype=torch.int64).contiguous(),
-        seeds.to(device=device, dtype=torch.int64).contiguous(),
-        offsets.to(device=device, dtype=torch.int64).contiguous(),
-        path,
-        emitted,
-        max_nodes,
-        vocab_size,
-        HAS_DRAFT_PROBS=has_draft_probs,
-        BLOCK_N=triton.next_power_of_2(max_nodes),
-        BLOCK_V=block_v,
-        num_warps=8 if block_v >= 2048 else 4,
-        enable_fp_fusion=False,  # a * b - c must round twice, as in the reference
-    )
+        target_probs, draft_probs.contiguous() if has_draft_probs else target_probs, *as_int64, path, emitted,
+        max_nodes, vocab_size, HAS_DRAFT_PROBS=has_draft_probs, BLOCK_N=triton.next_power_of_2(max_nodes),
+        BLOCK_V=block_v, num_warps=8 if block_v >= 2048 else 4,
+        enable_fp_fusion=False)  # a * b - c must round twice, as in the reference
     return path, emitted
 
 

@@ -1,29 +1,20 @@
-"""The MLP speculator (IBM's "Accelerating Production LLMs with Combined Token/Embedding Speculators",
-arXiv 2404.19124; the format vLLM loads as ``mlp_speculator``): a few small stages that guess the tokens
-after the one the target just emitted, from the target's final hidden state, with no target pass.
+"""The MLP speculator (IBM, arXiv 2404.19124; the format vLLM loads as ``mlp_speculator``): a few small stages that
+guess the tokens after the one the target just emitted, from the target's final hidden state, with no target pass.
 
-Stage ``i`` (``i = 0 .. n_predict - 1``) takes the state and the last token ``t_i`` and gives the next guess:
-
-    state_0   = h                                  the target's final hidden state (after its final norm) at
-                                                   the position whose logits gave t_0 (the emitted token);
-                                                   with scale_input: h / rms(h) / sqrt(2)
+    state_0   = h                  the target's final hidden state at the row whose logits gave t_0
+                                   (with scale_input: h / rms(h) / sqrt(2))
     state_i+1 = GELU(LN_i(proj_i(state_i) + (emb_weight / state_weight) * emb_i(t_i)))
-    logits_i  = head_i(state_i+1)                  t_i+1 = argmax logits_i (a one-hot guess)
+    t_i+1     = argmax head_i(state_i+1)                                   (i = 0 .. n_predict - 1)
 
     state_weight = 0.5 ** (0.5 / n_predict),  emb_weight = sqrt((1 - state_weight**2) * inner_dim / 2)
-    LN(x)        = weight * x / sqrt(mean(x**2) + 1e-6) + bias          (an RMS-style norm, scale and shift)
+    LN(x)        = weight * x / sqrt(mean(x**2) + 1e-6) + bias
 
-``proj_0`` maps ``emb_dim`` (the target's hidden size) to ``inner_dim``; the other stages stay in ``inner_dim``.
-With ``tie_weights`` every stage shares stage 0's ``emb``, ``head`` and ``ln``, and stages 1.. share ``proj_1``.
-
-**On disk**: ``config.json`` (``architectures: ["MLPSpeculatorPreTrainedModel"]``, ``emb_dim``, ``inner_dim``
-(0: emb_dim), ``n_predict``, ``vocab_size``, ``tie_weights``, ``scale_input``) and ``model.safetensors`` with
-``emb.i.weight``, ``proj.i.weight``, ``head.i.weight``, ``ln.i.weight``, ``ln.i.bias``, possibly prefixed
-``speculator.``. One nanospec extension keeps a speculator small on a CPU, a **hot vocabulary**:
-``hot_vocab_size: K`` in the config and a tensor ``hot_token_ids`` ``[K]`` (full-vocabulary ids); then
-``head_i`` scores only those K tokens (``[K, inner_dim]``) and ``emb_i`` has ``K + 1`` rows (row ``K`` embeds
-every token outside the hot set). Guesses are still full-vocabulary ids. The guesses are one-hot, so whatever
-the weights, verification keeps the output exactly the target's.
+``proj_0`` maps ``emb_dim`` (the target's hidden size) to ``inner_dim``; with ``tie_weights`` every stage shares
+stage 0's ``emb``, ``head`` and ``ln``, and stages 1.. share ``proj_1``. On disk: ``config.json`` and
+``model.safetensors`` (``emb.i``, ``proj.i``, ``head.i``, ``ln.i`` weights, possibly prefixed ``speculator.``).
+nanospec's extension, a **hot vocabulary** (``hot_vocab_size: K``, a tensor ``hot_token_ids [K]``): ``head_i``
+scores only those K tokens and ``emb_i`` has ``K + 1`` rows (row ``K`` embeds every other token); guesses are
+still full-vocabulary ids. The guesses are one-hot: whatever the weights, verification keeps the target's output.
 """
 
 from __future__ import annotations

@@ -1,24 +1,16 @@
-"""Runs the target model on a step's batch: eagerly, or from static buffers through a captured CUDA graph.
+"""Runs a model on a step's batch: eagerly, or from static buffers through a captured CUDA graph.
 
-The engine builds each step's :class:`ForwardBatch` on the host; its integer tensors reach the device in one
-copy from pinned memory, not one copy (and one synchronisation) per tensor.
+A batch's integer tensors reach the device in one copy from pinned memory. A decode or verify batch (every row
+wants logits) is laid into **static buffers** padded to a bucket: ``S`` sequences (1, 2, 4, ... up to
+``max_num_seqs``) times ``q`` rows each (1, 2, 4, ... up to the most a step feeds). Sequence ``s`` owns rows
+``s*q .. s*q+q-1``: its real tokens, then padding rows that write no K/V (slot -1) and that no real row sees; its
+``seq_len`` counts the padding, so real row ``j`` still sits at ``context + j``; padding sequences own no blocks.
+The real rows' logits (and final hidden states, for a proposer that reads them) are picked out on the device.
 
-A decode or verify batch (every row wants logits: each sequence feeds its root and its proposal's nodes) is
-laid into **static buffers** padded to a bucket: ``S`` sequences (the next of 1, 2, 4, 8, ... at or above the
-batch's count, up to ``max_num_seqs``) times ``q`` rows each (the next of 1, 2, 4, ... at or above its
-longest sequence, up to the most a step feeds). Sequence ``s`` owns rows ``s*q .. s*q+q-1``: its real tokens
-first, then padding rows that write no K/V (slot -1) and that no real row sees (they come later: causal, and
-outside every tree mask). Its ``seq_len`` counts the padding, so real row ``j`` still sits at
-``context + j``; padding sequences own no blocks (their rows read block 0 and are thrown away). Every
-row's logits are computed and the real rows are picked out on the device (and their final hidden states, for a
-proposer that reads them: the MLP speculator; a graph keeps both outputs in static tensors).
-
-On CUDA (``enforce_eager=False``, the default there) each bucket's forward is captured once, the first time
-it is needed, as a CUDA graph (after a warm-up run that compiles the Triton kernels) and then replayed: one
-launch for the whole forward, no Python per layer. ``max_query_len`` and every kernel's grid depend only on
-the bucket, and every per-step value lives in the static buffers, so nothing that changes from step to step
-is baked into a graph. Prefills and mixed batches run eagerly. On a CPU ``enforce_eager=False`` runs the same
-static-buffer path without graphs, so the padding is tested without a GPU.
+On CUDA (``enforce_eager=False``, the default there) each bucket's forward is captured as a CUDA graph the first
+time it is needed (after a warm-up run that compiles the kernels) and replayed: every per-step value lives in the
+static buffers, nothing that changes between steps is baked in. Prefills and mixed batches run eagerly. On a CPU
+``enforce_eager=False`` runs the same static-buffer path without graphs, so the padding is tested there.
 """
 
 from __future__ import annotations

@@ -38,7 +38,6 @@ import torch
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
 from nanospec.device import resolve_dtype
-from nanospec.kernels.attention_mask import tree_mask_from_parents
 from nanospec.kernels.sampling import sample_from_probs
 from nanospec.model.forward_batch import build_forward_batch
 from nanospec.model.commands import DRAFT
@@ -50,7 +49,7 @@ from nanospec.sequence import Sequence
 from nanospec.sampling.tensors import SamplingTensors
 from nanospec.speculative.cost import time_forwards
 from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
-from nanospec.speculative.proposal import Proposal, Verdict
+from nanospec.speculative.proposal import Proposal, Verdict, tree_mask
 from nanospec.speculative.proposer import Proposer
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's random stream differs from the target's for the same request
@@ -208,7 +207,7 @@ class DraftProposer(Proposer):
                 [tokens[i] for i in grown], [seqs[i].num_tokens for i in grown], [states[i].block_table for i in grown],
                 self.block_size, [[n for n, _, _ in frontier[i]] for i in grown], self.model.device,
                 positions=[[seqs[i].num_tokens - 1 + d for d in depths[i]] for i in grown],
-                tree_masks=[tree_mask_from_parents(parents[i]) for i in grown])
+                tree_masks=[tree_mask(parents[i]) for i in grown])
             rows = iter(torch.log_softmax(self.runner.execute(batch)[0], dim=-1))
             for i in grown:
                 frontier[i] = [(n, score, next(rows)) for n, score, _ in frontier[i]]

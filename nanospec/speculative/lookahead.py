@@ -1,45 +1,22 @@
 """Lookahead decoding (Fu et al. 2024): Jacobi iteration on a 2-D window feeds an n-gram pool, no draft model.
 
-Parameters: window size W, n-gram size N, guess set size G; the window has L = N - 1 levels. A sequence
-whose last committed token ``root`` sits at position P runs ONE forward per step over these new tokens
-(the root itself is fed this step), in this order:
+Window size W, n-gram size N, guess set size G; the window has L = N - 1 levels. A sequence whose last committed
+token ``root`` sits at position P feeds one tree per step: the root, the verification branch (a trie of the pool's
+continuations of the root, verified like any tree) and the lookahead branch (the window, fed but not verified). The
+two branches share only the root; every token sees itself and its ancestors and sits at P + depth.
 
-    [root] + verification branch (a token trie) + lookahead branch (the 2-D window, level by level)
+The window is a grid of guesses, level l (0..L-1) by column c (0..W-1), token (l, c) at position P + l + c; cell
+(0, 0) is the root, so L*W - 1 tokens are fed. Token (l, c) sees ``root -> (0,1) .. (0,c) -> (1,c) .. (l,c)``, a
+consistent left-to-right text, and its argmax guesses position P + l + c + 1. Column c read top to bottom, then the
+argmax of its last token, is an n-gram: each step adds the W of them to the pool. Then the window moves one
+position on (Jacobi): level l takes level l + 1 (level 0 without its column 0), the last level takes the argmaxes
+of the last level; by one position even when several tokens were committed, as the official implementation (LADE)
+does. Warm-up: a fresh window holds level 0 only, W + L - 2 tokens drawn from the prompt by a seeded RNG, and grows a
+level a step until it has L levels and W columns (no window n-grams before that).
 
-Lookahead branch. The window is a grid of guessed tokens, level l (0..L-1) by column c (0..W-1), where
-token (l, c) sits at position P + l + c. Cell (0, 0) is the root itself, so level 0 feeds W - 1 tokens
-(columns 1..W-1) and levels 1..L-1 feed W each: L*W - 1 tokens. Token (l, c) sees the root, level 0
-up to column c, and column c of levels 1..l (itself included):
-
-    root -> (0,1) -> ... -> (0,c) -> (1,c) -> ... -> (l,c)
-
-one token per position P..P+l+c, so every lookahead token reads a consistent left-to-right text and its
-argmax is a guess for position P + l + c + 1. Column c read top to bottom, followed by the argmax of its
-last token, is an n-gram (N tokens on consecutive positions); each step adds the W of them to the pool.
-Then the window moves one position on (Jacobi): level 0 takes level 1 without its column 0 (position
-P + 1, which the next root replaces), level l takes level l + 1, and the last level takes the argmaxes
-of the last level. It moves by one position even when the step committed several tokens, like the
-official implementation (LADE): the n-grams it yields are keyed by token, not position, and the
-verifier checks every guess, so the output does not depend on it.
-
-Warm-up (as in LADE): a fresh window holds only level 0, W + L - 2 tokens drawn from the prompt by a
-seeded RNG. Each step keeps its levels, drops their first column (the window moves one position on)
-and adds a level made of the argmaxes of its last level, until it has L levels and W columns. The pool
-gets no window n-grams before that (columns are shorter than N).
-
-Verification branch. The pool maps a token ``a`` to at most G continuations (x1..x_{N-1}) that followed
-it, most recently seen first. The continuations of the root are merged into a token trie under the
-root (shared prefixes once); node positions are P + depth. It is verified like any token tree (greedy
-walk along the target's argmax, or multi-candidate rejection sampling with one-hot drafts).
-
-The whole step is one tree: each token sees itself and its ancestors and sits at P + depth. The two
-branches share only the root, so neither sees the other. ``LookaheadStep.mask`` is the packed bitmask
-of ``nanospec.kernels.attention_mask`` (``pack_mask`` of the dense ``[n, n]`` ancestor matrix).
-
-Pool updates per step: the window's W n-grams, then the n-grams of the committed text ending at each
-token committed this step (and, when ``seed_pool_from_prompt``, every n-gram of the prompt at the
-start). Inserting an n-gram already present moves it to the front; a key keeps at most G. Each step costs
-O(W*N + G*N) Python operations plus building the ``[n, ceil(n / 64)]`` mask (n = 1 + nodes + L*W - 1).
+The pool maps a token to at most G continuations (N - 1 tokens) that followed it, the most recently seen first: the
+window's n-grams, the committed text's n-grams ending at each committed token, and (``seed_pool_from_prompt``) the
+prompt's. The output does not depend on the window: the verifier checks every guess.
 """
 
 from __future__ import annotations
@@ -50,9 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.kernels.attention_mask import tree_depths, tree_mask_from_parents
 from nanospec.sequence import Sequence
-from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
+from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict, tree_depths, tree_mask
 from nanospec.speculative.proposer import Proposer
 
 WINDOW_SEED = 0  # the RNG that fills a fresh window from the prompt: the same prompt gives the same window
@@ -75,7 +51,7 @@ class LookaheadStep:
     @property
     def mask(self) -> torch.Tensor:
         """The packed int64 bitmask ``[n, ceil(n / 64)]``: each token sees itself and its ancestors."""
-        return tree_mask_from_parents(self.parents)
+        return tree_mask(self.parents)
 
     @property
     def tree_parents(self) -> list[int]:
@@ -234,8 +210,8 @@ def _window_row(num_tree_nodes: int, width: int, level: int, column: int) -> int
 
 @dataclass
 class LookaheadProposal(Proposal):
-    """The trie of pool candidates (verified), then the window (fed, not verified: the target's argmax at its rows
-    comes back to the proposer). ``window_parents`` number the fed nodes, the trie first (-1: the root)."""
+    """The trie (verified), then the window (fed, not verified: the target's argmax at its rows comes back to the
+    proposer). ``window_parents`` number the fed nodes, the trie first (-1: the root)."""
     window_tokens: list[int] = field(default_factory=list)
     window_parents: list[int] = field(default_factory=list)
 

@@ -1,23 +1,14 @@
 """N-gram (prompt lookup) proposer: speculate by copying what followed an earlier occurrence of the suffix.
 
-For n from `prompt_lookup_max` down to `prompt_lookup_min`, the last n tokens of the sequence (prompt +
-output) are the pattern. If the pattern also ends at an earlier position e < L (L = sequence length;
-occurrences may overlap the suffix), the proposal is tokens[e : min(e + k, L)]: the tokens that followed
-that occurrence, which may run into the suffix and stop at the end of the sequence. The first (largest)
-n with an earlier occurrence wins, even if its continuation is shorter than k.
+For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last n tokens of the sequence (prompt + output)
+are the pattern; the first n whose pattern also ends at an earlier position e < L wins, and the proposal is
+``tokens[e : min(e + k, L)]`` (it may run into the suffix). Of the earlier occurrences, the most recent: the better
+guess when text is repeated with edits or when generation loops (vLLM takes the earliest).
 
-Which earlier occurrence: the MOST RECENT one. vLLM's n-gram proposer takes the earliest match; the
-most recent one is the better guess when text is repeated with edits (code, rewrites, lists) or when
-generation loops, since the newest copy is the one being continued.
-
-Cost: `NgramIndex` keeps, for every n-gram (n in [min, max]) of the sequence, the list of positions
-where it ends, in increasing order. `extend` appends in O(new tokens * number of n values) and
-`chain` is one dict lookup per n plus a slice: O(n_max^2 + k), independent of the sequence length.
-Memory is about 0.7 KB per token with n in [1, 4] (CPython tuples, lists and dict entries).
-
-Tree proposals (`max_candidates > 1`): for the winning n, up to `max_candidates` continuations from
-different earlier occurrences (most recent first, each adding at least one new node) are merged into a
-token trie, shared prefixes once, at most `budget` nodes.
+:class:`NgramIndex` keeps, for every n-gram of the sequence, the positions where it ends: ``extend`` costs
+O(new tokens * number of n) and a lookup O(n_max^2 + k), whatever the sequence length. A tree
+(``max_candidates > 1``) merges the continuations of up to ``max_candidates`` earlier occurrences (most recent
+first) into a token trie of at most ``budget`` nodes.
 """
 
 from __future__ import annotations
@@ -54,7 +45,7 @@ class NgramIndex:
 
     @property
     def tokens(self) -> list[int]:
-        """The sequence so far (read only: change it through `extend` / `truncate`)."""
+        """The sequence so far (read only: change it through ``extend``)."""
         return self._tokens
 
     def __len__(self) -> int:
@@ -68,20 +59,6 @@ class NgramIndex:
             end = len(tokens)
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
-
-    def truncate(self, length: int) -> None:
-        """Drop the tokens from position `length` on (e.g. to roll back), un-indexing their n-grams."""
-        if not 0 <= length <= len(self._tokens):
-            raise ValueError(f"truncate length {length} is outside [0, {len(self._tokens)}]")
-        tokens = self._tokens
-        for end in range(len(tokens), length, -1):
-            for n in range(self.min_n, min(self.max_n, end) + 1):
-                ngram = tuple(tokens[end - n : end])
-                positions = self.ends[ngram]
-                positions.pop()  # `end` is the largest position of this n-gram still indexed
-                if not positions:
-                    del self.ends[ngram]
-        del tokens[length:]
 
     def match(self) -> tuple[int, list[int]] | None:
         """The largest n whose suffix n-gram also occurs earlier, with the earlier end positions

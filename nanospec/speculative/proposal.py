@@ -1,23 +1,18 @@
 """What a proposer guesses for one sequence, what verification decides, and how both sit in the step batch.
 
-A **proposal** is a token tree under the sequence's root (its last committed token). Node ``i`` holds
-``token_ids[i]`` and hangs under node ``parents[i] < i``, or under the root when ``parents[i] == -1``.
-A chain ``d_1 .. d_k`` is the tree ``parents = [-1, 0, 1, ..., k - 2]``. A **ranked** tree lists its nodes best
-first, each with its chance to lie on the accepted path (``chances``; a parent is never less likely than its child,
-so every prefix is a tree): the goodput policy verifies the prefix that pays. A tree without chances is verified
-whole.
+A **proposal** is a token tree under the sequence's root (its last committed token): node ``i`` holds
+``token_ids[i]`` under node ``parents[i] < i`` (-1: the root); a chain is ``parents = [-1, 0, 1, ...]``. A
+**ranked** tree lists its nodes best first with each one's chance to lie on the accepted path (``chances``; every
+prefix is a tree); a tree without chances is verified whole.
 
-**Layout in the step batch** (:func:`build_step_batch`, the one place rows, positions and masks come
-from). A sequence feeds its uncached tokens, then every node of its proposal (a proposal is only made
-in decode, where the root is the one uncached token). Node ``i`` is stored at ``root + 1 + i``, sits at
-position ``root + depth(i)`` and sees the cached context, the root and its own ancestors (a bitmask;
-a chain needs none: it is causal). The sequence's logits rows are the root's and then every node's,
-in node order: the distribution after the root judges the depth-1 nodes, the one after node ``i``
-judges ``i``'s children. A proposer may feed nodes after the tree that are not verified (``fed``: lookahead's
-window), under the root or one another.
+**Layout in the step batch** (:func:`build_step_batch`, the one place rows, positions and masks come from): a
+sequence feeds its uncached tokens (in decode: the root), then every node (``fed``: the tree, then any nodes fed
+but not verified, lookahead's window). Node ``i`` is stored at ``root + 1 + i``, sits at position
+``root + depth(i)`` and sees the context, the root and its ancestors (a bitmask; a chain is causal). The logits
+rows are the root's, then every node's: the row after node ``i`` judges ``i``'s children.
 
-A **verdict** is what verification decided: the accepted path (node indices, a child of the root
-first) and the tokens emitted, the path's tokens and then one token of the target's own.
+A **verdict**: the accepted path (node indices, a child of the root first) and the tokens emitted, the path's
+tokens and then one token of the target's own.
 """
 
 from __future__ import annotations
@@ -26,10 +21,40 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.kernels.attention_mask import tree_depths, tree_mask_from_parents
+from nanospec.kernels.attention_mask import BITS_PER_WORD, num_words
 from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.outputs import TokenLogprob
 from nanospec.sequence import Sequence
+
+
+WORD_MASK, SIGN_BIT = (1 << BITS_PER_WORD) - 1, 1 << (BITS_PER_WORD - 1)
+
+
+def tree_mask(parents: list[int]) -> torch.Tensor:
+    """The attention bitmask (:mod:`nanospec.kernels.attention_mask`) of a tree: each node sees itself and its
+    ancestors. A row is a Python-int bitset (its parent's plus its own bit), split into int64 words."""
+    words = num_words(len(parents))
+    bitsets: list[int] = []
+    rows: list[list[int]] = []
+    for node, parent in enumerate(parents):
+        if not -1 <= parent < node:
+            raise ValueError(f"parent of node {node} is {parent}: it must be -1 or an earlier node")
+        bits = (bitsets[parent] if parent >= 0 else 0) | (1 << node)
+        bitsets.append(bits)
+        row = []
+        for w in range(words):
+            word = (bits >> (BITS_PER_WORD * w)) & WORD_MASK
+            row.append(word - (1 << BITS_PER_WORD) if word & SIGN_BIT else word)  # bit 63 is the int64 sign bit
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64).view(len(parents), words)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Depth of each node (roots 0) of a tree given by ``parents[i] < i`` (-1: a root)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(0 if parent < 0 else depths[parent] + 1)
+    return depths
 
 
 @dataclass
@@ -83,7 +108,7 @@ class Proposal:
     def layout(self) -> tuple[list[int], torch.Tensor]:
         """(position offsets from the root, ancestor bitmask) over the root and every fed node, root first."""
         parents = [-1] + [p + 1 for p in self.fed()[1]]
-        return tree_depths(parents), tree_mask_from_parents(parents)
+        return tree_depths(parents), tree_mask(parents)
 
     def truncated(self, max_depth: int, max_nodes: int) -> Proposal:
         """This proposal with only the nodes at depth <= ``max_depth``, at most ``max_nodes`` of them (the first

@@ -21,8 +21,9 @@ after each rejection; at an acceptance move on; when every child is rejected, em
 al. 2023, Chen et al. 2023; SpecInfer for trees), with higher acceptance than matching, but the tokens depend on the
 guesses (:mod:`nanospec.kernels.tree_rejection`).
 
-Log-probabilities: the emitted token at depth ``d`` was drawn from the row of the path's node at depth ``d - 1`` (the
-root's for ``d = 0``); its log-probability and the row's top ones are the raw logits' (:mod:`nanospec.sampling.logprobs`).
+Log-probabilities: the emitted token at depth ``d`` was drawn from the row of the path's node at depth ``d - 1``
+(the root's for ``d = 0``); its log-probability and the row's top ones are the raw logits'
+(:mod:`nanospec.sampling.logprobs`).
 
 :func:`verify` moves the step's metadata to the device in one copy; one launch draws every node's token, one walks
 every tree, one more rejection-samples the draft rows. It returns device tensors (:class:`Verification`); the

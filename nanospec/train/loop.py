@@ -239,7 +239,8 @@ class Trainer:
             losses, hits, counts, lr = self._train_step(data, order[b * args.batch_size:(b + 1) * args.batch_size])
             self.step += 1
             self.train_seconds += time.time() - t0
-            self._window.append(([float(x.detach()) for x in losses], [int(h) / max(c, 1) for h, c in zip(hits, counts)]))
+            self._window.append(([float(x.detach()) for x in losses],
+                                 [int(h) / max(c, 1) for h, c in zip(hits, counts)]))
             if len(self._window) == 50 or b == per_epoch - 1:
                 self._log_window(phase, epoch, lr, bar)
             bar.update(1)

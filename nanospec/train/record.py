@@ -121,8 +121,8 @@ def generate_with_hidden(model: Llama, prompts: list[list[int]], *, max_tokens: 
     lanes = min(batch, len(prompts))
     kv = KVCache(c.num_hidden_layers, lanes * blocks_per_lane, BLOCK_SIZE, c.num_key_value_heads, c.head_dim,
                  model.dtype, model.device)
-    state = _Lanes(prompts, [list(range(lane * blocks_per_lane, (lane + 1) * blocks_per_lane)) for lane in range(lanes)],
-                   [[] for _ in prompts], deque(range(len(prompts))), {}, deque(range(lanes)))
+    tables = [list(range(lane * blocks_per_lane, (lane + 1) * blocks_per_lane)) for lane in range(lanes)]
+    state = _Lanes(prompts, tables, [[] for _ in prompts], deque(range(len(prompts))), {}, deque(range(lanes)))
     generator = torch.Generator(device=model.device).manual_seed(seed)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.int64)
     out_hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
