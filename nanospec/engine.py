@@ -27,8 +27,11 @@ import random
 import time
 from dataclasses import dataclass
 
+import torch
+
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
+from nanospec.cpu_threads import Contention, ThreadTuner
 from nanospec.detokenizer import TextStream
 from nanospec.model.commands import TARGET
 from nanospec.model.llama import Llama
@@ -86,6 +89,9 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    num_lookahead_slots=self.speculator.num_lookahead_slots,
                                    on_preempt=self.speculator.preempt)
+        # on a CPU (one process) the step's thread count follows how busy the machine is (nanospec.cpu_threads)
+        self.threads = ThreadTuner() if model.device.type == "cpu" and parallel is None else None
+        self._step_tokens = 0  # the last step's forward, in tokens
         self.sequences: dict[int, Sequence] = {}
         self.stats = EngineStats()
         self._next_id = 0
@@ -148,17 +154,30 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
-        """schedule -> propose -> build the batch -> ONE target forward -> verify -> commit."""
-        start = time.perf_counter()
-        seqs = self.scheduler.schedule()
-        outputs = self._step(seqs) if seqs else []
-        self.stats.step_seconds += time.perf_counter() - start
+        """schedule -> propose -> build the batch -> ONE target forward -> verify -> commit. On a CPU the step runs
+        at the thread count ``self.threads`` chose, and torch's own count is restored after it."""
+        saved = torch.get_num_threads()
+        threads = self.threads.threads if self.threads is not None else saved
+        if threads != saved:
+            torch.set_num_threads(threads)
+        try:
+            with Contention() as timed:
+                seqs = self.scheduler.schedule()
+                self._step_tokens = 0
+                outputs = self._step(seqs) if seqs else []
+        finally:
+            if threads != saved:
+                torch.set_num_threads(saved)
+        self.stats.step_seconds += timed.seconds
+        if self.threads is not None and self._step_tokens:
+            self.threads.observe(threads, self._step_tokens, timed.seconds, timed.waiting)
         return outputs
 
     def _step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         try:
             proposals = self.speculator.propose(seqs)
             batch = build_step_batch(seqs, proposals, self.config.block_size)
+            self._step_tokens = batch.num_tokens
             forward_start = time.perf_counter()
             logits, hidden = self.runner.execute(batch, hidden_states=self.speculator.needs_hidden_states)
             self.stats.forward_seconds += time.perf_counter() - forward_start

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import os
+import time
 import weakref
 from collections import deque
 from typing import Sequence as Seq
@@ -20,6 +21,8 @@ from tqdm import tqdm
 from nanospec.cache.kv_cache import kv_bytes_per_block
 from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine import Engine, EngineConfig, max_query_len
+from nanospec.log import logger
+from nanospec.model.embedded import EMBEDDED_MODEL_FILE
 from nanospec.model.llama import Llama
 from nanospec.model.loader import Checkpoint, load_checkpoint
 from nanospec.model.random_model import random_checkpoint
@@ -78,7 +81,12 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"speculative_config['dtype']: {e}") from None
         draft_tp = draft_tensor_parallel_size(spec_config, tensor_parallel_size)
-        checkpoint = model if isinstance(model, Checkpoint) else load_checkpoint(model, self.dtype)
+        start = time.perf_counter()
+        if isinstance(model, Checkpoint):
+            checkpoint = model
+        else:
+            logger.info("loading %s ...", model if model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)")
+            checkpoint = load_checkpoint(model, self.dtype)
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         context = self.config.max_position_embeddings
@@ -107,6 +115,7 @@ class LLM:
         except BaseException:
             self.shutdown()
             raise
+        logger.info("ready in %.1f s", time.perf_counter() - start)
 
     def _build(self, checkpoint, spec_config, num_blocks, block_size, kv_cache_memory, max_num_seqs,
                max_num_batched_tokens, max_model_len, asked_model_len, seed, enforce_eager) -> None:
@@ -119,10 +128,16 @@ class LLM:
         del checkpoint
         if num_blocks is None:
             num_blocks = self._blocks_from_memory(kv_cache_memory, block_size, max_model_len, max_num_seqs)
-        self._check_kv_memory(num_blocks, block_size)
+        kv_bytes = self._check_kv_memory(num_blocks, block_size)
+        c = self.config
+        logger.info("model: %d layers, %s on %s%s; KV cache: %d blocks of %d tokens (%.2f GiB)", c.num_hidden_layers,
+                    str(self.dtype).removeprefix("torch."), self.device,
+                    f" ({torch.get_num_threads()} threads)" if self.device.type == "cpu" else "", num_blocks,
+                    block_size, kv_bytes / 2**30)
         proposer = None
         target_max_len = max_model_len
         if spec_config is not None:
+            logger.info("speculation: %s ...", spec_config.method)
             proposer = make_proposer(spec_config, self.config, self.tokenizer, num_blocks, block_size, self.device,
                                      self.dtype, max_model_len, parallel)
             if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
@@ -156,8 +171,8 @@ class LLM:
         dtype = resolve_dtype(dtype, device)
         return cls(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **kwargs)
 
-    def _check_kv_memory(self, num_blocks: int, block_size: int) -> None:
-        """Refuse, before allocating, a KV pool larger than the device's memory."""
+    def _check_kv_memory(self, num_blocks: int, block_size: int) -> int:
+        """The KV pool's bytes; refuse, before allocating, a pool larger than the device's memory."""
         c = self.config
         need = num_blocks * kv_bytes_per_block(c.num_hidden_layers, block_size, self.model.num_kv_heads, c.head_dim,
                                                self.dtype)
@@ -168,6 +183,7 @@ class LLM:
         if need > have:
             raise ValueError(f"num_blocks={num_blocks} of {block_size} tokens needs {need / 2**30:.1f} GiB of KV "
                              f"cache, more than the {have / 2**30:.1f} GiB this {self.device.type} has")
+        return need
 
     def _blocks_from_memory(self, kv_cache_memory, block_size, max_model_len, max_num_seqs) -> int:
         c = self.config

@@ -16,6 +16,10 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
+# The forward-cost cache (nanospec.speculative.cost_cache) is off: each test's engine times its own model, and
+# nothing is written to the user's cache; the cache's own tests point it at a temporary directory.
+os.environ["NANOSPEC_CACHE_DIR"] = ""
+
 import signal  # noqa: E402
 
 import pytest  # noqa: E402

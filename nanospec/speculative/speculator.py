@@ -20,6 +20,7 @@ from nanospec.cache.block_manager import BlockManager, slots_of
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import time_forwards
+from nanospec.speculative.cost_cache import cached_forward_costs, cost_key
 from nanospec.speculative.policy import GoodputPolicy
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
@@ -50,20 +51,36 @@ class Speculator:
     def _calibrated_policy(self, block_manager: BlockManager, max_num_seqs: int,
                            max_num_batched_tokens: int) -> GoodputPolicy:
         """Time the target over 1..k+1 tokens (one sequence's verify) and, sparser, over the token counts
-        of the batches of verifies this engine can run (through the runner: graphs where the steps use them);
-        time one depth of the proposer's guesses, before and after the target's timings, and keep the faster (a
+        of the batches of verifies this engine can run (through the runner: graphs where the steps use them), or
+        read those times from the cache where this model, its weights, device and thread count were timed before
+        (:mod:`nanospec.speculative.cost_cache`; a busy machine is timed at one thread and not kept). One depth of
+        the proposer's guesses is timed too, and where the target was timed, again after it, keeping the faster (a
         stall of a shared machine during one of them would otherwise price guessing several times over)."""
-        guess_cost = self.proposer.measure_cost()
         k = self.max_tokens_per_step
         larger: list[int] = []
         while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
                                                             self.max_model_len // 2):
             larger.append(m)
-        costs = time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager,
-                              list(range(1, k + 2)) + larger, per_seq=k + 1, device=self.model.device,
-                              batch_device="cpu", max_len=self.max_model_len)
-        return GoodputPolicy(k, costs[:k + 1], min(guess_cost, self.proposer.measure_cost()),
-                             larger_forwards=dict(zip(larger, costs[k + 1:])))
+        counts = list(range(1, k + 2)) + larger
+
+        def timed(token_counts: list[int], per_seq: int) -> list[float]:
+            return time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager, token_counts,
+                                 per_seq=per_seq, device=self.model.device, batch_device="cpu",
+                                 max_len=self.max_model_len)
+
+        def key() -> dict | None:  # (under tensor parallelism the collectives are timed too: not cached)
+            if self.model.tp is not None:
+                return None
+            runner = "graphs" if self.runner.use_graphs else "eager" if self.runner.enforce_eager else "static"
+            return cost_key(self.model, runner=runner, counts=counts, per_seq=k + 1, block_size=self.block_size,
+                            num_blocks=block_manager.num_blocks, max_len=self.max_model_len)
+
+        guess_cost = self.proposer.measure_cost()
+        costs, measured = cached_forward_costs(key, lambda: timed(counts, k + 1), lambda: timed([1], 1),
+                                               self.model.device)
+        if measured:
+            guess_cost = min(guess_cost, self.proposer.measure_cost())
+        return GoodputPolicy(k, costs[:k + 1], guess_cost, larger_forwards=dict(zip(larger, costs[k + 1:])))
 
     # ---------------------------------------------------------------- a sequence's life
     def speculates(self, seq: Sequence) -> bool:

@@ -1,0 +1,171 @@
+"""The target's measured forward costs, kept between runs: measured once per model, weights, device, thread count
+and measurement, then read back.
+
+The file is ``forward_costs.json`` in ``$NANOSPEC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/nanospec``, i.e.
+``~/.cache/nanospec``); ``NANOSPEC_CACHE_DIR=`` (empty) turns the cache off. An entry is found by the whole of what
+a forward's time depends on (:func:`cost_key`): the model's shape (its config), how its weights are stored (dtype,
+quantization, each linear layer's tensors' types: a quantized or oneDNN-packed layer times differently), the device
+(the CPU's model name and core count, or the GPU's name), torch's thread count and version, the runner (CUDA graphs
+or eager) and what was timed (token counts, tokens per sequence, the KV pool's block size and size). Change any of
+them and the costs are measured anew. The file is JSON (never pickled), written whole to a temporary file and
+renamed, and a file that cannot be read or that holds anything unexpected is ignored (and rewritten).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import platform
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from nanospec.cpu_threads import BUSY_WAIT, Contention
+from nanospec.log import logger
+
+FORMAT = 1  # bumped when what is measured, or how, changes
+MAX_ENTRIES = 64
+FILE_NAME = "forward_costs.json"
+
+
+def cache_path() -> Path | None:
+    """Where the costs are kept; None when ``NANOSPEC_CACHE_DIR`` is set empty (no cache)."""
+    directory = os.environ.get("NANOSPEC_CACHE_DIR")
+    if directory is None:
+        directory = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nanospec"
+    elif not directory:
+        return None
+    return Path(directory) / FILE_NAME
+
+
+def device_name(device: torch.device) -> str:
+    """The device as its timings depend on it: a GPU's name, or the CPU's model name and core count."""
+    if device.type == "cuda":
+        return f"cuda: {torch.cuda.get_device_name(device)}"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"cpu: {model}, {os.cpu_count()} cores"
+
+
+def weights_kind(model) -> dict:
+    """How the model's weights are stored: its dtype, its ``quantization`` (None if it has none), and for every kind
+    of layer object (a linear layer, float or quantized) its class and the dtypes of the tensors it holds (a packed or
+    quantized layout shows there)."""
+    def tensors(obj) -> list:
+        return sorted((name, str(v.dtype)) for name, v in vars(obj).items() if isinstance(v, torch.Tensor))
+
+    parts = [model.lm_head] + [v for layer in model.layers for v in vars(layer).values()
+                               if hasattr(v, "__dict__") and not isinstance(v, torch.Tensor) and tensors(v)]
+    kinds = sorted({json.dumps([type(p).__name__, tensors(p)]) for p in parts})
+    return {"dtype": str(model.dtype), "quantization": getattr(model, "quantization", None), "layers": kinds}
+
+
+def cost_key(model, *, runner: str, counts: list[int], per_seq: int, block_size: int, num_blocks: int,
+             max_len: int) -> dict:
+    return {"format": FORMAT, "config": dataclasses.asdict(model.config), "weights": weights_kind(model),
+            "device": device_name(model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "runner": runner, "counts": list(counts), "per_seq": per_seq, "block_size": block_size,
+            "num_blocks": num_blocks, "max_len": max_len}
+
+
+def _digest(key: dict) -> str:
+    return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        logger.warning("ignoring the forward-cost cache %s: %s", path, e)
+        return {}
+    if not isinstance(data, dict) or data.get("format") != FORMAT or not isinstance(data.get("entries"), dict):
+        return {}
+    return data["entries"]
+
+
+def load_costs(key: dict | None) -> list[float] | None:
+    """The costs stored for ``key``, one per count, or None (no key, no cache, no entry, or an entry that does not
+    fit)."""
+    path = cache_path()
+    if path is None or key is None:
+        return None
+    entry = _read(path).get(_digest(key))
+    if not isinstance(entry, dict) or entry.get("key") != json.loads(json.dumps(key, default=str)):
+        return None
+    costs = entry.get("costs")
+    if not isinstance(costs, list) or len(costs) != len(key["counts"]) or not all(
+            isinstance(c, float) and math.isfinite(c) and c > 0 for c in costs):
+        return None
+    return costs
+
+
+def store_costs(key: dict | None, costs: list[float]) -> Path | None:
+    """Keep ``costs`` for ``key`` (the oldest entries go beyond ``MAX_ENTRIES``); the file's path, or None if there
+    is no key, no cache, or it cannot be written (a warning says why)."""
+    path = cache_path()
+    if path is None or key is None:
+        return None
+    entries = _read(path)
+    entries[_digest(key)] = {"key": key, "costs": [float(c) for c in costs], "measured": time.time()}
+    newest = sorted(entries.items(), key=lambda item: item[1].get("measured", 0) if isinstance(item[1], dict) else 0)
+    data = {"format": FORMAT, "entries": dict(newest[-MAX_ENTRIES:])}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".forward_costs.", delete=False) as f:
+            json.dump(data, f, default=str)
+        os.replace(f.name, path)
+    except OSError as e:
+        logger.warning("could not write the forward-cost cache %s: %s", path, e)
+        return None
+    return path
+
+
+def cached_forward_costs(key: Callable[[], dict | None], measure: Callable[[], list[float]],
+                         probe: Callable[[], object], device: torch.device) -> tuple[list[float], bool]:
+    """(costs, whether they were measured now): read for ``key()`` (a key at torch's current thread count, None: not
+    cached) or else ``measure()`` d and kept. Before measuring on a CPU, ``probe()`` (one small forward) checks how
+    long the threads wait for a core; beyond ``BUSY_WAIT`` (a busy machine, where the steps run at one thread:
+    ``nanospec.cpu_threads``) the costs are read or measured at one thread. Costs measured while the threads waited
+    beyond ``BUSY_WAIT`` serve this run and are not kept. Torch's thread count is the same after as before."""
+    costs = load_costs(key())
+    threads = torch.get_num_threads()
+    try:
+        if costs is None and device.type == "cpu" and threads > 1:
+            with Contention() as probed:
+                probe()
+            if probed.waiting is not None and probed.waiting > BUSY_WAIT:
+                logger.warning("the machine is busy (this process's threads waited %.0f%% of the time for a core): "
+                               "forward costs are timed at one thread", 100 * probed.waiting)
+                torch.set_num_threads(1)
+                costs = load_costs(key())
+        if costs is not None:
+            logger.info("forward costs: read from %s", cache_path())
+            return costs, False
+        logger.info("measuring forward costs (once for this model, weights, device and thread count) ...")
+        with Contention() as measured:
+            costs = measure()
+        path = None
+        if measured.waiting is not None and measured.waiting > BUSY_WAIT:
+            logger.warning("the machine was busy while timing (the threads waited %.0f%% of the time for a core): "
+                           "these costs serve this run and are not kept", 100 * measured.waiting)
+        else:
+            path = store_costs(key(), costs)
+        logger.info("forward costs measured in %.1f s%s", measured.seconds,
+                    f", kept in {path}" if path is not None else "")
+        return costs, True
+    finally:
+        torch.set_num_threads(threads)
