@@ -7,7 +7,7 @@ When stdin is not a terminal each input line is one user turn and the program ex
 
 Sampling defaults to temperature 0.2 and top-p 0.9, the settings SmolLM2's model card suggests;
 --greedy always takes the likeliest token. Input is read as UTF-8: bytes that are not valid UTF-8,
-piped or typed, become U+FFFD. The line "loading MODEL ..." goes to stderr while the model loads.
+piped or typed, become U+FFFD. While the model loads, a line per phase goes to stderr (--quiet: none).
 
 Ctrl-C during an answer stops it as soon as the engine step in flight has produced its tokens (a step
 is never cut half-way) and returns to the prompt; that unfinished turn, the question and the partial
@@ -29,6 +29,8 @@ import signal
 import sys
 import time
 
+from nanospec.model.embedded import EMBEDDED_SAMPLING
+
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 2, 130, 141  # 141: 128 + SIGPIPE, as a shell reports it
 
 
@@ -39,9 +41,11 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     temperature = p.add_mutually_exclusive_group()
-    temperature.add_argument("--temperature", type=float, default=0.2, help="default 0.2; 0 = greedy")
+    temperature.add_argument("--temperature", type=float, default=EMBEDDED_SAMPLING["temperature"],
+                             help=f"default {EMBEDDED_SAMPLING['temperature']}; 0 = greedy")
     temperature.add_argument("--greedy", action="store_true", help="always take the likeliest token (temperature 0)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus mass in (0, 1] (default 0.9)")
+    p.add_argument("--top-p", type=float, default=EMBEDDED_SAMPLING["top_p"],
+                   help=f"nucleus mass in (0, 1] (default {EMBEDDED_SAMPLING['top_p']})")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens (default -1: all)")
     p.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens (default 256)")
     p.add_argument("--seed", type=int, default=None)
@@ -56,6 +60,7 @@ def parse_args(argv=None):
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (default 1)")
     p.add_argument("--stats", action="store_true", help="print stats after every answer")
+    p.add_argument("--quiet", "-q", action="store_true", help="no start-up lines on stderr (errors still show)")
     args = p.parse_args(argv)
     if args.greedy:
         args.temperature = 0.0
@@ -102,21 +107,16 @@ def replace_undecodable_input() -> None:
 
 
 def load(args):
-    """(LLM, SamplingParams) from the arguments. Checks the sampling and speculation arguments first, then
-    prints "loading MODEL ..." to stderr and loads. ValueError / OSError: bad arguments or an unloadable model."""
+    """(LLM, SamplingParams) from the arguments. Checks the sampling and speculation arguments first, then loads
+    (nanospec logs a line per phase to stderr). ValueError / OSError: bad arguments or an unloadable model."""
     from nanospec import LLM, SamplingParams
-    from nanospec.model.embedded import EMBEDDED_MODEL_FILE
+    from nanospec.log import set_level
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     spec_config = spec_config_from_arg(args.spec, args.num_speculative_tokens)
-    name = args.model if args.model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)"
-    draft = ""
-    if spec_config and spec_config["method"] == "draft":
-        draft = f" with the draft {spec_config['model']}"
-    elif spec_config and spec_config["method"] == "mlp_speculator":
-        draft = f" with the MLP speculator {spec_config.get('model', '(shipped)')}"
-    print(f"loading {name}{draft} ...", file=sys.stderr, flush=True)
+    if args.quiet:
+        set_level("warning")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config,
               tensor_parallel_size=args.tensor_parallel_size)
     return llm, params

@@ -19,6 +19,7 @@ import torch
 from tqdm import tqdm
 
 from nanospec.cache.kv_cache import kv_bytes_per_block
+from nanospec.chat_messages import check_messages
 from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine import Engine, EngineConfig, max_query_len
 from nanospec.log import logger
@@ -137,7 +138,8 @@ class LLM:
         proposer = None
         target_max_len = max_model_len
         if spec_config is not None:
-            logger.info("speculation: %s ...", spec_config.method)
+            logger.info("speculation: %s%s ...", spec_config.method,
+                        f" with {spec_config.model}" if spec_config.model is not None else "")
             proposer = make_proposer(spec_config, self.config, self.tokenizer, num_blocks, block_size, self.device,
                                      self.dtype, max_model_len, parallel)
             if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
@@ -324,13 +326,19 @@ class LLM:
         self._outputs[rid] = []
         return RequestStream(self, rid)
 
-    def _render_chat(self, messages) -> list[int]:
-        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    def _render_chat(self, messages, where: str = "messages") -> list[int]:
+        """The conversation, checked as the server checks it (:func:`nanospec.chat_messages.check_messages`), through
+        the chat template with the assistant's turn opened, as token ids."""
+        text = self.tokenizer.apply_chat_template(check_messages(messages, where), add_generation_prompt=True)
+        return self.tokenizer.encode(text)
 
     def chat(self, messages, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate([self._render_chat(c) for c in conversations], params)
+        """One conversation (a list of {"role", "content"} dicts) or a list of conversations. A conversation that
+        the server would refuse (empty, an unknown role, a message without content, ...) is refused with the
+        server's message, before any work."""
+        if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
+            return self.generate([self._render_chat(c, f"messages[{i}]") for i, c in enumerate(messages)], params)
+        return self.generate([self._render_chat(messages)], params)
 
     def stream_chat(self, messages, params: SamplingParams | None = None) -> RequestStream:
         return self.stream(self._render_chat(messages), params)

@@ -4,9 +4,11 @@ token for token, with and without speculation; errors, limits, auth, disconnects
 
 import asyncio
 import contextlib
+import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -383,3 +385,130 @@ def test_disconnect_while_waiting_aborts(server):
     _wait_until(lambda: 'finished_reason="abort"' in httpx.get(f"{url}/metrics").text)
     _wait_until(lambda: _idle(llm))
     assert_no_leak(llm)
+
+
+# ---------------------------------------------------------------------------------------------------- first contact
+def test_every_answer_that_is_not_a_success_is_an_error_object(server):
+    url, _ = server
+    for response, status in ((httpx.get(f"{url}/v1/nothing-here"), 404), (httpx.get(f"{url}/v1/completions"), 405),
+                             (httpx.delete(f"{url}/v1/models"), 405)):
+        assert response.status_code == status, response.text
+        error = response.json()["error"]
+        assert error["code"] == status and error["message"] and error["type"]
+
+
+def test_every_listed_metric_exists_from_the_start_at_zero(model_path):
+    llm = LLM(model_path, num_blocks=64, block_size=4, speculative_config=NGRAM)
+    with serving(llm) as url:
+        metrics = httpx.get(f"{url}/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+                 "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
+                 "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total"):
+        assert re.search(rf'^{name}\{{model_name="tiny"\}} 0\.0$', metrics, re.M), name
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
+                 "e2e_request_latency_seconds"):
+        assert re.search(rf'^vllm:{name}_count\{{model_name="tiny"\}} 0\.0$', metrics, re.M), name
+    for reason in ("stop", "length", "abort", "error"):
+        assert f'vllm:request_success_total{{finished_reason="{reason}",model_name="tiny"}} 0.0' in metrics
+    for position in range(NGRAM["num_speculative_tokens"]):
+        assert (f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{model_name="tiny",position="{position}"}} 0.0'
+                in metrics)
+
+
+def test_a_prompt_too_long_for_the_context_names_the_prompt(server):
+    url, _ = server
+    long_text = "ab" * 400  # ~800 tokens, the context is 256
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": long_text})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": long_text}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert "256" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "ab" * 100, "max_tokens": 200})  # room, but not for 200
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_a_lone_surrogate_is_named(server):
+    url, _ = server
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "hi \\ud800 there"}',
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert "\\ud800" in message and "surrogate" in message and "hex escape" not in message
+    r = httpx.post(f"{url}/v1/completions", content='{"prompt": "\\ud83d\\ude00", "max_tokens": 2}'.encode(),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text  # a whole pair is a character
+
+
+@pytest.mark.parametrize("messages", [[], [{"role": "wizard", "content": "hi"}], [{"role": "user"}],
+                                      [{"role": "user", "content": None}], "hi", [{"role": "user", "content": "hi",
+                                                                                  "tool_calls": []}]])
+def test_chat_refuses_what_llm_chat_refuses_with_the_same_message(server, offline, messages):
+    url, _ = server
+    with pytest.raises(ValueError) as offline_error:
+        offline.chat(messages, SamplingParams(max_tokens=2))
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert r.json()["error"]["message"] == str(offline_error.value)
+    r = httpx.post(f"{url}/tokenize", json={"messages": messages})
+    assert r.status_code == 400 and r.json()["error"]["message"] == str(offline_error.value)
+
+
+def test_default_sampling_applies_to_what_a_request_leaves_out(model_path, offline):
+    """With the model's default temperature 0 (greedy), a request without temperature is greedy; one that gives
+    its own temperature and seed samples as offline with those; max_tokens comes from the defaults too."""
+    llm = LLM(model_path, num_blocks=64, block_size=4)
+    greedy = offline.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6))[0]
+    sampled = offline.generate(PROMPTS[:1], SamplingParams(temperature=1.0, seed=7, max_tokens=6))[0]
+    with serving(llm, default_sampling={"temperature": 0.0, "max_tokens": 6}) as url:
+        client = _client(url)
+        got = client.completions.create(model="tiny", prompt=PROMPTS[0], extra_body={"return_token_ids": True})
+        assert got.choices[0].token_ids == greedy.token_ids
+        got = client.completions.create(model="tiny", prompt=PROMPTS[0], temperature=1.0, seed=7,
+                                        extra_body={"return_token_ids": True})
+        assert got.choices[0].token_ids == sampled.token_ids
+
+
+def test_command_line_checks_every_argument_before_loading(model_path, tmp_path):
+    """Bad arguments and an address in use: one 'error:' line and exit 2, before any model is read."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        for args, message in ((["--port", "99999"], "--port 99999"), (["--port", "-1"], "--port -1"),
+                              (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
+                              (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                              (["--max-queue-len", "-1"], "--max-queue-len"),
+                              (["--generation-config", str(tmp_path)], "no generation_config.json"),
+                              (["--speculative-config", '{"method": "nope"}'], "method"),
+                              (["--dtype", "float8"], "float8"), (["--log-level", "loud"], "--log-level"),
+                              (["--model", str(tmp_path / "missing")], "no such file")):
+            bad = subprocess.run([sys.executable, "-m", "nanospec.serve", "--model", model_path, *args], env=env,
+                                 capture_output=True, text=True, timeout=120)
+            assert bad.returncode == 2, (args, bad.stderr)
+            assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1, (args, bad.stderr)
+            assert message in bad.stderr, (args, bad.stderr)
+
+
+def test_sigterm_ends_open_streams_with_a_final_chunk_and_done(model_path):
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    proc = _serve(model_path, env=env)
+    try:
+        url = _url_of(proc)
+        assert url is not None
+        with httpx.stream("POST", f"{url}/v1/chat/completions", timeout=60,
+                          json={"messages": MESSAGES, "max_tokens": 200, "ignore_eos": True, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        final = json.loads(rest[-2].removeprefix("data: "))
+        assert final["choices"][0]["finish_reason"] == "abort"
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+        log = proc.stderr.read()
+        assert "timeout graceful shutdown exceeded" not in log
+    finally:
+        proc.kill()
+        proc.stderr.close()

