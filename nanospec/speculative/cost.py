@@ -63,3 +63,14 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
     for table in tables:
         bm.free(table)
     return [costs[m] for m in token_counts]
+
+
+def run_one_forward(execute: Callable[[ForwardBatch], torch.Tensor], block_manager: BlockManager,
+                    batch_device: torch.device | str) -> None:
+    """One forward over a single token with no context (a probe of how the machine runs, not a timing)."""
+    table: list[int] = []
+    block_manager.reserve(table, 1)
+    try:
+        execute(build_forward_batch([[0]], [0], [table], block_manager.block_size, [[0]], batch_device))
+    finally:
+        block_manager.free(table)

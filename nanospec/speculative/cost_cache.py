@@ -137,23 +137,21 @@ def store_costs(key: dict | None, costs: list[float]) -> Path | None:
 def cached_forward_costs(key: Callable[[], dict | None], measure: Callable[[], list[float]],
                          probe: Callable[[], object], device: torch.device) -> tuple[list[float], bool]:
     """(costs, whether they were measured now): read for ``key()`` (a key at torch's current thread count, None: not
-    cached) or else ``measure()`` d and kept. Before measuring on a CPU, ``probe()`` (a few small forwards, run at one
-    thread) checks how long the process waits for a core; beyond ``BUSY_WAIT`` (a busy machine, where the steps run
-    at one thread: ``nanospec.cpu_threads``) the costs are read or measured at one thread. Costs measured while the threads waited
+    cached) or else ``measure()`` d and kept. Before measuring on a CPU, ``probe()`` (one small forward) checks how
+    long the threads wait for a core; beyond ``BUSY_WAIT`` (a busy machine, where the steps run at one thread:
+    ``nanospec.cpu_threads``) the costs are read or measured at one thread. Costs measured while the threads waited
     beyond ``BUSY_WAIT`` serve this run and are not kept. Torch's thread count is the same after as before."""
     costs = load_costs(key())
     threads = torch.get_num_threads()
     try:
         if costs is None and device.type == "cpu" and threads > 1:
-            torch.set_num_threads(1)  # (one thread: quick however busy the machine, and as telling)
             with Contention() as probed:
                 probe()
             if probed.waiting is not None and probed.waiting > BUSY_WAIT:
-                logger.warning("the machine is busy (this process waited %.0f%% of the time for a core): forward "
-                               "costs are timed at one thread", 100 * probed.waiting)
+                logger.warning("the machine is busy (this process's threads waited %.0f%% of the time for a core): "
+                               "forward costs are timed at one thread", 100 * probed.waiting)
+                torch.set_num_threads(1)
                 costs = load_costs(key())
-            else:
-                torch.set_num_threads(threads)
         if costs is not None:
             logger.info("forward costs: read from %s", cache_path())
             return costs, False

@@ -19,7 +19,7 @@ import torch
 from nanospec.cache.block_manager import BlockManager, slots_of
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
-from nanospec.speculative.cost import time_forwards
+from nanospec.speculative.cost import run_one_forward, time_forwards
 from nanospec.speculative.cost_cache import cached_forward_costs, cost_key
 from nanospec.speculative.policy import GoodputPolicy
 from nanospec.speculative.proposal import Proposal, Verdict
@@ -76,8 +76,8 @@ class Speculator:
                             num_blocks=block_manager.num_blocks, max_len=self.max_model_len)
 
         guess_cost = self.proposer.measure_cost()
-        costs, measured = cached_forward_costs(key, lambda: timed(counts, k + 1), lambda: timed([1], 1),
-                                               self.model.device)
+        probe = lambda: run_one_forward(lambda batch: self.runner.execute(batch)[0], block_manager, "cpu")  # noqa: E731
+        costs, measured = cached_forward_costs(key, lambda: timed(counts, k + 1), probe, self.model.device)
         if measured:
             guess_cost = min(guess_cost, self.proposer.measure_cost())
         return GoodputPolicy(k, costs[:k + 1], guess_cost, larger_forwards=dict(zip(larger, costs[k + 1:])))
