@@ -14,11 +14,10 @@ logits at the root (the last committed token) and at every node judge the nodes 
 verification the rejected nodes' K/V is dead: ``num_cached_tokens`` moves to just before the newly
 emitted token and the blocks past it return to the pool.
 
-Under tensor parallelism (``parallel``, the driver's ``nanospec.worker.TensorParallel``) this engine runs on the
-driver, rank 0; ``model`` is its shard and the runner a ``DriverRunner`` that sends every forward and K/V copy to
-the workers first. Nothing else changes: block tables, proposals and verification are the driver's. A failure of
-the group (:class:`~nanospec.model.parallel.TensorParallelError`) is not one request's: it ends the step and
-reaches the caller.
+The engine is given its runner (:func:`nanospec.engine_args.build_engine` makes both). Under tensor parallelism it
+runs on the driver, rank 0, and the runner is a ``DriverRunner`` that sends every forward and K/V copy to the
+workers first; nothing else changes. A failure of the group (:class:`~nanospec.model.parallel.TensorParallelError`)
+is not one request's: it ends the step and reaches the caller.
 """
 
 from __future__ import annotations
@@ -30,11 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from nanospec.cache.block_manager import BlockManager
-from nanospec.cache.kv_cache import KVCache
 from nanospec.cpu_threads import Contention, ThreadTuner
 from nanospec.detokenizer import TextStream
-from nanospec.model.commands import TARGET
-from nanospec.model.llama import Llama
 from nanospec.model.parallel import TensorParallelError
 from nanospec.model.runner import ModelRunner
 from nanospec.outputs import RequestOutput
@@ -54,7 +50,6 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int = 8192
-    enforce_eager: bool = True  # False: decode / verify steps from static buffers (CUDA graphs on a GPU)
 
 
 @dataclass
@@ -68,20 +63,17 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, model: Llama, tokenizer: Tokenizer, config: EngineConfig, proposer: Proposer | None = None,
-                 seed: int = 0, adaptive_speculation: bool = True, parallel=None):
-        self.model = model
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
+                 proposer: Proposer | None = None, seed: int = 0, adaptive_speculation: bool = True,
+                 tune_threads: bool = False):
+        """``runner``: the target's, over a KV pool of ``config.num_blocks`` blocks, its queries at least
+        :func:`max_query_len` rows a sequence. ``tune_threads``: each step's CPU thread count follows how busy the
+        machine is (:mod:`nanospec.cpu_threads`; one process on a CPU)."""
+        self.runner = runner
+        self.model, self.kv_cache = runner.model, runner.kv_cache
         self.tokenizer = tokenizer
         self.config = config
-        mc = model.config
         self.block_manager = BlockManager(config.num_blocks, config.block_size)
-        self.kv_cache = KVCache(mc.num_hidden_layers, config.num_blocks, config.block_size, model.num_kv_heads,
-                                mc.head_dim, model.dtype, model.device)
-        self.runner = ModelRunner(model, self.kv_cache, max_num_seqs=config.max_num_seqs,
-                                  max_query_len=max_query_len(proposer), max_model_len=config.max_model_len,
-                                  enforce_eager=config.enforce_eager)
-        if parallel is not None:
-            self.runner = parallel.driver_runner(self.runner, TARGET)
         self.speculator = Speculator(proposer, self.runner, self.block_manager,
                                      max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                                      max_num_batched_tokens=config.max_num_batched_tokens,
@@ -89,8 +81,7 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    num_lookahead_slots=self.speculator.num_lookahead_slots,
                                    on_preempt=self.speculator.preempt)
-        # on a CPU (one process) the step's thread count follows how busy the machine is (nanospec.cpu_threads)
-        self.threads = ThreadTuner() if model.device.type == "cpu" and parallel is None else None
+        self.threads = ThreadTuner() if tune_threads else None
         self._step_tokens = 0  # the last step's forward, in tokens
         self.sequences: dict[int, Sequence] = {}
         self.stats = EngineStats()

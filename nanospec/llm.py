@@ -9,158 +9,37 @@
 
 from __future__ import annotations
 
-import os
-import time
 import weakref
 from collections import deque
 from typing import Sequence as Seq
 
-import torch
 from tqdm import tqdm
 
-from nanospec.cache.kv_cache import kv_bytes_per_block
 from nanospec.chat_messages import check_messages
 from nanospec.device import resolve_device, resolve_dtype
-from nanospec.engine import Engine, EngineConfig, max_query_len
-from nanospec.log import logger
-from nanospec.model.embedded import EMBEDDED_MODEL_FILE
-from nanospec.model.llama import Llama
-from nanospec.model.loader import Checkpoint, load_checkpoint
+from nanospec.engine_args import EngineArgs, build_engine
 from nanospec.model.random_model import random_checkpoint
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
-from nanospec.model.parallel import check_shardable
-from nanospec.speculative.config import draft_tensor_parallel_size, make_proposer, parse_speculative_config
-from nanospec.worker import ModelSpec, TensorParallel, WorkerSetup
-from nanospec.worker import start as start_tensor_parallel
 
 Prompt = str | list[int]
 
 
 class LLM:
-    """Load a Llama (HF directory, .gguf file, the embedded SmolLM2 when ``model`` is None, or an
-    in-memory ``nanospec.model.loader.Checkpoint``) and serve it.
+    """``LLM(model=None, dtype=None, device=None, **engine_args)``: the engine that
+    :class:`~nanospec.engine_args.EngineArgs` describes (``model``: an HF directory, a ``.gguf`` file, the embedded
+    SmolLM2 when None, or an in-memory checkpoint), built by :func:`~nanospec.engine_args.build_engine`, and the
+    calls that feed it: ``generate``, ``chat``, ``stream``, ``abort``.
 
-    KV pool: ``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes
-    hold (default: 1 GiB on CPU, 40% of free memory on CUDA, never more than ``max_num_seqs``
-    full contexts). ``speculative_config``: see :mod:`nanospec.speculative.config`. ``enforce_eager``
-    (vLLM's name): False runs decode and verify steps from static buffers as CUDA graphs (the default on
-    CUDA); on a CPU, False runs the same static-buffer path eagerly (the default there is True).
-
-    ``tensor_parallel_size`` T > 1: the model is split over T processes (``nanospec.worker``): this one, the
-    driver, and T-1 workers it spawns (or that torchrun started: then on ranks > 0 this constructor serves as a
-    worker and exits the process when the driver shuts down). NCCL with one GPU per rank on CUDA, gloo on a CPU.
-    ``shutdown()``, leaving a ``with`` block, garbage collection or interpreter exit end the workers. A draft model
-    runs on ``speculative_config["draft_tensor_parallel_size"]`` ranks: 1 (the driver alone) or T (the default).
+    With ``tensor_parallel_size`` T > 1 this process is the driver of T ranks (:mod:`nanospec.worker`); under
+    torchrun, on ranks > 0 the constructor serves as a worker and exits the process when the driver shuts down.
+    ``shutdown()``, leaving a ``with`` block, garbage collection or interpreter exit end the workers.
     """
 
-    def __init__(self, model: str | os.PathLike | None = None, dtype=None, device=None, *,
-                 speculative_config: dict | None = None, num_blocks: int | None = None, block_size: int = 16,
-                 kv_cache_memory: int | None = None, max_num_seqs: int = 64, max_num_batched_tokens: int = 4096,
-                 max_model_len: int | None = None, seed: int = 0, enforce_eager: bool | None = None,
-                 tensor_parallel_size: int = 1):
-        if model is not None and not isinstance(model, (str, os.PathLike, Checkpoint)):
-            raise ValueError(f"model must be a path or None, got {model!r}")
-        _check_int("block_size", block_size, 1, 4096)
-        _check_int("num_blocks", num_blocks, 1, optional=True)
-        _check_int("max_num_seqs", max_num_seqs, 1, 1 << 16)
-        _check_int("max_num_batched_tokens", max_num_batched_tokens, 1)
-        _check_int("kv_cache_memory", kv_cache_memory, 1, optional=True, unit=" (bytes)")
-        _check_int("max_model_len", max_model_len, 2, optional=True)
-        _check_int("tensor_parallel_size", tensor_parallel_size, 1, 1024)
-        self._source = model
-        if not isinstance(seed, int) or isinstance(seed, bool):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        if enforce_eager is not None and not isinstance(enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True, False or None, got {enforce_eager!r}")
-        self.device = resolve_device(device)
-        self.dtype = resolve_dtype(dtype, self.device)
-        spec_config = parse_speculative_config(speculative_config)
-        if spec_config is not None and spec_config.dtype is not None:
-            try:  # a bad draft dtype fails here, before any loading
-                resolve_dtype(spec_config.dtype, self.device)
-            except ValueError as e:
-                raise ValueError(f"speculative_config['dtype']: {e}") from None
-        draft_tp = draft_tensor_parallel_size(spec_config, tensor_parallel_size)
-        start = time.perf_counter()
-        if isinstance(model, Checkpoint):
-            checkpoint = model
-        else:
-            logger.info("loading %s ...", model if model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)")
-            checkpoint = load_checkpoint(model, self.dtype)
-        self.config = checkpoint.config
-        self.tokenizer = checkpoint.tokenizer
-        context = self.config.max_position_embeddings
-        asked_model_len = max_model_len
-        if max_model_len is None:
-            max_model_len = context
-        elif not 1 < max_model_len <= context:
-            raise ValueError(f"max_model_len must be in (1, {context}], got {max_model_len}")
-        self.parallel: TensorParallel | None = None
-        if tensor_parallel_size > 1:
-            check_shardable(self.config, tensor_parallel_size)
-            self.parallel = start_tensor_parallel(tensor_parallel_size, draft_tp, self.device)
-            if self.parallel.rank != 0:  # under torchrun: this process is a worker until the driver shuts down
-                del checkpoint
-                try:
-                    self.parallel.serve()
-                finally:
-                    self.parallel.shutdown()
-                raise SystemExit(0)
-            self.device = self.parallel.device
-            # shutdown() at garbage collection or at interpreter exit, whichever comes first
+    def __init__(self, model=None, dtype=None, device=None, **engine_args):
+        self.engine, self.parallel = build_engine(EngineArgs(model, dtype, device, **engine_args))
+        if self.parallel is not None:  # shutdown() at garbage collection or at interpreter exit, whichever is first
             self._finalizer = weakref.finalize(self, self.parallel.shutdown)
-        try:
-            self._build(checkpoint, spec_config, num_blocks, block_size, kv_cache_memory, max_num_seqs,
-                        max_num_batched_tokens, max_model_len, asked_model_len, seed, enforce_eager)
-        except BaseException:
-            self.shutdown()
-            raise
-        logger.info("ready in %.1f s", time.perf_counter() - start)
-
-    def _build(self, checkpoint, spec_config, num_blocks, block_size, kv_cache_memory, max_num_seqs,
-               max_num_batched_tokens, max_model_len, asked_model_len, seed, enforce_eager) -> None:
-        """The model (this rank's shard under tensor parallelism), the KV pool, the proposer and the engine; under
-        tensor parallelism the workers get their setup just before the engine's first forward."""
-        parallel = self.parallel
-        self.model = Llama(checkpoint.config, checkpoint.tensors, self.device, self.dtype, max_len=max_model_len,
-                           tp=parallel.target if parallel is not None else None)
-        target_source = checkpoint if isinstance(self._source, Checkpoint) else self._source
-        del checkpoint
-        if num_blocks is None:
-            num_blocks = self._blocks_from_memory(kv_cache_memory, block_size, max_model_len, max_num_seqs)
-        kv_bytes = self._check_kv_memory(num_blocks, block_size)
-        c = self.config
-        logger.info("model: %d layers, %s on %s%s; KV cache: %d blocks of %d tokens (%.2f GiB)", c.num_hidden_layers,
-                    str(self.dtype).removeprefix("torch."), self.device,
-                    f" ({torch.get_num_threads()} threads)" if self.device.type == "cpu" else "", num_blocks,
-                    block_size, kv_bytes / 2**30)
-        proposer = None
-        target_max_len = max_model_len
-        if spec_config is not None:
-            logger.info("speculation: %s%s ...", spec_config.method,
-                        f" with {spec_config.model}" if spec_config.model is not None else "")
-            proposer = make_proposer(spec_config, self.config, self.tokenizer, num_blocks, block_size, self.device,
-                                     self.dtype, max_model_len, parallel)
-            if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
-                if asked_model_len is not None:
-                    raise ValueError(f"max_model_len={asked_model_len} is longer than the draft model's context "
-                                     f"({proposer.max_model_len} tokens)")
-                max_model_len = proposer.max_model_len  # the draft guesses only within its own context
-        if enforce_eager is None:
-            enforce_eager = self.device.type != "cuda"
-        config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                              enforce_eager=enforce_eager)
-        if parallel is not None:
-            draft = None
-            if getattr(proposer, "sharded", False):
-                draft = ModelSpec(spec_config.model, proposer.dtype, proposer.max_len, num_blocks, block_size)
-            parallel.send_setup(WorkerSetup(
-                ModelSpec(target_source, self.dtype, target_max_len, num_blocks, block_size, max_num_seqs,
-                          max_query_len(proposer), max_model_len, enforce_eager), draft))
-        self.engine = Engine(self.model, self.tokenizer, config, proposer=proposer, seed=seed,
-                             adaptive_speculation=spec_config is None or spec_config.adaptive, parallel=parallel)
         # outputs not yet taken by the call that owns their request: every engine step serves every
         # request, so a generate() call also advances an open stream (and the stream must get them)
         self._outputs: dict[int, list[RequestOutput]] = {}
@@ -173,34 +52,26 @@ class LLM:
         dtype = resolve_dtype(dtype, device)
         return cls(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **kwargs)
 
-    def _check_kv_memory(self, num_blocks: int, block_size: int) -> int:
-        """The KV pool's bytes; refuse, before allocating, a pool larger than the device's memory."""
-        c = self.config
-        need = num_blocks * kv_bytes_per_block(c.num_hidden_layers, block_size, self.model.num_kv_heads, c.head_dim,
-                                               self.dtype)
-        if self.device.type == "cuda":
-            have = torch.cuda.mem_get_info(self.device)[0]
-        else:
-            have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        if need > have:
-            raise ValueError(f"num_blocks={num_blocks} of {block_size} tokens needs {need / 2**30:.1f} GiB of KV "
-                             f"cache, more than the {have / 2**30:.1f} GiB this {self.device.type} has")
-        return need
+    @property
+    def model(self):
+        """The target model (under tensor parallelism: the driver's shard)."""
+        return self.engine.model
 
-    def _blocks_from_memory(self, kv_cache_memory, block_size, max_model_len, max_num_seqs) -> int:
-        c = self.config
-        per_block = kv_bytes_per_block(c.num_hidden_layers, block_size, self.model.num_kv_heads, c.head_dim,
-                                       self.dtype)  # this rank's KV heads
-        if kv_cache_memory is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                kv_cache_memory = int(free * 0.4)
-            else:
-                kv_cache_memory = 1 << 30
-        if kv_cache_memory < per_block:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block ({per_block} bytes each)")
-        cap = max_num_seqs * -(-max_model_len // block_size)
-        return min(kv_cache_memory // per_block, cap)
+    @property
+    def config(self):
+        return self.engine.model.config
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def device(self):
+        return self.engine.model.device
+
+    @property
+    def dtype(self):
+        return self.engine.model.dtype
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -420,11 +291,3 @@ class RequestStream:
         except Exception:  # at interpreter exit the engine may be gone already
             pass
 
-
-def _check_int(name: str, value, minimum: int, maximum: int | None = None, *, optional: bool = False,
-               unit: str = "") -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (maximum and value > maximum):
-        bounds = f"in [{minimum}, {maximum}]" if maximum else f">= {minimum}"
-        raise ValueError(f"{name} must be an integer {bounds}{unit}, got {value!r}")

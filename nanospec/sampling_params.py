@@ -13,27 +13,12 @@ MAX_LOGPROBS = 20  # most likely tokens reported per emitted token (OpenAI's top
 
 @dataclass
 class SamplingParams:
-    """Sampling settings of one request (vLLM-shaped).
-
-    temperature: 0 means greedy (argmax). top_k: -1 keeps every token (so does any value at or above the
-    vocabulary size). top_p: nucleus mass in (0, 1]. seed: any int; the same seed gives the same tokens on
-    any backend and batch, with or without speculation by n-gram, lookahead or a coupled draft (see the
-    README for what a draft model in rejection mode promises). stop: strings that end generation (the text
-    stops before them). stop_token_ids: token ids that end generation (kept in the output, like eos).
-    min_tokens: no eos / stop token / stop string ends the request before this many tokens. ignore_eos:
-    eos does not end it. speculate: False opts this request out of speculative decoding.
-
-    n: how many completions of the prompt (``LLM.generate`` returns n outputs per prompt, choice ``i``
-    seeded ``seed + i`` when a seed is given). logprobs: None, or how many of the most likely tokens to
-    report with each emitted token (0: only the emitted token's); the log-probabilities are the target's
-    raw ones, ``log_softmax(logits)`` before penalties, temperature, top-k and top-p (vLLM's default).
-
-    Penalties (vLLM's / OpenAI's meanings), applied to the logits in this order before temperature:
-    ``l_v / r`` if ``l_v > 0`` else ``l_v * r`` for every token ``v`` seen in the prompt or the output
-    (``r = repetition_penalty``, 1 is off, > 0), then ``l_v -= frequency_penalty * c_v + presence_penalty
-    * [c_v > 0]`` with ``c_v`` the count of ``v`` in the output so far (each in [-2, 2], 0 is off).
-    Under speculation every verified position counts the output up to itself (its own path in the tree).
-    """
+    """Sampling settings of one request, vLLM's names and meanings (docs/sampling.md). ``temperature`` 0 is greedy;
+    ``top_k`` -1 (or at least the vocabulary) keeps every token; ``stop`` strings end the text before them,
+    ``stop_token_ids`` end it like eos (kept); ``min_tokens`` holds eos, stop tokens and stop strings off;
+    ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
+    k reports the target's raw log-probabilities of each token and its k likeliest; penalties as vLLM's, before
+    temperature (:mod:`nanospec.sampling.penalties`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0

@@ -166,9 +166,11 @@ class TensorParallel:
         setup: list = [None]
         dist.broadcast_object_list(setup, src=0, group=self.channel.group)
         setup: WorkerSetup = setup[0]
-        runners = {TARGET: build_runner(setup.target, self.device, self.target)}
-        if setup.draft is not None:
-            runners[DRAFT] = build_runner(setup.draft, self.device, self.draft)
+        runners = {}
+        for model_id, spec, tp in ((TARGET, setup.target, self.target), (DRAFT, setup.draft, self.draft)):
+            if spec is not None:
+                runners[model_id] = build_runner(build_model(spec.source, spec.dtype, spec.max_len, self.device, tp),
+                                                 spec)
         while True:
             command = self.channel.receive()
             if command.op == Op.SHUTDOWN:
@@ -180,16 +182,31 @@ class TensorParallel:
                 runner.copy_kv_slots(*command.tensors)
 
 
-def build_runner(spec: ModelSpec, device: torch.device, tp: ParallelGroup | None) -> ModelRunner:
-    """This rank's shard of a model, its KV pool (its KV heads, the driver's number of blocks) and its runner."""
-    checkpoint = spec.source if isinstance(spec.source, Checkpoint) else load_checkpoint(spec.source, spec.dtype)
-    model = Llama(checkpoint.config, checkpoint.tensors, device, spec.dtype, max_len=spec.max_len, tp=tp)
-    del checkpoint
+def build_model(source, dtype: torch.dtype, max_len: int | None, device: torch.device, tp: ParallelGroup | None,
+                checkpoint: Checkpoint | None = None) -> Llama:
+    """This rank's shard of the model at ``source`` (a path, None: the embedded model, or a checkpoint;
+    ``checkpoint``: already loaded)."""
+    if checkpoint is None:
+        checkpoint = source if isinstance(source, Checkpoint) else load_checkpoint(source, dtype)
+    return Llama(checkpoint.config, checkpoint.tensors, device, dtype, max_len=max_len, tp=tp)
+
+
+def build_runner(model: Llama, spec: ModelSpec) -> ModelRunner:
+    """A model's KV pool (its KV heads, ``spec``'s number of blocks: the driver's) and its runner."""
     c = model.config
     kv_cache = KVCache(c.num_hidden_layers, spec.num_blocks, spec.block_size, model.num_kv_heads, c.head_dim,
-                       spec.dtype, device)
+                       spec.dtype, model.device)
     return ModelRunner(model, kv_cache, max_num_seqs=spec.max_num_seqs, max_query_len=spec.max_query_len,
                        max_model_len=spec.max_model_len, enforce_eager=spec.enforce_eager)
+
+
+def serve_as_worker(parallel: TensorParallel) -> None:
+    """Under torchrun, on a rank > 0: serve the driver until it shuts down, then exit the process."""
+    try:
+        parallel.serve()
+    finally:
+        parallel.shutdown()
+    raise SystemExit(0)
 
 
 def _rank_device(device: torch.device, local_rank: int) -> torch.device:

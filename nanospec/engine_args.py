@@ -1,0 +1,163 @@
+"""Every knob of an engine, validated once (:class:`EngineArgs`), and the one function that builds the engine from
+them (:func:`build_engine`), shared by ``LLM``, the server and, for their shards, the tensor-parallel workers.
+
+    args = EngineArgs(model=PATH, speculative_config={"method": "ngram"}, max_num_seqs=16)   # ValueError here
+    engine, group = build_engine(args)     # the model, the KV pool, the proposer, the runner, the engine
+
+``model``: an HF directory, a ``.gguf`` file, the embedded SmolLM2 (None) or an in-memory ``Checkpoint``. KV pool:
+``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes hold (default: 1 GiB on a
+CPU, 40% of the free memory on CUDA, never more than ``max_num_seqs`` full contexts). ``speculative_config``: see
+:mod:`nanospec.speculative.config`. ``enforce_eager`` (vLLM's name): False runs decode and verify steps from static
+buffers as CUDA graphs (the default on CUDA; on a CPU the same path without graphs). ``tensor_parallel_size`` T > 1
+splits the model over T processes (:mod:`nanospec.worker`); the draft runs on
+``speculative_config["draft_tensor_parallel_size"]`` ranks, 1 or T (the default).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from nanospec.cache.kv_cache import check_pool_memory, kv_bytes_per_block, pool_blocks
+from nanospec.device import resolve_device, resolve_dtype
+from nanospec.engine import Engine, EngineConfig, max_query_len
+from nanospec.log import logger
+from nanospec.model.commands import TARGET
+from nanospec.model.embedded import EMBEDDED_MODEL_FILE
+from nanospec.model.loader import Checkpoint, load_checkpoint
+from nanospec.model.parallel import check_shardable
+from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
+                                         parse_speculative_config)
+from nanospec.worker import ModelSpec, TensorParallel, WorkerSetup, build_model, build_runner, serve_as_worker
+from nanospec.worker import start as start_tensor_parallel
+
+
+@dataclass
+class EngineArgs:
+    model: str | os.PathLike | Checkpoint | None = None
+    dtype: str | torch.dtype | None = None   # None: bfloat16 on CUDA, float32 on a CPU
+    device: str | torch.device | None = None  # None: CUDA when there is a GPU
+    speculative_config: dict | None = None
+    num_blocks: int | None = None
+    block_size: int = 16
+    kv_cache_memory: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # None: the model's context (or the draft's, if shorter)
+    seed: int = 0
+    enforce_eager: bool | None = None
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self):
+        """Every check that needs no weights, before anything loads; ``device``, ``dtype`` and the speculative
+        config come out resolved (``self.speculative``, ``self.draft_tensor_parallel_size``)."""
+        if self.model is not None and not isinstance(self.model, (str, os.PathLike, Checkpoint)):
+            raise ValueError(f"model must be a path or None, got {self.model!r}")
+        _check_int("block_size", self.block_size, 1, 4096)
+        _check_int("num_blocks", self.num_blocks, 1, optional=True)
+        _check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 16)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True, unit=" (bytes)")
+        _check_int("max_model_len", self.max_model_len, 2, optional=True)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+            raise ValueError(f"seed must be an int, got {self.seed!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
+        self.device = resolve_device(self.device)
+        self.dtype = resolve_dtype(self.dtype, self.device)
+        self.speculative: SpeculativeConfig | None = parse_speculative_config(self.speculative_config)
+        if self.speculative is not None and self.speculative.dtype is not None:
+            try:  # a bad draft dtype fails here, before any loading
+                resolve_dtype(self.speculative.dtype, self.device)
+            except ValueError as e:
+                raise ValueError(f"speculative_config['dtype']: {e}") from None
+        self.draft_tensor_parallel_size = draft_tensor_parallel_size(self.speculative, self.tensor_parallel_size)
+
+
+def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
+    """The engine over the model (this rank's shard under tensor parallelism), its KV pool and the proposer; and
+    the tensor-parallel group (None at T = 1), which the caller shuts down. Under torchrun, on a rank > 0 this
+    serves as a worker until the driver shuts down, then exits the process. A failure shuts the group down."""
+    start = time.perf_counter()
+    if isinstance(args.model, Checkpoint):
+        checkpoint = args.model
+    else:
+        logger.info("loading %s ...", args.model if args.model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)")
+        checkpoint = load_checkpoint(args.model, args.dtype)
+    context = checkpoint.config.max_position_embeddings
+    if args.max_model_len is not None and not 1 < args.max_model_len <= context:
+        raise ValueError(f"max_model_len must be in (1, {context}], got {args.max_model_len}")
+    parallel = None
+    if args.tensor_parallel_size > 1:
+        check_shardable(checkpoint.config, args.tensor_parallel_size)
+        parallel = start_tensor_parallel(args.tensor_parallel_size, args.draft_tensor_parallel_size, args.device)
+        if parallel.rank != 0:
+            del checkpoint
+            serve_as_worker(parallel)  # exits the process
+    try:
+        engine = _build(args, checkpoint, parallel, parallel.device if parallel is not None else args.device)
+    except BaseException:
+        if parallel is not None:
+            parallel.shutdown()
+        raise
+    logger.info("ready in %.1f s", time.perf_counter() - start)
+    return engine, parallel
+
+
+def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | None, device: torch.device
+           ) -> Engine:
+    """The model, the KV pool, the proposer and the engine; the workers get their setup just before the engine's
+    first forward."""
+    config, tokenizer = checkpoint.config, checkpoint.tokenizer
+    max_model_len = target_max_len = args.max_model_len or config.max_position_embeddings
+    source = args.model if not isinstance(args.model, Checkpoint) else checkpoint
+    model = build_model(source, args.dtype, target_max_len, device, parallel.target if parallel else None, checkpoint)
+    del checkpoint
+    per_block = kv_bytes_per_block(config.num_hidden_layers, args.block_size, model.num_kv_heads, config.head_dim,
+                                   args.dtype)  # this rank's KV heads
+    num_blocks = args.num_blocks or pool_blocks(per_block, device, args.kv_cache_memory, args.block_size,
+                                                max_model_len, args.max_num_seqs)
+    check_pool_memory(num_blocks, per_block, args.block_size, device)
+    logger.info("model: %d layers, %s on %s%s; KV cache: %d blocks of %d tokens (%.2f GiB)", config.num_hidden_layers,
+                str(args.dtype).removeprefix("torch."), device,
+                f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else "", num_blocks, args.block_size,
+                num_blocks * per_block / 2**30)
+    proposer = None
+    if args.speculative is not None:
+        logger.info("speculation: %s%s ...", args.speculative.method,
+                    f" with {args.speculative.model}" if args.speculative.model is not None else "")
+        proposer = make_proposer(args.speculative, config, tokenizer, num_blocks, args.block_size, device,
+                                 args.dtype, max_model_len, parallel)
+        if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
+            if args.max_model_len is not None:
+                raise ValueError(f"max_model_len={args.max_model_len} is longer than the draft model's context "
+                                 f"({proposer.max_model_len} tokens)")
+            max_model_len = proposer.max_model_len  # the draft guesses only within its own context
+    enforce_eager = args.enforce_eager if args.enforce_eager is not None else device.type != "cuda"
+    target = ModelSpec(source, args.dtype, target_max_len, num_blocks, args.block_size, args.max_num_seqs,
+                       max_query_len(proposer), max_model_len, enforce_eager)
+    runner = build_runner(model, target)
+    if parallel is not None:
+        draft = None
+        if getattr(proposer, "sharded", False):
+            draft = ModelSpec(args.speculative.model, proposer.dtype, proposer.max_len, num_blocks, args.block_size)
+        parallel.send_setup(WorkerSetup(target, draft))
+        runner = parallel.driver_runner(runner, TARGET)
+    engine_config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len)
+    return Engine(runner, tokenizer, engine_config, proposer=proposer, seed=args.seed,
+                  adaptive_speculation=args.speculative is None or args.speculative.adaptive,
+                  tune_threads=device.type == "cpu" and parallel is None)
+
+
+def _check_int(name: str, value, minimum: int, maximum: int | None = None, *, optional: bool = False,
+               unit: str = "") -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum or (maximum and value > maximum):
+        bounds = f"in [{minimum}, {maximum}]" if maximum else f">= {minimum}"
+        raise ValueError(f"{name} must be an integer {bounds}{unit}, got {value!r}")
