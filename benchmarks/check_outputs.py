@@ -3,7 +3,8 @@
     python benchmarks/check_outputs.py --write before.json          # on the code before a change
     python benchmarks/check_outputs.py --compare before.json        # after it: every output must be the same
 
-For each method (plain, n-gram, n-gram tree, lookahead, draft chain, draft tree) every prompt of
+For each method (plain, n-gram, n-gram tree, lookahead, draft chain, draft tree, the shipped MLP speculator as
+served and as a chain) every prompt of
 prompts.jsonl runs alone, greedy, and then all prompts run in one ``generate`` call with seeded
 sampling (temperature 0.8, top_p 0.95, seed = the prompt's line). Greedy outputs must equal plain greedy
 for every method (lossless) and equal the record; sampled outputs must equal the record. Adaptive k is
@@ -38,6 +39,8 @@ def method_configs(draft: Path) -> dict[str, dict | None]:
         "draft": {"method": "draft", "model": str(draft), "num_speculative_tokens": 3},
         "draft_tree": {"method": "draft", "model": str(draft), "num_speculative_tokens": 3, "tree_top_k": 2,
                        "tree_budget": 5},
+        "mlp_speculator": {"method": "mlp_speculator"},
+        "mlp_chain": {"method": "mlp_speculator", "tree_top_k": 1, "prompt_lookup": False},
     }
 
 
