@@ -62,6 +62,15 @@ class EngineStats:
     step_seconds: float = 0.0
 
 
+@dataclass
+class EngineLoad:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # the share of KV blocks in use
+    num_preemptions: int   # so far
+    max_guess_depth: int   # the deepest position a guess can reach (0: no speculation)
+
+
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
                  proposer: Proposer | None = None, seed: int = 0, adaptive_speculation: bool = True,
@@ -139,6 +148,20 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.config.max_model_len
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self.config.max_num_seqs
+
+    def load(self) -> EngineLoad:
+        """What is running and waiting, and how full the KV pool is (what a server reports)."""
+        bm, scheduler = self.block_manager, self.scheduler
+        return EngineLoad(len(scheduler.running), len(scheduler.waiting), 1.0 - bm.num_free_blocks / bm.num_blocks,
+                          scheduler.num_preemptions, self.speculator.max_guess_depth)
 
     def pop_finished(self, request_id: int) -> None:
         self.sequences.pop(request_id, None)

@@ -37,7 +37,17 @@ class LLM:
     """
 
     def __init__(self, model=None, dtype=None, device=None, **engine_args):
-        self.engine, self.parallel = build_engine(EngineArgs(model, dtype, device, **engine_args))
+        self._start(EngineArgs(model, dtype, device, **engine_args))
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLM:
+        """The ``LLM`` over the engine ``args`` (already validated) describe."""
+        llm = cls.__new__(cls)
+        llm._start(args)
+        return llm
+
+    def _start(self, args: EngineArgs) -> None:
+        self.engine, self.parallel = build_engine(args)
         if self.parallel is not None:  # shutdown() at garbage collection or at interpreter exit, whichever is first
             self._finalizer = weakref.finalize(self, self.parallel.shutdown)
         # outputs not yet taken by the call that owns their request: every engine step serves every

@@ -76,10 +76,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _check(args: argparse.Namespace) -> None:
-    """What argparse cannot see: ranges, the model path, the speculative config, the default sampling, the host."""
-    from nanospec.device import resolve_device, resolve_dtype
+    """What argparse cannot see: ranges, the model path, the engine's arguments (``args.engine``, an
+    :class:`~nanospec.engine_args.EngineArgs`), the default sampling, the host."""
+    from nanospec.engine_args import EngineArgs
     from nanospec.model.generation_config import default_sampling
-    from nanospec.speculative.config import parse_speculative_config
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be in [0, 65535] (0 picks a free port)")
@@ -90,8 +90,11 @@ def _check(args: argparse.Namespace) -> None:
     if args.model is not None and not Path(args.model).exists():
         raise UsageError(f"--model {args.model}: no such file or directory")
     try:
-        resolve_dtype(args.dtype, resolve_device(args.device))
-        parse_speculative_config(args.speculative_config)
+        args.engine = EngineArgs(args.model, args.dtype, args.device, speculative_config=args.speculative_config,
+                                 num_blocks=args.num_blocks, block_size=args.block_size,
+                                 kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
+                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                                 seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
         args.default_sampling, args.default_sampling_source = default_sampling(args.model, args.generation_config)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
@@ -161,10 +164,7 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     set_level(args.log_level)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     try:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-                  num_blocks=args.num_blocks, block_size=args.block_size, kv_cache_memory=args.kv_cache_memory,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  max_model_len=args.max_model_len, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+        llm = LLM.from_args(args.engine)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

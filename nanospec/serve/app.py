@@ -115,10 +115,8 @@ class Server:
         self.model_name = model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
-        self.max_model_len = llm.engine.config.max_model_len
-        proposer = llm.engine.speculator.proposer
-        self.prometheus = ServerMetrics(model_name, 0 if proposer is None else
-                                        min(getattr(proposer, "k", proposer.max_tokens_per_step), 64))
+        self.max_model_len = llm.engine.max_model_len
+        self.prometheus = ServerMetrics(model_name, llm.engine.load().max_guess_depth)
         self.engine_loop = EngineLoop(llm, self.prometheus, max_queue_len)
         self.created = int(time.time())
 

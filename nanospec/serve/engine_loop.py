@@ -57,7 +57,7 @@ class EngineLoop:
         self.llm = llm
         self.engine = llm.engine
         self.metrics = metrics
-        self.capacity = self.engine.config.max_num_seqs + max_queue_len  # requests in flight at most
+        self.capacity = self.engine.max_num_seqs + max_queue_len  # requests in flight at most
         self.num_in_flight = 0           # event loop only
         self.error: str | None = None    # why the engine thread stopped, if it did
         self.closing = False             # the server is shutting down: no new requests

@@ -98,15 +98,14 @@ class ServerMetrics:
             self.accepted_per_pos.labels(model_name, str(position))
 
     def observe_engine(self, engine) -> None:
-        """After a step: the batch, the queue, the KV pool."""
-        m = self.model_name
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        self.running.labels(m).set(len(scheduler.running))
-        self.waiting.labels(m).set(len(scheduler.waiting))
-        self.kv_usage.labels(m).set(1.0 - blocks.num_free_blocks / blocks.num_blocks)
-        if scheduler.num_preemptions > self._num_preemptions:
-            self.preemptions.labels(m).inc(scheduler.num_preemptions - self._num_preemptions)
-            self._num_preemptions = scheduler.num_preemptions
+        """After a step: the batch, the queue, the KV pool (``engine.load()``)."""
+        m, load = self.model_name, engine.load()
+        self.running.labels(m).set(load.num_running)
+        self.waiting.labels(m).set(load.num_waiting)
+        self.kv_usage.labels(m).set(load.kv_cache_usage)
+        if load.num_preemptions > self._num_preemptions:
+            self.preemptions.labels(m).inc(load.num_preemptions - self._num_preemptions)
+            self._num_preemptions = load.num_preemptions
 
     def observe_output(self, progress: RequestProgress, out: RequestOutput, now: float | None = None) -> None:
         """One output of a request (its counts are cumulative): what is new since the last one."""

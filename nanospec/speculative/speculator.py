@@ -37,6 +37,8 @@ class Speculator:
         self.block_size = block_manager.block_size
         self.max_model_len = max_model_len
         self.max_tokens_per_step = proposer.max_tokens_per_step if proposer is not None else 0
+        # the deepest position a guess can reach (a tree's nodes beside each other share a depth)
+        self.max_guess_depth = min(getattr(proposer, "k", self.max_tokens_per_step), 64)
         self.needs_hidden_states = proposer is not None and proposer.needs_hidden_states
         self.policy: GoodputPolicy | None = None
         if proposer is None:
