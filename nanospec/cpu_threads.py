@@ -3,8 +3,8 @@
 A step on a CPU is a few hundred small parallel regions (oneDNN matmuls, elementwise ops), each split over every
 torch thread and closed by a barrier. On a machine whose cores are free that is fastest. When other processes keep
 the cores busy, the OS parks one of the step's threads for a time slice now and then, and every barrier waits for
-it: with two threads on two cores beside busy processes a SmolLM2 decode step ran 4-20x slower than with one
-thread (``benchmarks/bench_busy.py``). How busy a machine is changes while it runs, so the count is chosen online,
+it: on two cores beside busy processes a SmolLM2 decode step took 0.3-2.5 s at two threads against 55-90 ms at
+one (``benchmarks/RESULTS.md``, ``benchmarks/bench_busy.py``). How busy a machine is changes while it runs, so the count is chosen online,
 from what each step measures anyway:
 
 - steps run at the ``current`` count. Each step's wall time is kept per (threads, size) as a moving average, the
