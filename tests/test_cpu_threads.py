@@ -86,3 +86,29 @@ def test_contention_measures_waiting_for_a_core():
     with Contention() as c:
         sum(range(10000))
     assert c.seconds > 0 and (c.waiting is None or c.waiting >= 0)
+
+
+def test_the_engine_runs_each_step_at_the_tuners_count_and_restores_torchs(tmp_path, monkeypatch):
+    import torch
+
+    from nanospec import LLM, SamplingParams
+    from tiny import make_tiny_llama
+
+    make_tiny_llama(tmp_path, layers=1, max_pos=64)
+    llm = LLM(str(tmp_path), num_blocks=16, block_size=4)
+    tuner = llm.engine.threads
+    assert tuner is not None and tuner.max_threads == torch.get_num_threads()
+    observed, during = [], []
+    monkeypatch.setattr(tuner, "observe", lambda threads, *rest: observed.append(threads))
+    monkeypatch.setattr(type(tuner), "threads", property(lambda self: 1))
+    execute = llm.engine.runner.execute
+
+    def recorded(*args, **kwargs):
+        during.append(torch.get_num_threads())
+        return execute(*args, **kwargs)
+
+    monkeypatch.setattr(llm.engine.runner, "execute", recorded)
+    before = torch.get_num_threads()
+    llm.generate(["abc"], SamplingParams(temperature=0, max_tokens=4))
+    assert torch.get_num_threads() == before
+    assert during and set(during) == {1} and set(observed) == {1}
