@@ -64,7 +64,7 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
         stage tests "$PY" -m pytest -q -ra --durations=15 -p no:cacheprovider ;;
     kernels)  # each kernel's micro-benchmark against its torch reference
         for f in benchmarks/kernels/bench_*.py; do stage kernels "$PY" "$f"; done ;;
-    launches) # kernel launches and device reads per decode / verify step (issue 12, item 4)
+    launches) # kernel launches and device reads per decode / verify step
         stage launches "$PY" benchmarks/count_launches.py --device cuda --methods plain ngram ngram_tree draft ;;
     decode)   # SmolLM2 against transformers and a random-weight Llama of 1B shape, batch 1 and 32: CUDA graphs
               # (the default) and eager, so the graphs' gain is read off one run
@@ -82,7 +82,7 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
                 --batch "$batch" --no-transformers --methods plain ngram ngram_tree lookahead --lookahead 5,4,5 \
                 --json "$OUT/spec_b$batch.json"
         done ;;
-    mlp)      # the MLP speculator's GPU target (issue 13: >= 1.8x plain at batch 1): served as shipped (a beam of
+    mlp)      # the MLP speculator at batch 1: served as shipped (a beam of
               # 16 + lookup, the policy picks the nodes), every node verified, and the chain
         stage mlp "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
             --methods plain ngram mlp_speculator mlp_chain --json "$OUT/spec_mlp_b1.json"

@@ -1,4 +1,4 @@
-"""The README's commands, as a new user runs them after its install command.
+"""The commands of the README and of docs/, as a new user runs them after the README's install command.
 
 Every command of its ``bash`` blocks and its ``python`` blocks is run as written, with two changes: ``/tmp/`` is
 this test's temporary directory, and port 8000 is a free port (so that two runs, or another server, do not
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-README = (ROOT / "README.md").read_text()
+README = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 LONG = ("nanospec.train", "benchmarks/", "torchrun", "-tp ", "--tensor-parallel-size", ".sh")
 PLACEHOLDER = re.compile(r"path/to/|\bDIR\b|\bPATH\b|\bDRAFT\b")
 QUESTION = "What is the capital of France?\n"
