@@ -44,6 +44,10 @@ def method_configs(draft: Path) -> dict[str, dict | None]:
     }
 
 
+def quantization(args) -> str | None:
+    return None if args.quantization == "none" else args.quantization
+
+
 def run(args) -> dict:
     model = Path(args.model) if args.model else embedded_model_path()
     draft = truncated_draft(model, args.draft_layers)
@@ -54,13 +58,15 @@ def run(args) -> dict:
         if args.methods and name not in args.methods:
             continue
         start = time.perf_counter()
-        llm = LLM(str(model), dtype="float32", device="cpu", speculative_config=config)
+        llm = LLM(str(model), dtype="float32", device="cpu", speculative_config=config,
+                  quantization=quantization(args))
         chat = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                 for _, _, p in prompts]
         greedy = [llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=args.max_tokens))[0].token_ids
                   for ids in chat]
         if config is not None and "adaptive" not in config and config["method"] != "lookahead":
-            llm = LLM(str(model), dtype="float32", device="cpu", speculative_config={**config, "adaptive": False})
+            llm = LLM(str(model), dtype="float32", device="cpu", speculative_config={**config, "adaptive": False},
+                      quantization=quantization(args))
         sampled_params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=index)
                           for index, _, _ in prompts]
         sampled = [o.token_ids for o in llm.generate(chat, sampled_params)]
@@ -93,6 +99,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=48)
     p.add_argument("--draft-layers", type=int, default=4)
     p.add_argument("--methods", nargs="+", default=None)
+    p.add_argument("--quantization", default="auto",
+                   help="the target's weights, as LLM(quantization=...): auto (the default), int4, int8 or none "
+                        "(float; tests/data/recorded_greedy.json was written so)")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--write", help="record the outputs here")
     g.add_argument("--compare", help="compare the outputs with this record")

@@ -56,6 +56,9 @@ def parse_args(argv=None):
                         "MLP speculator directory for this model)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
+    p.add_argument("--quantization", default="auto",
+                   help="weights: auto (the default: a GGUF's 4-bit blocks kept, a Hugging Face checkpoint as "
+                        "stored), int4 (groups of 32), int4-g64, int4-g128, int8 (per channel), or none (float)")
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (default 1)")
@@ -118,7 +121,9 @@ def load(args):
     if args.quiet:
         set_level("warning")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config,
-              tensor_parallel_size=args.tensor_parallel_size)
+              tensor_parallel_size=args.tensor_parallel_size,
+              quantization=None if args.quantization == "none" else args.quantization,
+              max_num_seqs=1)  # one conversation: the KV pool holds one context
     return llm, params
 
 

@@ -5,8 +5,11 @@ them (:func:`build_engine`), shared by ``LLM``, the server and, for their shards
     engine, group = build_engine(args)     # the model, the KV pool, the proposer, the runner, the engine
 
 ``model``: an HF directory, a ``.gguf`` file, the embedded SmolLM2 (None) or an in-memory ``Checkpoint``. KV pool:
-``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes hold (default: 1 GiB on a
-CPU, 40% of the free memory on CUDA, never more than ``max_num_seqs`` full contexts). ``speculative_config``: see
+``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes hold (default: a quarter of
+a CPU machine's memory, reserved and resident only as written; 40% of the free memory on CUDA; never more than
+``max_num_seqs`` full contexts). ``quantization`` (vLLM's name): the weights' scheme, "auto" (a GGUF's 4-bit
+blocks stay 4-bit; HF weights stay float), "int4", "int4-g64", "int4-g128", "int8" or None (float weights); see
+:mod:`nanospec.model.quantization`. ``speculative_config``: see
 :mod:`nanospec.speculative.config`. ``enforce_eager`` (vLLM's name): False runs decode and verify steps from static
 buffers as CUDA graphs (the default on CUDA; on a CPU the same path without graphs). ``tensor_parallel_size`` T > 1
 splits the model over T processes (:mod:`nanospec.worker`); the draft runs on
@@ -29,6 +32,7 @@ from nanospec.model.commands import TARGET
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
 from nanospec.model.loader import Checkpoint, load_checkpoint
 from nanospec.model.parallel import check_shardable
+from nanospec.model.quantization import parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
                                          parse_speculative_config)
 from nanospec.worker import ModelSpec, TensorParallel, WorkerSetup, build_model, build_runner, serve_as_worker
@@ -50,6 +54,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
+    quantization: str | None = "auto"
 
     def __post_init__(self):
         """Every check that needs no weights, before anything loads; ``device``, ``dtype`` and the speculative
@@ -67,6 +72,7 @@ class EngineArgs:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
+        parse_quantization(self.quantization)
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
         self.speculative: SpeculativeConfig | None = parse_speculative_config(self.speculative_config)
@@ -87,7 +93,7 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
         checkpoint = args.model
     else:
         logger.info("loading %s ...", args.model if args.model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)")
-        checkpoint = load_checkpoint(args.model, args.dtype)
+        checkpoint = load_checkpoint(args.model, args.dtype, args.quantization)
     context = checkpoint.config.max_position_embeddings
     if args.max_model_len is not None and not 1 < args.max_model_len <= context:
         raise ValueError(f"max_model_len must be in (1, {context}], got {args.max_model_len}")
@@ -122,8 +128,9 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
     num_blocks = args.num_blocks or pool_blocks(per_block, device, args.kv_cache_memory, args.block_size,
                                                 max_model_len, args.max_num_seqs)
     check_pool_memory(num_blocks, per_block, args.block_size, device)
-    logger.info("model: %d layers, %s on %s%s; KV cache: %d blocks of %d tokens (%.2f GiB)", config.num_hidden_layers,
-                str(args.dtype).removeprefix("torch."), device,
+    logger.info("model: %d layers, %s%s on %s%s; KV cache: %d blocks of %d tokens (%.2f GiB)", config.num_hidden_layers,
+                str(args.dtype).removeprefix("torch."),
+                f", weights {model.quantization}" if model.quantization else "", device,
                 f" ({torch.get_num_threads()} threads)" if device.type == "cpu" else "", num_blocks, args.block_size,
                 num_blocks * per_block / 2**30)
     proposer = None
@@ -139,12 +146,13 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
             max_model_len = proposer.max_model_len  # the draft guesses only within its own context
     enforce_eager = args.enforce_eager if args.enforce_eager is not None else device.type != "cuda"
     target = ModelSpec(source, args.dtype, target_max_len, num_blocks, args.block_size, args.max_num_seqs,
-                       max_query_len(proposer), max_model_len, enforce_eager)
+                       max_query_len(proposer), max_model_len, enforce_eager, args.quantization)
     runner = build_runner(model, target)
     if parallel is not None:
         draft = None
         if getattr(proposer, "sharded", False):
-            draft = ModelSpec(args.speculative.model, proposer.dtype, proposer.max_len, num_blocks, args.block_size)
+            draft = ModelSpec(args.speculative.model, proposer.dtype, proposer.max_len, num_blocks, args.block_size,
+                              quantization=args.speculative.quantization)
         parallel.send_setup(WorkerSetup(target, draft))
         runner = parallel.driver_runner(runner, TARGET)
     engine_config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,

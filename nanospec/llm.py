@@ -249,6 +249,7 @@ class LLM:
     def stats(self) -> dict:
         s = self.engine.stats
         return {
+            "quantization": self.model.quantization,  # e.g. "int4-g32 (120), int8 (1)"; None: float weights
             "num_steps": s.num_steps,
             "num_generated_tokens": s.num_generated_tokens,
             "num_draft_tokens": s.num_draft_tokens,

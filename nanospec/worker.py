@@ -69,6 +69,7 @@ class ModelSpec:
     max_query_len: int = 1
     max_model_len: int = 1
     enforce_eager: bool = True
+    quantization: str | None = None  # as LLM(quantization=...)
 
 
 @dataclass
@@ -169,8 +170,8 @@ class TensorParallel:
         runners = {}
         for model_id, spec, tp in ((TARGET, setup.target, self.target), (DRAFT, setup.draft, self.draft)):
             if spec is not None:
-                runners[model_id] = build_runner(build_model(spec.source, spec.dtype, spec.max_len, self.device, tp),
-                                                 spec)
+                runners[model_id] = build_runner(build_model(spec.source, spec.dtype, spec.max_len, self.device, tp,
+                                                             quantization=spec.quantization), spec)
         while True:
             command = self.channel.receive()
             if command.op == Op.SHUTDOWN:
@@ -183,11 +184,11 @@ class TensorParallel:
 
 
 def build_model(source, dtype: torch.dtype, max_len: int | None, device: torch.device, tp: ParallelGroup | None,
-                checkpoint: Checkpoint | None = None) -> Llama:
+                checkpoint: Checkpoint | None = None, quantization: str | None = None) -> Llama:
     """This rank's shard of the model at ``source`` (a path, None: the embedded model, or a checkpoint;
-    ``checkpoint``: already loaded)."""
+    ``checkpoint``: already loaded; ``quantization``: as ``load_checkpoint``'s)."""
     if checkpoint is None:
-        checkpoint = source if isinstance(source, Checkpoint) else load_checkpoint(source, dtype)
+        checkpoint = source if isinstance(source, Checkpoint) else load_checkpoint(source, dtype, quantization)
     return Llama(checkpoint.config, checkpoint.tensors, device, dtype, max_len=max_len, tp=tp)
 
 

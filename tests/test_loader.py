@@ -337,7 +337,7 @@ def test_truncated_tiny_gguf_data(tmp_path, tiny_state, monkeypatch):
     data = (tmp_path / "whole.gguf").read_bytes()
     path = tmp_path / "truncated.gguf"
     path.write_bytes(data[:-1000])
-    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantizing"))
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantizing"))
     with pytest.raises(ValueError, match=f"not a valid GGUF file: {re.escape(str(path))} "
                                          r"\(tensor output\.weight is cut short"):
         load_checkpoint(path, torch.float32)
@@ -596,7 +596,7 @@ def patch_gguf(path, key, value, fmt="<I", array_count=False):
 def test_gguf_with_bad_metadata_refused(tmp_path, tiny_state, monkeypatch, key, value, named):
     path = tmp_path / "bad.gguf"
     write_tiny_gguf(path, tiny_state, metadata={key: value})
-    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
     refused(path, path, named)
 
 
@@ -607,7 +607,7 @@ def test_real_gguf_with_huge_header_value_refused_at_once(tmp_path, monkeypatch,
     path = tmp_path / "flipped.gguf"
     shutil.copyfile(embedded_model_path(), path)
     patch_gguf(path, key, (1 << 32) - 1)
-    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
     refused(path, path, f"{key} must be an integer from 1 to", "got 4294967295")
 
 
@@ -641,7 +641,7 @@ def test_gguf_with_bad_numbers_in_its_first_bytes_refused(tmp_path, tiny_state, 
 def test_gguf_tensor_shape_disagreeing_with_header_refused(tmp_path, tiny_state, monkeypatch):
     path = tmp_path / "bad.gguf"
     write_tiny_gguf(path, {**tiny_state, "model.layers.1.mlp.up_proj.weight": torch.zeros(47, 32)})
-    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
     refused(path, f"tensor blk.1.ffn_up.weight in {path} has shape (47, 32), but its metadata implies (48, 32)")
 
 
@@ -649,7 +649,7 @@ def test_gguf_tensor_of_integer_type_refused(tmp_path, tiny_state, monkeypatch):
     path = tmp_path / "bad.gguf"
     write_tiny_gguf(path, tiny_state, skip={"model.norm.weight"},
                     extra_tensors={"output_norm.weight": np.ones(32, dtype=np.int32)})
-    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
     refused(path, f"tensor output_norm.weight in {path} has type I32")
 
 
@@ -678,7 +678,7 @@ def test_gguf_tensor_with_nan_or_inf_refused(tmp_path, tiny_state, float16, bad)
 def test_gguf_with_missing_or_bad_tokenizer_metadata_refused(tmp_path, tiny_state, monkeypatch, metadata, named):
     path = tmp_path / "bad.gguf"
     write_tiny_gguf(path, tiny_state, metadata=metadata)
-    monkeypatch.setattr(gguf_file, "_dequantize", forbidden("dequantize"))
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
     refused(path, path, named)
 
 

@@ -1,7 +1,8 @@
 """Greedy outputs of every speculative method on real benchmark prompts equal those recorded before the
 engine was restructured (and so equal each other): a guard that a refactoring changed no token.
 
-The record (``tests/data/recorded_greedy.json``) holds fp32 CPU outputs of the embedded SmolLM2; the
+The record (``tests/data/recorded_greedy.json``) holds fp32 CPU outputs of the embedded SmolLM2 with float weights
+(``quantization=None``); the
 whole record, all 16 prompts and sampled outputs too, is checked by ``benchmarks/check_outputs.py``.
 """
 
@@ -42,7 +43,8 @@ def test_greedy_outputs_are_as_recorded(method, draft_path):
     config = METHODS[method]
     if config is not None and config["method"] == "draft":
         config = {**config, "model": str(draft_path)}
-    llm = LLM(dtype="float32", device="cpu", speculative_config=config)  # explicitly the CPU: what was recorded
+    # explicitly float weights in fp32 on the CPU: what was recorded
+    llm = LLM(dtype="float32", device="cpu", quantization=None, speculative_config=config)
     indices = sorted(RECORD["outputs"], key=int)
     chats = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": PROMPTS[int(i)]}]))
              for i in indices]

@@ -42,7 +42,8 @@ def gguf():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(dtype="float32", device="cpu")  # explicitly the CPU: compared with transformers on the CPU
+    # float weights, explicitly on the CPU: compared with transformers' float32 on the CPU
+    return LLM(dtype="float32", device="cpu", quantization=None)
 
 
 @pytest.fixture(scope="module")
@@ -67,11 +68,16 @@ def plain_outputs(llm, prompts):
 
 
 @pytest.fixture(scope="module")
-def plain_on_device(device, prompts, plain_outputs):
-    """Plain greedy outputs in fp32 on the test device, for speculation there to equal (on the CPU: plain_outputs)."""
-    if device == "cpu":
-        return plain_outputs
+def plain_on_device(device, prompts):
+    """Plain greedy outputs of the model as served by default (its 4-bit weights kept, fp32 activations) on the test
+    device, for speculation there to equal."""
     return LLM(dtype="float32", device=device).generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
+
+
+def test_served_model_keeps_the_files_4bit_weights_and_answers(plain_on_device):
+    llm = LLM(dtype="float32", device="cpu", num_blocks=64)
+    assert llm.model.quantization == "int4-g32 (120), int8 (1)"  # Q4_1 layers, the Q8_0 embedding as the head
+    assert "Paris" in plain_on_device[0].text
 
 
 def test_logits_match_transformers(llm, hf, prompts):

@@ -1,11 +1,20 @@
 """The KV tensors: one K and one V pool per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``, and how
-many blocks a pool gets."""
+many blocks a pool gets.
+
+On a CPU the pool is an anonymous memory map: zero-filled by the operating system and resident only as its pages
+are written, so a pool sized for whole contexts costs memory for the tokens it holds. On CUDA it is zeroed memory.
+"""
 
 from __future__ import annotations
 
+import math
+import mmap
 import os
 
 import torch
+
+CUDA_FREE_MEMORY_SHARE = 0.4  # of a GPU's free memory, for the pool by default
+CPU_MEMORY_SHARE = 0.25       # of a CPU machine's memory, the most a pool reserves by default
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -14,10 +23,14 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 def pool_blocks(bytes_per_block: int, device: torch.device, kv_cache_memory: int | None, block_size: int,
                 max_model_len: int, max_num_seqs: int) -> int:
-    """Blocks of a pool of ``kv_cache_memory`` bytes (default: 1 GiB on a CPU, 40% of the free memory on CUDA),
-    never more than ``max_num_seqs`` full contexts hold."""
+    """Blocks enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens at once (what the engine can use),
+    within ``kv_cache_memory`` bytes: by default 40% of a GPU's free memory, or a quarter of a CPU machine's memory
+    (reserved: resident only as blocks are written). ValueError when the budget holds no block."""
     if kv_cache_memory is None:
-        kv_cache_memory = int(torch.cuda.mem_get_info(device)[0] * 0.4) if device.type == "cuda" else 1 << 30
+        if device.type == "cuda":
+            kv_cache_memory = int(torch.cuda.mem_get_info(device)[0] * CUDA_FREE_MEMORY_SHARE)
+        else:
+            kv_cache_memory = int(physical_memory() * CPU_MEMORY_SHARE)
     if kv_cache_memory < bytes_per_block:
         raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block ({bytes_per_block} bytes each)")
     return min(kv_cache_memory // bytes_per_block, max_num_seqs * -(-max_model_len // block_size))
@@ -26,20 +39,28 @@ def pool_blocks(bytes_per_block: int, device: torch.device, kv_cache_memory: int
 def check_pool_memory(num_blocks: int, bytes_per_block: int, block_size: int, device: torch.device) -> None:
     """Refuse, before allocating, a pool larger than the device's memory."""
     need = num_blocks * bytes_per_block
-    if device.type == "cuda":
-        have = torch.cuda.mem_get_info(device)[0]
-    else:
-        have = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else physical_memory()
     if need > have:
         raise ValueError(f"num_blocks={num_blocks} of {block_size} tokens needs {need / 2**30:.1f} GiB of KV "
                          f"cache, more than the {have / 2**30:.1f} GiB this {device.type} has")
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def zeros_reserved(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A CPU tensor of zeros in an anonymous memory map: its pages are committed when first written."""
+    nbytes = max(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), 1)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str):
         shape = (num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        self.data = zeros_reserved(shape, dtype) if torch.device(device).type == "cpu" else \
+            torch.zeros(shape, dtype=dtype, device=device)
         self.num_blocks = num_blocks
         self.block_size = block_size
         # views, made once: per layer as blocks, and with the block axes merged into one slot axis

@@ -7,9 +7,9 @@ holds the batch's plan, shared by every layer:
 
 * :class:`RopeTables`: ``cos`` and a signed ``sin`` over whole heads, with the softmax scale folded into the query
   heads, so rotating a layer's q and k is three ops;
-* :class:`PagedAttentionPlan`: each sequence's cache slots (a plain slice when its blocks are consecutive, as a lone
-  request's are) and its additive mask (causal, or the tree bitmask unpacked); sequences with one new token each
-  are attended together, padded to the longest, in one batched matmul;
+* :class:`PagedAttentionPlan`: the cache slots each row attends over (a plain slice when its blocks are consecutive, as
+  a lone request's are): a row that wants logits alone, over exactly the slots it sees (batch-invariant), a prefill
+  chunk as one group with its additive mask (causal, or the tree bitmask unpacked);
 * where each real (non-padding) token's K/V goes.
 """
 
@@ -52,65 +52,81 @@ class RopeTables:
 @dataclass
 class _Group:
     """Query rows of the batch and the cache slots they attend over (see :class:`PagedAttentionPlan`)."""
-    rows: slice | torch.Tensor      # a slice of the batch's rows, or row indices (batched decode)
-    kv: slice | torch.Tensor        # a slice of the flat slot axis, or slot indices ([S, L] for batched decode)
-    q_len: int                      # new tokens per sequence
-    bias: torch.Tensor | None       # additive mask (0 / -inf): [q_len * group, L], or [S, 1, 1, L] batched
-    batched: bool = False
+    rows: slice                     # a slice of the batch's rows
+    kv: slice | torch.Tensor        # a slice of the flat slot axis, or slot indices
+    q_len: int                      # new tokens of the sequence in this group
+    bias: torch.Tensor | None       # additive mask (0 / -inf), [q_len * group, L]; None: each row sees every slot
 
 
 class PagedAttentionPlan:
     """Paged attention's per-batch work, done once per forward and shared by every layer.
 
-    For each sequence: the flat cache slots of its storage indices (a plain slice when its blocks are
-    consecutive, as a lone request's are) and its additive mask among the new tokens (causal, or the
-    tree bitmask unpacked), with one row per (new token, query head of a kv head's group), token-major.
-    Sequences with one new token each, when there are several, are attended together: padded to the
-    longest, in one batched matmul. :meth:`attend` then costs a handful of torch ops per layer.
+    **Batch-invariant where it matters.** A row that wants logits (a decode token, every node a step verifies) is
+    attended alone, over exactly the slots it sees, in position order: the context, then its ancestors and itself.
+    That is the very computation (the same ops, shapes and memory layout) plain decoding does for that token once
+    it is committed, so its output does not depend on the batch, on the other guesses, or on the step: a
+    verified token's K/V and logits are bit for bit a decoded token's. (BLAS picks its kernels by shape: one
+    matmul over several rows, or over keys padded and masked, rounds differently. With the CPU's bfloat16 matmul
+    inputs, such a difference can move a value across a rounding step and change a near-tie.)
+
+    Rows that want no logits (a prefill chunk but its last row) are attended together, one group per sequence with
+    its additive mask (causal, or the tree bitmask unpacked), one row per (new token, query head of a kv head's
+    group), token-major. Each group's slots are a plain slice when its blocks are consecutive, as a lone request's
+    are. :meth:`attend` costs a handful of torch ops per group and layer.
     """
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 block_size: int, group: int, tree_mask: torch.Tensor | None = None):
+                 block_size: int, group: int, tree_mask: torch.Tensor | None = None,
+                 logits_indices: torch.Tensor | None = None):
         device = block_tables.device
         self.group = group
         starts, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
         self.num_tokens = starts[-1] if starts else 0
-        q_lens = [starts[s + 1] - starts[s] for s in range(len(lens))]
-        decode = [s for s, q_len in enumerate(q_lens) if q_len == 1]
-        batched = set(decode) if len(decode) > 1 else set()
+        wants_logits = set(logits_indices.tolist()) if logits_indices is not None else set()
         self.groups: list[_Group] = []
-        if batched:
-            self.groups.append(self._batched_decode(decode, starts, lens, tables, block_size, device))
-        for s, q_len in enumerate(q_lens):
-            if q_len == 0 or s in batched:
+        for s, seq_len in enumerate(lens):
+            start, end = starts[s], starts[s + 1]
+            q_len, ctx_len = end - start, seq_len - (end - start)
+            if q_len == 0:
                 continue
-            seq_len, ctx_len = lens[s], lens[s] - q_len
+            if all(row in wants_logits for row in range(start, end)):
+                self.groups.extend(self._rows_alone(tables[s], start, q_len, ctx_len, block_size, device,
+                                                    tree_mask[start:end] if tree_mask is not None else None))
+                continue
             visible = None
             if tree_mask is not None and q_len > 1:
                 visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
-                visible[:, ctx_len:] = unpack_mask(tree_mask[starts[s]:starts[s + 1]], q_len)
+                visible[:, ctx_len:] = unpack_mask(tree_mask[start:end], q_len)
             elif q_len > 1:
                 visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(diagonal=ctx_len)
             bias = None
             if visible is not None:
                 bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
                 bias = bias.repeat_interleave(group, dim=0)
-            self.groups.append(_Group(slice(starts[s], starts[s + 1]), _slots(tables[s], seq_len, block_size, device),
-                                      q_len, bias))
-        self.one_group_for_all_rows = (len(self.groups) == 1 and isinstance(self.groups[0].rows, slice)
-                                       and self.groups[0].rows == slice(0, self.num_tokens))
+            self.groups.append(_Group(slice(start, end), _slots(tables[s], seq_len, block_size, device), q_len, bias))
+        self.one_group_for_all_rows = len(self.groups) == 1 and self.groups[0].rows == slice(0, self.num_tokens)
 
-    def _batched_decode(self, seqs, starts, lens, tables, block_size, device) -> _Group:
-        longest = max(lens[s] for s in seqs)
-        slots = torch.zeros(len(seqs), longest, dtype=torch.int64, device=device)  # padding reads slot 0, masked
-        bias = torch.zeros(len(seqs), 1, 1, longest, device=device)
-        for i, s in enumerate(seqs):
-            slots[i, :lens[s]] = _slot_indices(tables[s], lens[s], block_size, device)
-            bias[i, ..., lens[s]:] = float("-inf")
-        rows = [starts[s] for s in seqs]
-        in_order = rows == list(range(self.num_tokens))
-        return _Group(slice(0, self.num_tokens) if in_order else torch.tensor(rows, device=device), slots, 1, bias,
-                      batched=True)
+    @staticmethod
+    def _rows_alone(table: list[int], start: int, q_len: int, ctx_len: int, block_size: int, device,
+                    tree_mask: torch.Tensor | None) -> list[_Group]:
+        """One group per row: the row sees the context and the new tokens its mask allows (causal: those up to
+        itself), in position order."""
+        if tree_mask is None:
+            return [_Group(slice(start + j, start + j + 1), _slots(table, ctx_len + j + 1, block_size, device), 1,
+                           None) for j in range(q_len)]
+        visible = unpack_mask(tree_mask, q_len)  # [q_len, q_len] bool
+        all_slots = None
+        groups = []
+        for j in range(q_len):
+            seen = visible[j].nonzero().squeeze(1)
+            if torch.equal(seen, torch.arange(len(seen), device=device)):  # a prefix: as a chain
+                kv = _slots(table, ctx_len + len(seen), block_size, device)
+            else:
+                if all_slots is None:
+                    all_slots = _slot_indices(table, ctx_len + q_len, block_size, device)
+                kv = torch.cat([all_slots[:ctx_len], all_slots[ctx_len + seen]])
+            groups.append(_Group(slice(start + j, start + j + 1), kv, 1, None))
+        return groups
 
     def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``.
@@ -128,27 +144,21 @@ class PagedAttentionPlan:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, group = num_heads // self.group, self.group
         q_in = q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)
-        if g.batched:                                  # S sequences, one token each, padded to the longest
-            k = k_slots[g.kv].permute(0, 2, 3, 1)      # [S, Hk, D, L]
-            v = v_slots[g.kv].transpose(1, 2)          # [S, Hk, L, D]
-            scores = torch.matmul(q_in.view(-1, num_kv_heads, group, head_dim), k)
-            scores = scores.add_(g.bias if g.bias.dtype == scores.dtype else g.bias.to(scores.dtype))
-        else:                                          # one sequence: [Hk, q_len * group, L]
-            k = k_slots[g.kv].permute(1, 2, 0)         # [Hk, D, L]
-            v = v_slots[g.kv].transpose(0, 1)          # [Hk, L, D]
-            if g.q_len == 1:                           # rows are the heads of each group already
-                q_in = q_in.view(num_kv_heads, group, head_dim)
-            else:
-                q_in = q_in.view(g.q_len, num_kv_heads, group, head_dim).transpose(0, 1)
-                q_in = q_in.reshape(num_kv_heads, g.q_len * group, head_dim)
-            if g.bias is None:
-                scores = torch.bmm(q_in, k)
-            else:
-                scores = torch.baddbmm(g.bias if g.bias.dtype == k.dtype else g.bias.to(k.dtype), q_in, k)
+        k = k_slots[g.kv].permute(1, 2, 0)             # [Hk, D, L]
+        v = v_slots[g.kv].transpose(0, 1)              # [Hk, L, D]
+        if g.q_len == 1:                               # rows are the heads of each group already
+            q_in = q_in.view(num_kv_heads, group, head_dim)
+        else:                                          # [Hk, q_len * group, D]
+            q_in = q_in.view(g.q_len, num_kv_heads, group, head_dim).transpose(0, 1)
+            q_in = q_in.reshape(num_kv_heads, g.q_len * group, head_dim)
+        if g.bias is None:
+            scores = torch.bmm(q_in, k)
+        else:
+            scores = torch.baddbmm(g.bias if g.bias.dtype == k.dtype else g.bias.to(k.dtype), q_in, k)
         probs = torch.softmax(scores, dim=-1) if scores.dtype == torch.float32 else \
             torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        result = torch.matmul(probs, v) if g.batched else torch.bmm(probs, v)
-        if not g.batched and g.q_len > 1:              # [Hk, q_len * group, D] -> [q_len, Hk, group, D]
+        result = torch.bmm(probs, v)
+        if g.q_len > 1:                                # [Hk, q_len * group, D] -> [q_len, Hk, group, D]
             result = result.view(num_kv_heads, g.q_len, group, head_dim).transpose(0, 1)
         result = result.reshape(num_tokens, num_heads, head_dim)
         return result if result.dtype == q.dtype else result.to(q.dtype)
@@ -194,7 +204,7 @@ class CpuAttention:
         self.slot_mapping = batch.slot_mapping if self.real_rows is None else batch.slot_mapping[self.real_rows]
         self.rope = RopeTables(batch.positions, cos_sin_cache, head_scale)  # q's rows carry the softmax scale
         self.attention = PagedAttentionPlan(batch.block_tables, batch.seq_lens, batch.query_start_loc, block_size,
-                                            num_heads // num_kv_heads, batch.tree_mask)
+                                            num_heads // num_kv_heads, batch.tree_mask, batch.logits_indices)
 
     def __call__(self, qkv: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """``qkv [T, (Hq + 2 Hk) * D]`` -> ``[T, Hq * D]``; writes the new K/V into the layer's cache, given with its

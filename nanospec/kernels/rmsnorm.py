@@ -2,12 +2,13 @@
 
     out[t, :] = x[t, :] / sqrt(mean_h(x[t, h]^2) + eps) * weight
 
-computed in fp32 and stored in ``x.dtype``: HF ``LlamaRMSNorm`` up to its extra rounding of the
-normalised x to the input dtype before the weight multiply (identical in fp32).
+computed in fp32 and stored in ``out_dtype`` (default ``x.dtype``): HF ``LlamaRMSNorm`` up to its extra
+rounding of the normalised x to the input dtype before the weight multiply (identical in fp32). ``out_dtype``
+lets a norm hand its consumer the dtype it reads (a CPU weight-only matmul reads bfloat16) without a cast.
 
 With ``residual`` given, the add comes first and its sum is the new residual stream:
 
-    s = x + residual                      (stored in x.dtype, and normalised as stored)
+    s = x + residual                      (stored in the promoted dtype of x and residual, normalised as stored)
     returns (rms_norm(s), s)
 
 Shapes: ``x`` and ``residual`` are ``[T, H]`` (any leading dims work, ``T`` may be 0), ``weight`` is ``[H]``.
@@ -44,37 +45,40 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     tl.store(out_ptr + row * hidden_size + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``rms_norm(x)``, or with ``residual`` ``(rms_norm(x + residual), x + residual)`` (the module docstring)."""
     if residual is None:
-        return _normalize(x, weight, eps)
+        return _normalize(x, weight, eps, out_dtype or x.dtype)
     summed = x + residual
-    return _normalize(summed, weight, eps), summed
+    return _normalize(summed, weight, eps, out_dtype or summed.dtype), summed
 
 
-def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     # HF's formula, in place on its own temporaries (fewer ops than torch.nn.functional.rms_norm)
-    if x.dtype == weight.dtype == torch.float32:
-        return x * torch.mul(x, x).mean(dim=-1, keepdim=True).add_(eps).rsqrt_() * weight
-    x32 = x.float()
-    return (x32 * torch.mul(x32, x32).mean(dim=-1, keepdim=True).add_(eps).rsqrt_() * weight.float()).to(x.dtype)
+    x32 = x if x.dtype == torch.float32 else x.float()
+    normed = x32 * torch.mul(x32, x32).mean(dim=-1, keepdim=True).add_(eps).rsqrt_()
+    if weight.dtype == torch.float32 and out_dtype != torch.float32:  # the last multiply writes the output dtype
+        return torch.mul(normed, weight, out=torch.empty(x.shape, dtype=out_dtype, device=x.device))
+    out = normed * weight
+    return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-                    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                    out_dtype: torch.dtype | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     hidden_size = x.shape[-1]
     x_rows = x.reshape(-1, hidden_size)
     if x_rows.stride(-1) != 1:
         x_rows = x_rows.contiguous()
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    summed_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype or summed_dtype, device=x.device)
     if residual is None:
         residual_rows = residual_out = x_rows  # unused by the kernel when HAS_RESIDUAL is False
     else:
         residual_rows = residual.reshape(-1, hidden_size)
         if residual_rows.stride(-1) != 1:
             residual_rows = residual_rows.contiguous()
-        residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        residual_out = torch.empty(x.shape, dtype=summed_dtype, device=x.device)
 
     num_rows = x_rows.shape[0]
     if num_rows > 0:

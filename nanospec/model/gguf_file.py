@@ -6,7 +6,7 @@ Three things differ from a Hugging Face checkpoint:
   in adjacent rows. Within a head of d rows, HF row  h * d / 2 + j  (half h, j < d / 2) is stored at row  2 * j + h.
   Viewing a head as (2, d / 2) in HF order and (d / 2, 2) in GGUF order, the inverse is a transpose of those two axes;
 - the tokenizer is metadata (tokens, merges, token types), from which we build a `tokenizers` JSON.
-Quantized tensors (Q4_1, Q8_0, K-quants, ...) are dequantized to fp32 with `gguf.quants.dequantize`.
+Quantized tensors stay quantized or are dequantized to fp32, as asked (`nanospec.model.gguf_quant`).
 
 The header (metadata and tensor list) is read here rather than by gguf's GGUFReader, which trusts every length and
 count in the file (an array whose count is corrupt sends it into a loop of billions of steps): each one is checked
@@ -32,6 +32,8 @@ from tokenizers import Tokenizer as BackendTokenizer
 from tqdm import tqdm
 
 from nanospec.model.config import ConfigError, LlamaConfig, short_repr
+from nanospec.model.gguf_quant import gguf_weight
+from nanospec.model.quantization import Weight, check_int4_shape, select_rows
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -94,7 +96,7 @@ _INTEGERS = (lambda v: isinstance(v, list) and all(type(x) is int for x in v), "
 @dataclass
 class GGUFModel:
     config: LlamaConfig
-    tensors: dict[str, torch.Tensor]  # HF names, fp32, HF layout
+    tensors: dict[str, Weight]  # HF names, HF layout: float32, or quantized (nanospec.model.quantization)
     tokenizer_json: str  # a `tokenizers` tokenizer.json
     tokenizer_config: dict  # tokenizer_config.json: chat_template, bos_token, eos_token, add_bos_token, ...
 
@@ -108,11 +110,13 @@ class _Tensor:
     data: np.ndarray  # its bytes (uint8), a view of the file's memory map
 
 
-def read_gguf(path: str | os.PathLike) -> GGUFModel:
+def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_size: int = 32) -> GGUFModel:
     """Read a GGUF file of a Llama model. Raises FileNotFoundError, or ValueError naming the file and the key or tensor
     at fault for a file that is not a valid GGUF of a Llama model: a corrupt or truncated header or tensor, missing or
     absurd metadata (LlamaConfig's checks), a tensor whose name, shape or type does not fit the metadata (all these
-    before any tensor is dequantized), and a tensor that holds NaN or infinite values once dequantized."""
+    before any tensor is dequantized), and a tensor that holds NaN or infinite values once dequantized.
+    ``quantization`` (None, "auto", "int4", "int8"; ``nanospec.model.gguf_quant.gguf_weight``): which weights stay
+    or become quantized; None dequantizes every tensor to float32."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {path}")
@@ -126,11 +130,16 @@ def read_gguf(path: str | os.PathLike) -> GGUFModel:
     config = _config_from_metadata(metadata, tied=not any(t.name == "output.weight" for t in header_tensors))
     tokenizer_json, tokenizer_config = _tokenizer_from_metadata(metadata, config.vocab_size)
     hf_names = _check_tensors(header_tensors, config, path)
+    if quantization in ("int4", "auto") and group_size != 32:
+        for tensor in header_tensors:
+            if len(tensor.shape) == 2:
+                check_int4_shape(tensor.shape[1], group_size)
 
     tensors = {}
     for tensor in tqdm(header_tensors, desc=f"Loading {path.name}", unit="tensor", leave=False, disable=None):
-        weight = _dequantize(tensor)
-        if not all_finite(weight):
+        # copied out of the memory map first: gguf's numpy dequantizers are several times slower on the map
+        weight = gguf_weight(np.array(tensor.data), tensor.type, tensor.shape, quantization, group_size)
+        if not weight_is_finite(weight):
             raise ValueError(f"tensor {tensor.name} in {path} holds NaN or infinite values")
         if tensor.name.endswith("attn_q.weight"):
             weight = _unpermute_rotary_rows(weight, config.num_attention_heads)
@@ -361,34 +370,21 @@ def _hf_name(gguf_name: str, path: Path) -> str:
     raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file {path}")
 
 
-_FLOAT_TYPES = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16,
-                GGMLQuantizationType.F64: np.float64}
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64,
+                GGMLQuantizationType.BF16)
 
 
 @functools.cache
 def _can_dequantize(tensor_type: GGMLQuantizationType) -> bool:
     """Whether _dequantize reads this type: tried on one block of zeros (gguf dequantizes most quantized types, and
     raises NotImplementedError for the rest, integer types included)."""
-    if tensor_type in _FLOAT_TYPES or tensor_type == GGMLQuantizationType.BF16:
+    if tensor_type in _FLOAT_TYPES:
         return True
     try:
         gguf.quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor_type][1]), dtype=np.uint8), tensor_type)
     except NotImplementedError:
         return False
     return True
-
-
-def _dequantize(tensor: _Tensor) -> torch.Tensor:
-    """One GGUF tensor as fp32 in (out, in) order. The data is copied out of the memory map first: `gguf`'s numpy
-    dequantizers are several times slower when they index the map directly."""
-    data = np.array(tensor.data).reshape(*tensor.shape[:-1], -1)
-    if tensor.type in _FLOAT_TYPES:
-        weight = torch.from_numpy(data.view(_FLOAT_TYPES[tensor.type])).float()
-    elif tensor.type == GGMLQuantizationType.BF16:
-        weight = torch.from_numpy(data.view(np.int16)).view(torch.bfloat16).float()
-    else:
-        weight = torch.from_numpy(gguf.quants.dequantize(data, tensor.type))
-    return weight.reshape(tensor.shape)
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
@@ -398,10 +394,19 @@ def all_finite(tensor: torch.Tensor) -> bool:
     return bool(torch.isfinite(low) & torch.isfinite(high))
 
 
-def _unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's per-head interleaving of q/k rows (see the module docstring)."""
-    rows, cols = weight.shape
-    return weight.reshape(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols).contiguous()
+def weight_is_finite(weight: Weight) -> bool:
+    """No NaN or infinity in a float weight, or in a quantized weight's scales and zeros."""
+    if isinstance(weight, torch.Tensor):
+        return all_finite(weight)
+    return all(all_finite(t) for t in vars(weight).values() if isinstance(t, torch.Tensor) and t.is_floating_point())
+
+
+def _unpermute_rotary_rows(weight: Weight, num_heads: int) -> Weight:
+    """Undo llama.cpp's per-head interleaving of q/k rows (see the module docstring): HF row
+    ``h * d / 2 + j`` of a head of ``d`` rows is GGUF row ``2 j + h``."""
+    rows = weight.shape[0]
+    order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
+    return select_rows(weight, order)
 
 
 def _tokenizer_from_metadata(metadata: _Metadata, vocab_size: int) -> tuple[str, dict]:

@@ -1,12 +1,21 @@
-"""``y = x W^T``: the one place the model multiplies by a weight matrix.
+"""``y = x W^T``: the one place the model multiplies by a weight matrix, float or weight-only quantized.
 
-On CUDA this is ``F.linear`` (cuBLAS). On CPU in float32 the weight is pre-packed once for oneDNN
-(``torch.ops.mkldnn``), measured on the 2-core CI machine against ``F.linear`` (MKL), 30 matrices of
-3072x576: 1 token 10.6 vs 18.8 ms, 2 tokens 11.2 vs 38.0 ms, 6 tokens 12.4 vs 40.9 ms. Its
-matrix-vector product reads memory faster, and its cost stays flat for small token counts, which is
-what makes verifying several speculative tokens almost as cheap as decoding one. Results agree with
-``F.linear`` to float32 rounding (summation order differs). ``NANOSPEC_ONEDNN=0`` turns it off.
-A tensor-parallel version would shard ``weight`` by rows (q/k/v, gate/up) or columns (o, down) here.
+One module per kind of weight (``make_linear`` picks it), each with its device's fastest kernel:
+
+* ``Linear``, a float weight. CUDA: ``F.linear`` (cuBLAS). CPU, float32: the weight is pre-packed once for oneDNN
+  (``torch.ops.mkldnn``), whose matrix-vector product reads memory faster than MKL's and whose cost stays flat for
+  a few rows (verifying several speculative tokens costs about one decode). ``NANOSPEC_ONEDNN=0`` turns it off.
+* ``Int4Linear``, int4 in groups (``nanospec.model.quantization``). CPU: PyTorch's own weight-only kernel
+  (``_weight_int4pack_mm_for_cpu``, bfloat16 activations, bfloat16 scales and zeros, weights repacked once into its
+  tiled layout). CUDA: nanospec's Triton kernel (``nanospec.kernels.quantized_matmul``), which dequantizes in
+  registers from the packed layout as it is.
+* ``Int8Linear``, int8 per output channel. CPU: ``torch._weight_int8pack_mm`` (bfloat16 activations); CUDA: the
+  same Triton kernel.
+
+The CPU kernels take bfloat16 activations (with float32 ones they are many times slower) and give bfloat16 out:
+other inputs are cast to bfloat16, and ``input_dtype`` says so, so that the model can hand them bfloat16 at once
+(``None``: the module takes the activations as they are). Each row of their output depends only on that row of ``x`` (checked by the tests), so a
+token's logits are the same in a decode step, a verify step and any batch: speculation stays lossless.
 """
 
 from __future__ import annotations
@@ -15,6 +24,42 @@ import os
 
 import torch
 import torch.nn.functional as F
+
+from nanospec.kernels.quantized_matmul import quantized_matmul
+from nanospec.model.quantization import Int4Weight, Int8Weight, Weight, select_rows
+
+
+def make_linear(weight: Weight, keep_weight: bool = True):
+    """The module for ``weight``: a float tensor, an ``Int4Weight`` or an ``Int8Weight`` (on its device).
+    ``keep_weight=False``: an int4 module on a CPU keeps only its kernel's repacked copy (the head keeps both)."""
+    if isinstance(weight, Int4Weight):
+        linear = Int4Linear(weight)
+        if not keep_weight and linear.packed is not None:
+            linear.weight = None
+        return linear
+    if isinstance(weight, Int8Weight):
+        return Int8Linear(weight)
+    return Linear(weight)
+
+
+# The CPU kernels round their output to bfloat16: 8 bits, 1/8 apart at a logit of 25, where the likeliest tokens often
+# lie closer than that. So for the head, every logit within REFINE_MARGIN (of the row's largest |logit|) of its row's
+# largest is computed again in float32 from the weight itself (a few of its rows): the top of the ranking, and greedy
+# decoding with it, are float32's. The kernels' error on SmolLM2's head: at most 1% of the largest |logit| (bfloat16
+# input, scales and output), so a margin of 6% keeps every token that could be the largest.
+REFINE_MARGIN = 2 ** -4
+
+
+def logits(head, x: torch.Tensor) -> torch.Tensor:
+    """``head(x)`` as float32 logits, those near each row's largest recomputed in float32 where ``head`` rounds its
+    output to bfloat16 (a quantized head on a CPU)."""
+    y = head(x).float()
+    if head.input_dtype is None or not isinstance(head.weight, (Int4Weight, Int8Weight)) or not y.numel():
+        return y
+    near_top = y >= y.amax(dim=-1, keepdim=True) - REFINE_MARGIN * y.abs().amax(dim=-1, keepdim=True)
+    rows, tokens = near_top.nonzero(as_tuple=True)
+    y[rows, tokens] = (x[rows].float() * select_rows(head.weight, tokens).dequantize()).sum(dim=-1)
+    return y
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -27,6 +72,8 @@ class Linear:
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
         self.out_features, self.in_features = weight.shape
+        self.kind = str(weight.dtype).removeprefix("torch.")
+        self.input_dtype = None
         self.packed = None
         if _onednn_usable(weight):
             try:
@@ -40,3 +87,52 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
+
+
+_CPU_INT4_ROWS = 16  # PyTorch's CPU int4 layout tiles the output axis by 16: a weight is padded to a multiple
+
+
+class Int4Linear:
+    def __init__(self, weight: Int4Weight):
+        self.out_features, self.in_features = weight.shape
+        self.group_size = weight.group_size
+        self.kind = f"int4-g{weight.group_size}"
+        self.weight = weight  # the CPU kernel reads a repacked copy: keep_weight=False lets this one go
+        self.input_dtype = None
+        self.packed = None
+        if weight.device.type == "cuda":
+            return
+        self.input_dtype = torch.bfloat16
+        pad = -self.out_features % _CPU_INT4_ROWS
+        q, scale, zero = weight.unpacked(), weight.scale, weight.zero
+        if pad:
+            q, scale, zero = F.pad(q, (0, 0, 0, pad), value=8), F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            w = self.weight
+            return quantized_matmul(x, w.packed, w.scale, w.zero, w.group_size, bits=4)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(_bf16_rows(x), self.packed, self.group_size,
+                                                       self.scales_and_zeros)
+        return y if y.shape[-1] == self.out_features else y[:, : self.out_features]
+
+
+class Int8Linear:
+    def __init__(self, weight: Int8Weight):
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+        self.kind = "int8"
+        self.cpu_scale = weight.scale.to(torch.bfloat16) if weight.device.type == "cpu" else None
+        self.input_dtype = torch.bfloat16 if self.cpu_scale is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if self.cpu_scale is None:
+            return quantized_matmul(x, w.q, w.scale, None, self.in_features, bits=8)
+        return torch._weight_int8pack_mm(_bf16_rows(x), w.q, self.cpu_scale)
+
+
+def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
+    return (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()

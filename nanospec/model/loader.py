@@ -22,6 +22,7 @@ from tqdm import tqdm
 from nanospec.model.config import REQUIRED_HF_FIELDS, LlamaConfig, short_repr, token_ids
 from nanospec.model.embedded import embedded_model_path
 from nanospec.model.gguf_file import all_finite, read_gguf
+from nanospec.model.quantization import Weight, check_int4_shape, parse_quantization, quantize
 from nanospec.tokenizer import Tokenizer
 
 GGUF_MAGIC = b"GGUF"
@@ -31,27 +32,32 @@ FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes of weight
 @dataclass
 class Checkpoint:
     config: LlamaConfig
-    tensors: dict[str, torch.Tensor]  # HF names (config.weight_shapes()), on the CPU
+    tensors: dict[str, Weight]  # HF names (config.weight_shapes()), on the CPU: float or quantized
     tokenizer: Tokenizer
     path: Path  # where it was loaded from
 
 
-def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None) -> Checkpoint:
-    """Load `path` (an HF directory or a .gguf file; None: the embedded SmolLM2) with tensors cast to `dtype`
-    (None: keep the stored dtype; GGUF tensors are dequantized to float32)."""
+def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None,
+                    quantization: str | None = None) -> Checkpoint:
+    """Load `path` (an HF directory or a .gguf file; None: the embedded SmolLM2) with float tensors cast to `dtype`
+    (None: keep the stored dtype; GGUF tensors are dequantized to float32). `quantization`
+    (``nanospec.model.quantization.QUANTIZATIONS``): None loads every weight as float; "auto" keeps a GGUF file's
+    4-bit blocks (``nanospec.model.gguf_quant``) and an HF checkpoint as stored; "int4" / "int8" round the matrices
+    of an HF checkpoint on load (a GGUF's 4-bit blocks are kept as they are when they fit)."""
+    scheme, group_size = parse_quantization(quantization)
     path = embedded_model_path() if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
     if path.is_dir():
-        return _load_hf_directory(path, dtype)
+        return _load_hf_directory(path, dtype, scheme, group_size)
     if path.suffix == ".gguf" or _starts_with(path, GGUF_MAGIC):
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, scheme, group_size)
     raise ValueError(f"cannot load {path}: expected a .gguf file or a Hugging Face model directory "
                      "(config.json, model.safetensors, tokenizer.json)")
 
 
-def _load_gguf(path: Path, dtype: torch.dtype | None) -> Checkpoint:
-    model = read_gguf(path)
+def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int) -> Checkpoint:
+    model = read_gguf(path, scheme, group_size)
     try:
         tokenizer = Tokenizer.from_json_str(model.tokenizer_json, model.tokenizer_config, model.config.eos_token_id)
     except Exception as error:  # tokenizers' and jinja's own errors
@@ -59,11 +65,13 @@ def _load_gguf(path: Path, dtype: torch.dtype | None) -> Checkpoint:
     tensors = model.tensors
     if dtype is not None:
         for name in list(tensors):  # one tensor at a time, so the fp32 copy of the model is freed as we go
-            tensors[name] = tensors.pop(name).to(dtype)
+            if isinstance(tensors[name], torch.Tensor):
+                tensors[name] = tensors.pop(name).to(dtype)
     return Checkpoint(model.config, tensors, tokenizer, path)
 
 
-def _load_hf_directory(directory: Path, dtype: torch.dtype | None) -> Checkpoint:
+def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str | None = None,
+                       group_size: int = 32) -> Checkpoint:
     if not (directory / "config.json").is_file():
         gguf_files = sorted(directory.glob("*.gguf"))
         hint = f" (to load a GGUF, pass the file itself, e.g. {gguf_files[0]})" if gguf_files else ""
@@ -92,12 +100,17 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None) -> Checkpoint
             if stored.get_dtype() not in FLOAT_DTYPES:
                 raise ValueError(f"tensor {name} in {file_of[name]} has dtype {stored.get_dtype()}, but weights "
                                  f"must be floating point ({', '.join(FLOAT_DTYPES)})")
+            if scheme == "int4" and len(shape) == 2:
+                check_int4_shape(shape[1], group_size)
         tensors = {}
         for name in tqdm(expected, desc=f"Loading {directory.name}", unit="tensor", leave=False, disable=None):
             tensor = handles[file_of[name]].get_tensor(name)
             if not all_finite(tensor):
                 raise ValueError(f"tensor {name} in {file_of[name]} holds NaN or infinite values")
-            tensors[name] = tensor.to(dtype) if dtype is not None else tensor
+            if scheme in ("int4", "int8") and tensor.dim() == 2:
+                tensors[name] = quantize(tensor, scheme, group_size)
+            else:
+                tensors[name] = tensor.to(dtype) if dtype is not None else tensor
     return Checkpoint(config, tensors, tokenizer, directory)
 
 

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nanospec.model.quantization import Weight, select_rows
+
 
 @dataclass
 class ParallelGroup:
@@ -95,33 +97,42 @@ def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
     return min(rank * per_rank, vocab_size), min((rank + 1) * per_rank, vocab_size)
 
 
-def rows(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    return weight[start:end].contiguous()
+def rows(weight: Weight, start: int, end: int) -> Weight:
+    """Rows ``[start, end)`` of a float or quantized ``(out, in)`` weight."""
+    return weight[start:end].contiguous() if isinstance(weight, torch.Tensor) else weight.rows(start, end)
 
 
-def columns(weight: torch.Tensor, start: int, end: int) -> torch.Tensor:
-    return weight[:, start:end].contiguous()
+def columns(weight: Weight, start: int, end: int) -> Weight:
+    """Columns ``[start, end)``; an int4 weight splits only on its group boundaries (a ValueError names them)."""
+    return weight[:, start:end].contiguous() if isinstance(weight, torch.Tensor) else weight.columns(start, end)
 
 
 class VocabParallelEmbedding:
     """Rank ``r`` holds rows ``vocab_range(V, r, T)`` of the embedding (``weight``: those rows already). ``h[t] =
     sum_r (E_r[x_t - start_r] if x_t in rank r's rows else 0)``: one all-reduce, exact (one non-zero term)."""
 
-    def __init__(self, weight: torch.Tensor, vocab_size: int, tp: ParallelGroup | None):
+    def __init__(self, weight: Weight, vocab_size: int, tp: ParallelGroup | None, dtype: torch.dtype):
+        """``weight``: float rows, or quantized rows dequantized to ``dtype`` as they are looked up."""
         self.tp = tp if tp is not None and tp.communicates else None
         self.weight = weight
+        self.dtype = dtype
         self.start, self.end = (0, vocab_size) if self.tp is None else vocab_range(vocab_size, tp.rank, tp.size)
         assert weight.shape[0] == self.end - self.start
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
-            return torch.nn.functional.embedding(ids, self.weight)
+            return self._lookup(ids)
         mine = (ids >= self.start) & (ids < self.end)
         local = torch.where(mine, ids - self.start, 0)
-        hidden = torch.nn.functional.embedding(local, self.weight) if self.weight.shape[0] else \
-            torch.zeros(ids.shape[0], self.weight.shape[1], dtype=self.weight.dtype, device=ids.device)
+        hidden = self._lookup(local) if self.weight.shape[0] else \
+            torch.zeros(ids.shape[0], self.weight.shape[1], dtype=self.dtype, device=ids.device)
         hidden = hidden * mine.unsqueeze(-1).to(hidden.dtype)
         return self.tp.all_reduce(hidden)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.weight, torch.Tensor):
+            return torch.nn.functional.embedding(ids, self.weight)
+        return select_rows(self.weight, ids).dequantize(self.dtype)
 
 
 class TensorParallelError(RuntimeError):

@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "temperature 0.2, top_p 0.9), 'vllm' (the API's: temperature 1), or a directory holding a "
                         "generation_config.json")
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
+    p.add_argument("--quantization", default="auto",
+                   help="weights: auto (the default: a GGUF's 4-bit blocks kept, a Hugging Face checkpoint as "
+                        "stored), int4 (groups of 32), int4-g64, int4-g128, int8 (per channel), or none (float)")
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA: one GPU each)")
@@ -94,7 +97,8 @@ def _check(args: argparse.Namespace) -> None:
                                  num_blocks=args.num_blocks, block_size=args.block_size,
                                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                                 seed=args.seed, tensor_parallel_size=args.tensor_parallel_size)
+                                 seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                                 quantization=None if args.quantization == "none" else args.quantization)
         args.default_sampling, args.default_sampling_source = default_sampling(args.model, args.generation_config)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None

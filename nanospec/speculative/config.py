@@ -29,6 +29,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from nanospec.model.quantization import parse_quantization
 from nanospec.speculative.draft import DraftProposer
 from nanospec.speculative.lookahead import LookaheadProposer
 from nanospec.speculative.mlp import MLPSpeculatorProposer, speculator_path
@@ -39,7 +40,7 @@ _KEYS = {
     "ngram": {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive",
               "max_candidates", "tree_budget"},
     "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive", "tree_top_k", "tree_budget",
-              "acceptance", "draft_tensor_parallel_size"},
+              "acceptance", "draft_tensor_parallel_size", "quantization"},
     "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
     "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "prompt_lookup",
                        "prompt_lookup_min", "prompt_lookup_max"},
@@ -64,6 +65,7 @@ class SpeculativeConfig:
     acceptance: str = "rejection"
     draft_tensor_parallel_size: int | None = None  # None: the target's (vLLM's default); else 1 or the target's
     prompt_lookup: bool | None = None  # mlp_speculator: the n-gram chain joins its guesses (None: not set)
+    quantization: str | None = "auto"  # draft: its weights, as LLM(quantization=...)
 
 
 # The largest value each size may take: beyond these a step would feed hundreds of guesses per sequence.
@@ -143,11 +145,16 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     if draft_tp is not None and (not isinstance(draft_tp, int) or isinstance(draft_tp, bool) or draft_tp < 1):
         raise ValueError(f"speculative_config['draft_tensor_parallel_size'] must be a positive integer, got "
                          f"{draft_tp!r}")
+    quantization = config.get("quantization", "auto")
+    try:
+        parse_quantization(quantization)
+    except ValueError as e:
+        raise ValueError(f"speculative_config['quantization']: {e}") from None
     if not Path(model).exists():
         raise FileNotFoundError(f"speculative_config['model']: the draft model path does not exist: {model}")
     return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
                              tree_budget=tree_budget or k * tree_top_k, acceptance=acceptance,
-                             draft_tensor_parallel_size=draft_tp)
+                             draft_tensor_parallel_size=draft_tp, quantization=quantization)
 
 
 def with_served_defaults(config: SpeculativeConfig, speculator: Path) -> SpeculativeConfig:

@@ -71,7 +71,7 @@ class DraftProposer(Proposer):
         self.coupled = config.acceptance == "coupled"
         if config.dtype is not None:
             dtype = resolve_dtype(config.dtype, device)
-        checkpoint = load_checkpoint(config.model, dtype)
+        checkpoint = load_checkpoint(config.model, dtype, config.quantization)
         if checkpoint.config.vocab_size != target_config.vocab_size:
             raise ValueError(f"the draft model {config.model!r} has a vocabulary of {checkpoint.config.vocab_size} "
                              f"tokens but the target has {target_config.vocab_size}: they must share one vocabulary")
