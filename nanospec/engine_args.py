@@ -32,7 +32,7 @@ from nanospec.model.commands import TARGET
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
 from nanospec.model.loader import Checkpoint, load_checkpoint
 from nanospec.model.parallel import check_shardable
-from nanospec.model.quantization import parse_quantization
+from nanospec.model.quantization import int4_group_size, parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
                                          parse_speculative_config)
 from nanospec.worker import ModelSpec, TensorParallel, WorkerSetup, build_model, build_runner, serve_as_worker
@@ -99,7 +99,7 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
         raise ValueError(f"max_model_len must be in (1, {context}], got {args.max_model_len}")
     parallel = None
     if args.tensor_parallel_size > 1:
-        check_shardable(checkpoint.config, args.tensor_parallel_size)
+        check_shardable(checkpoint.config, args.tensor_parallel_size, group_size=int4_group_size(checkpoint.tensors))
         parallel = start_tensor_parallel(args.tensor_parallel_size, args.draft_tensor_parallel_size, args.device)
         if parallel.rank != 0:
             del checkpoint

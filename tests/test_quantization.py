@@ -104,11 +104,12 @@ def test_cpu_int4_linear_matches_its_weight(out_features, group_size, rows):
 
 
 @pytest.mark.parametrize("rows", [1, 5])
-def test_cpu_int8_linear_matches_its_weight(rows):
-    q = quantize_int8(torch.randn(40, 96))
+@pytest.mark.parametrize("in_features", [96, 8, 40], ids=["tiles-of-16", "padded-8", "padded-40"])
+def test_cpu_int8_linear_matches_its_weight(rows, in_features):
+    q = quantize_int8(torch.randn(40, in_features))
     linear = make_linear(q)
     assert isinstance(linear, Int8Linear)
-    x = torch.randn(rows, 96)
+    x = torch.randn(rows, in_features)
     torch.testing.assert_close(linear(x).float(), bf16_reference(x, q), rtol=2e-2, atol=2e-2)
 
 

@@ -70,3 +70,13 @@ def test_speculation_over_a_quantized_target_equals_its_plain_decoding(paths, pl
         kind = "int4-g32" if config["quantization"] == "int4" else "int8"
         assert llm.engine.speculator.proposer.model.quantization == f"{kind} (5)"
     assert_no_leak(llm)
+
+
+def test_static_buffers_over_a_quantized_target(paths, plain_outputs):
+    """Decode and verify steps through the runner's static buffers (``enforce_eager=False``: CUDA graphs' path, run
+    eagerly on a CPU) give the same tokens."""
+    llm = quantized(paths[0], enforce_eager=False, speculative_config=METHODS["ngram"])
+    for j, params in enumerate(PARAMS):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain_outputs[j]
+    assert llm.stats()["num_accepted_tokens"] > 0
+    assert_no_leak(llm)

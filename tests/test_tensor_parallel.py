@@ -185,6 +185,33 @@ def test_draft_on_the_driver_alone_equals_tp1(target_path):
     _assert_workers_gone(two)
 
 
+def test_quantized_target_and_draft_under_tp(draft_path, tmp_path):
+    """An int4 target (q/k/v and gate/up split by rows, o and down by columns on group boundaries) with a sharded
+    int8 draft at TP 2: speculation equals plain decoding at TP 2, greedy and seeded, and the first token's
+    log-probabilities are TP 1's up to rounding (the int4 kernels round each rank's partial sums to bfloat16, so
+    TP 2 is not TP 1 bit for bit). A width that does not split into whole int4 groups is refused before any process
+    starts."""
+    target = str(tmp_path)
+    make_tiny_llama(tmp_path, seed=3, num_heads=4, num_kv_heads=1, layers=2, vocab=321, ffn=128)
+    spec = {"method": "draft", "model": draft_path, "num_speculative_tokens": 2, "quantization": "int8",
+            "acceptance": "coupled", "adaptive": False}
+    first = dataclasses.replace(GREEDY, max_tokens=1, logprobs=3)
+    one = LLM(target, **KW, quantization="int4").generate(PROMPTS, first)
+    with LLM(target, tensor_parallel_size=2, **KW, quantization="int4", speculative_config=spec) as two:
+        assert two.model.quantization == "int4-g32 (9)" and two.engine.speculator.proposer.sharded
+        for params in (GREEDY, SAMPLED):
+            assert _run(two, params) == _run(two, params, speculate=False)
+        assert two.stats()["num_accepted_tokens"] > 0
+        for a, b in zip(two.generate(PROMPTS, first), one):
+            assert a.token_ids == b.token_ids and abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
+        assert_no_leak(two)
+    _assert_workers_gone(two)
+    make_tiny_llama(tmp_path, seed=3, num_heads=4, num_kv_heads=1, layers=2, vocab=321, ffn=96)
+    with pytest.raises(ValueError, match=r"intermediate_size \(96\) into 48 inputs a rank, not whole int4 groups"):
+        LLM(target, tensor_parallel_size=2, **KW, quantization="int4")
+    assert not multiprocessing.active_children()
+
+
 # ---------------------------------------------------------------- lifecycle
 def test_dead_worker_raises_within_seconds_and_shutdown_ends_everything(target_path):
     with LLM(target_path, tensor_parallel_size=2, **KW) as llm:

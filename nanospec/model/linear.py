@@ -14,8 +14,8 @@ One module per kind of weight (``make_linear`` picks it), each with its device's
 
 The CPU kernels take bfloat16 activations (with float32 ones they are many times slower) and give bfloat16 out:
 other inputs are cast to bfloat16, and ``input_dtype`` says so, so that the model can hand them bfloat16 at once
-(``None``: the module takes the activations as they are). Each row of their output depends only on that row of ``x`` (checked by the tests), so a
-token's logits are the same in a decode step, a verify step and any batch: speculation stays lossless.
+(``None``: the module takes the activations as they are). Each row of their output depends only on that row of
+``x`` (checked by the tests), so a token's logits are the same in a decode step, a verify step and any batch: speculation stays lossless.
 """
 
 from __future__ import annotations
@@ -106,7 +106,8 @@ class Int4Linear:
         pad = -self.out_features % _CPU_INT4_ROWS
         q, scale, zero = weight.unpacked(), weight.scale, weight.zero
         if pad:
-            q, scale, zero = F.pad(q, (0, 0, 0, pad), value=8), F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+            q = F.pad(q, (0, 0, 0, pad), value=8)
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         self.scales_and_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(torch.bfloat16).contiguous()
 
@@ -120,18 +121,25 @@ class Int4Linear:
 
 
 class Int8Linear:
+    """On a CPU, torch's int8 kernel reads the inputs 16 at a time: a weight whose input size is not a multiple of 16
+    gets zero columns, and the input zero columns to match (the same sums)."""
+
     def __init__(self, weight: Int8Weight):
         self.out_features, self.in_features = weight.shape
         self.weight = weight
         self.kind = "int8"
         self.cpu_scale = weight.scale.to(torch.bfloat16) if weight.device.type == "cpu" else None
         self.input_dtype = torch.bfloat16 if self.cpu_scale is not None else None
+        self.pad_inputs = -self.in_features % 16 if self.cpu_scale is not None else 0
+        self.cpu_q = F.pad(weight.q, (0, self.pad_inputs)) if self.pad_inputs else weight.q
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if self.cpu_scale is None:
             return quantized_matmul(x, w.q, w.scale, None, self.in_features, bits=8)
-        return torch._weight_int8pack_mm(_bf16_rows(x), w.q, self.cpu_scale)
+        if self.pad_inputs:
+            x = F.pad(x, (0, self.pad_inputs))
+        return torch._weight_int8pack_mm(_bf16_rows(x), self.cpu_q, self.cpu_scale)
 
 
 def _bf16_rows(x: torch.Tensor) -> torch.Tensor:

@@ -65,10 +65,12 @@ class ParallelGroup:
         return torch.cat(parts, dim=-1)
 
 
-def check_shardable(config, size: int, what: str = "tensor_parallel_size") -> None:
+def check_shardable(config, size: int, what: str = "tensor_parallel_size", group_size: int | None = None) -> None:
     """ValueError, naming the value, when a model of ``config`` (a LlamaConfig) cannot be split over ``size`` ranks:
     its q heads and MLP width must divide evenly, and its KV heads must either divide evenly or be replicated evenly
-    (``size`` a multiple of num_key_value_heads)."""
+    (``size`` a multiple of num_key_value_heads). With int4 weights in groups of ``group_size``, each rank's share of
+    the attention output and of the MLP width (the inputs of o_proj and down_proj, split by columns) must be whole
+    groups."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"{what} must be a positive integer, got {size!r}")
     heads, kv_heads, ffn = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
@@ -78,6 +80,11 @@ def check_shardable(config, size: int, what: str = "tensor_parallel_size") -> No
         raise ValueError(f"{what}={size} neither divides the model's {kv_heads} KV heads nor is a multiple of them")
     if ffn % size:
         raise ValueError(f"{what}={size} does not divide the model's intermediate_size {ffn}")
+    if group_size is not None:
+        for name, width in (("attention output", heads * config.head_dim), ("intermediate_size", ffn)):
+            if width // size % group_size:
+                raise ValueError(f"{what}={size} splits the model's {name} ({width}) into {width // size} inputs a "
+                                 f"rank, not whole int4 groups of {group_size}: use int8 or float weights")
 
 
 def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:

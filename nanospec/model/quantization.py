@@ -147,6 +147,11 @@ def parse_quantization(value) -> tuple[str | None, int]:
     return scheme, int(group or 32)
 
 
+def int4_group_size(tensors: dict) -> int | None:
+    """The largest int4 group among ``tensors``' values (None: no int4 weight)."""
+    return max((t.group_size for t in tensors.values() if isinstance(t, Int4Weight)), default=None)
+
+
 def check_int4_shape(in_features: int, group_size: int) -> None:
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}")

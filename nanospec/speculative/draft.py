@@ -44,6 +44,7 @@ from nanospec.model.commands import DRAFT
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
 from nanospec.model.parallel import check_shardable
+from nanospec.model.quantization import int4_group_size
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
 from nanospec.sampling.tensors import SamplingTensors
@@ -82,7 +83,8 @@ class DraftProposer(Proposer):
         tp = parallel.draft if parallel is not None else None
         if tp is not None and tp.size > 1:
             try:
-                check_shardable(checkpoint.config, tp.size, "draft_tensor_parallel_size")
+                check_shardable(checkpoint.config, tp.size, "draft_tensor_parallel_size",
+                                int4_group_size(checkpoint.tensors))
             except ValueError as e:
                 raise ValueError(f"the draft model {config.model!r}: {e}") from None
         self.dtype = dtype
