@@ -15,7 +15,8 @@ One module per kind of weight (``make_linear`` picks it), each with its device's
 The CPU kernels take bfloat16 activations (with float32 ones they are many times slower) and give bfloat16 out:
 other inputs are cast to bfloat16, and ``input_dtype`` says so, so that the model can hand them bfloat16 at once
 (``None``: the module takes the activations as they are). Each row of their output depends only on that row of
-``x`` (checked by the tests), so a token's logits are the same in a decode step, a verify step and any batch: speculation stays lossless.
+``x`` (checked by the tests), so a token's logits are the same in a decode step, a verify step and any batch:
+speculation stays lossless.
 """
 
 from __future__ import annotations
