@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from nanospec.kernels.attention_mask import unpack_mask
 
@@ -144,6 +145,12 @@ class PagedAttentionPlan:
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads, group = num_heads // self.group, self.group
         q_in = q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)
+        if g.q_len == 1 and g.bias is None:            # one row over the slots it sees: one fused op
+            result = F.scaled_dot_product_attention(q_in.view(1, num_heads, 1, head_dim),
+                                                    k_slots[g.kv].transpose(0, 1).unsqueeze(0),
+                                                    v_slots[g.kv].transpose(0, 1).unsqueeze(0), scale=1.0,
+                                                    enable_gqa=True).view(1, num_heads, head_dim)
+            return result if result.dtype == q.dtype else result.to(q.dtype)
         k = k_slots[g.kv].permute(1, 2, 0)             # [Hk, D, L]
         v = v_slots[g.kv].transpose(0, 1)              # [Hk, L, D]
         if g.q_len == 1:                               # rows are the heads of each group already

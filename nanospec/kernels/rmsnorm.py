@@ -18,6 +18,7 @@ The Triton kernel runs one program per row with the whole row in one block (BLOC
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -55,12 +56,8 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    # HF's formula, in place on its own temporaries (fewer ops than torch.nn.functional.rms_norm)
     x32 = x if x.dtype == torch.float32 else x.float()
-    normed = x32 * torch.mul(x32, x32).mean(dim=-1, keepdim=True).add_(eps).rsqrt_()
-    if weight.dtype == torch.float32 and out_dtype != torch.float32:  # the last multiply writes the output dtype
-        return torch.mul(normed, weight, out=torch.empty(x.shape, dtype=out_dtype, device=x.device))
-    out = normed * weight
+    out = F.rms_norm(x32, x.shape[-1:], weight if weight.dtype == torch.float32 else weight.float(), eps)
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
