@@ -113,8 +113,10 @@ def load(args):
     """(LLM, SamplingParams) from the arguments. Checks the sampling and speculation arguments first, then loads
     (nanospec logs a line per phase to stderr). ValueError / OSError: bad arguments or an unloadable model."""
     from nanospec import LLM, SamplingParams
+    from nanospec.device import fix_malloc_mmap_threshold
     from nanospec.log import set_level
 
+    fix_malloc_mmap_threshold()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
     spec_config = spec_config_from_arg(args.spec, args.num_speculative_tokens)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -138,7 +139,9 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
     tensors = {}
     for tensor in tqdm(header_tensors, desc=f"Loading {path.name}", unit="tensor", leave=False, disable=None):
         # copied out of the memory map first: gguf's numpy dequantizers are several times slower on the map
-        weight = gguf_weight(np.array(tensor.data), tensor.type, tensor.shape, quantization, group_size)
+        blocks = np.array(tensor.data)
+        _drop_mapped_pages(tensor.data)
+        weight = gguf_weight(blocks, tensor.type, tensor.shape, quantization, group_size)
         if not weight_is_finite(weight):
             raise ValueError(f"tensor {tensor.name} in {path} holds NaN or infinite values")
         if tensor.name.endswith("attn_q.weight"):
@@ -147,6 +150,14 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
             weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
         tensors[hf_names[tensor.name]] = weight
     return GGUFModel(config, tensors, tokenizer_json, tokenizer_config)
+
+
+def _drop_mapped_pages(view: np.ndarray) -> None:
+    """Let the file's pages that reading has made resident go (the page cache keeps them): without this, every byte
+    of the file stays in the process's resident memory until the whole model is read."""
+    mapping = getattr(view, "_mmap", None)
+    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+        mapping.madvise(mmap.MADV_DONTNEED)
 
 
 # ---------------------------------------------------------------- the header

@@ -20,10 +20,13 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from nanospec.model.quantization import Int4Weight, pack_int4, quantize
+from nanospec.model.quantization import Int4Weight, cat_rows, pack_int4, quantize
 
 Q = GGMLQuantizationType
 INT4_KINDS = (Q.Q4_0, Q.Q4_1, Q.Q4_K)
+
+
+ROWS_AT_ONCE = 4096  # rows dequantized, then rounded, at a time: a whole embedding in float32 is ~4x its Q8_0 bytes
 
 
 def int4_from_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int]) -> Int4Weight:
@@ -89,7 +92,10 @@ def gguf_weight(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, 
         return dequantize_blocks(data, kind, shape)
     if kind in INT4_KINDS and (quantization == "auto" or (quantization == "int4" and group_size == 32)):
         return int4_from_blocks(data, kind, shape)
-    weight = dequantize_blocks(data, kind, shape)
-    if quantization == "auto":
-        return weight if kind in (Q.F32, Q.F16, Q.BF16, Q.F64) else quantize(weight, "int8")
-    return quantize(weight, quantization, group_size)
+    if quantization == "auto" and kind in (Q.F32, Q.F16, Q.BF16, Q.F64):
+        return dequantize_blocks(data, kind, shape)
+    scheme = "int8" if quantization == "auto" else quantization
+    rows = data.reshape(shape[0], -1)
+    return cat_rows([quantize(dequantize_blocks(rows[i:i + ROWS_AT_ONCE], kind, (len(rows[i:i + ROWS_AT_ONCE]),
+                                                                                  shape[1])), scheme, group_size)
+                     for i in range(0, shape[0], ROWS_AT_ONCE)])

@@ -161,10 +161,12 @@ def _serve(args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from nanospec import LLM
+    from nanospec.device import fix_malloc_mmap_threshold
     from nanospec.log import logger, set_level
     from nanospec.model.generation_config import describe
     from nanospec.serve.app import build_app
 
+    fix_malloc_mmap_threshold()
     set_level(args.log_level)
     name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
     try:
