@@ -1,7 +1,8 @@
 """Chat with a model in the terminal: python -m nanospec.chat
 
 Streams tokens as they are accepted. Commands: /reset (forget the conversation), /stats (tokens/s,
-steps, speculation acceptance and tau of the last turn and the session), /quit.
+steps, speculation acceptance and tau of the last turn and the session, and how much of the last prompt came from
+the prefix cache: a turn computes only what the conversation added), /quit.
 When stdin is not a terminal each input line is one user turn and the program exits at EOF:
   echo "What is the capital of France?" | python -m nanospec.chat
 
@@ -62,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--device", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (default 1)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the conversation's K/V between turns, so a turn computes only what is new (default on)")
     p.add_argument("--stats", action="store_true", help="print stats after every answer")
     p.add_argument("--quiet", "-q", action="store_true", help="no start-up lines on stderr (errors still show)")
     args = p.parse_args(argv)
@@ -125,18 +128,22 @@ def load(args):
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config,
               tensor_parallel_size=args.tensor_parallel_size,
               quantization=None if args.quantization == "none" else args.quantization,
-              max_num_seqs=1)  # one conversation: the KV pool holds one context
+              enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=1)  # one conversation: the KV pool holds one context
     return llm, params
 
 
 class TurnStats:
-    """Tokens/s, target steps, acceptance and tau (tokens per target step after the prefill)."""
+    """Tokens/s, target steps, acceptance and tau (tokens per target step after the prefill), and the prompt tokens
+    the prefix cache held."""
 
     def __init__(self):
         self.tokens = self.steps = self.draft = self.accepted = self.decode_tokens = self.decode_steps = 0
+        self.prompt_tokens = self.cached_tokens = 0
         self.seconds = 0.0
 
     def add(self, out, seconds: float):
+        self.prompt_tokens += len(out.prompt_token_ids)
+        self.cached_tokens += out.num_cached_tokens
         self.tokens += len(out.token_ids)
         self.steps += out.num_steps
         self.decode_tokens += max(len(out.token_ids) - 1, 0)  # the prefill step emits the first token
@@ -152,6 +159,9 @@ class TurnStats:
             tau = self.decode_tokens / self.decode_steps if self.decode_steps else 1.0
             text += (f", acceptance {self.accepted / self.draft:.1%} ({self.accepted}/{self.draft} drafts), "
                      f"tau {tau:.2f} tokens/step")
+        if self.prompt_tokens:
+            text += (f"; prompt {self.prompt_tokens} tokens, {self.cached_tokens} from the prefix cache "
+                     f"({self.cached_tokens / self.prompt_tokens:.0%})")
         return text
 
 

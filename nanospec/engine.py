@@ -1,18 +1,21 @@
 """The engine loop. One step:
 
-    seqs      = scheduler.schedule()                    which sequences run, KV blocks reserved
+    seqs      = scheduler.schedule()                    which sequences run, KV blocks reserved (cached
+                                                        blocks taken for a prompt's start)
     proposals = speculator.propose(seqs)                a token tree of guesses per sequence (maybe empty)
     batch     = build_step_batch(seqs, proposals)       one ragged batch: prefill, decode and verify alike
     logits, hidden = runner.execute(batch, ...)         ONE target forward (a CUDA graph for decode / verify);
                                                         the final hidden states only for a proposer that reads them
     verdicts  = speculator.verify(seqs, proposals, ...) accepted path + one token of the target's own
-    commit                                              append tokens, stop checks, roll back rejected KV, tell
-                                                        the proposer (with the hidden state behind the last token)
+    commit                                              append tokens, stop checks, name the newly full blocks
+                                                        for the prefix cache, roll back rejected KV, tell the
+                                                        proposer (with the hidden state behind the last token)
 
 Each sequence feeds ``token_ids[num_cached_tokens:]`` and then its proposal's nodes. The target's
 logits at the root (the last committed token) and at every node judge the nodes below them. After
 verification the rejected nodes' K/V is dead: ``num_cached_tokens`` moves to just before the newly
-emitted token and the blocks past it return to the pool.
+emitted token and the blocks past it return to the pool. Only blocks that ``token_ids[:num_cached_tokens]``
+fills are named for the prefix cache (and shared); every write of a step lies past them.
 
 The engine is given its runner (:func:`nanospec.engine_args.build_engine` makes both). Under tensor parallelism it
 runs on the driver, rank 0, and the runner is a ``DriverRunner`` that sends every forward and K/V copy to the
@@ -50,6 +53,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int = 8192
+    enable_prefix_caching: bool = True
 
 
 @dataclass
@@ -66,9 +70,11 @@ class EngineStats:
 class EngineLoad:
     num_running: int
     num_waiting: int
-    kv_cache_usage: float  # the share of KV blocks in use
+    kv_cache_usage: float  # the share of KV blocks in use (cached blocks that no request holds are not)
     num_preemptions: int   # so far
     max_guess_depth: int   # the deepest position a guess can reach (0: no speculation)
+    prefix_cache_queries: int = 0  # so far, in tokens: looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0     # of those, found there
 
 
 class Engine:
@@ -82,7 +88,7 @@ class Engine:
         self.model, self.kv_cache = runner.model, runner.kv_cache
         self.tokenizer = tokenizer
         self.config = config
-        self.block_manager = BlockManager(config.num_blocks, config.block_size)
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(proposer, self.runner, self.block_manager,
                                      max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
                                      max_num_batched_tokens=config.max_num_batched_tokens,
@@ -161,7 +167,12 @@ class Engine:
         """What is running and waiting, and how full the KV pool is (what a server reports)."""
         bm, scheduler = self.block_manager, self.scheduler
         return EngineLoad(len(scheduler.running), len(scheduler.waiting), 1.0 - bm.num_free_blocks / bm.num_blocks,
-                          scheduler.num_preemptions, self.speculator.max_guess_depth)
+                          scheduler.num_preemptions, self.speculator.max_guess_depth, bm.stats.queries, bm.stats.hits)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached K/V blocks of the target (and of a draft model); only while no request holds a block.
+        Returns whether it did."""
+        return self.block_manager.reset_prefix_cache() and self.speculator.reset_prefix_cache()
 
     def pop_finished(self, request_id: int) -> None:
         self.sequences.pop(request_id, None)
@@ -221,6 +232,7 @@ class Engine:
         """Bookkeeping, then either the speculator's feedback and the KV rollback, or the end of the request."""
         try:
             finish_reason = self._append(seq, proposal, verdict)
+            self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_cached_tokens)
             if finish_reason is None:
                 self.speculator.commit(seq, proposal, verdict)
                 self.block_manager.truncate(seq.block_table, seq.num_tokens)
@@ -273,7 +285,8 @@ class Engine:
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,
             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,
-            error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None)
+            error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            num_cached_tokens=seq.num_prefix_cached_tokens or 0)
 
 
 def max_query_len(proposer: Proposer | None) -> int:

@@ -13,7 +13,9 @@ blocks stay 4-bit; HF weights stay float), "int4", "int4-g64", "int4-g128", "int
 :mod:`nanospec.speculative.config`. ``enforce_eager`` (vLLM's name): False runs decode and verify steps from static
 buffers as CUDA graphs (the default on CUDA; on a CPU the same path without graphs). ``tensor_parallel_size`` T > 1
 splits the model over T processes (:mod:`nanospec.worker`); the draft runs on
-``speculative_config["draft_tensor_parallel_size"]`` ranks, 1 or T (the default).
+``speculative_config["draft_tensor_parallel_size"]`` ranks, 1 or T (the default). ``enable_prefix_caching`` (vLLM's
+name, on by default): full KV blocks outlive their request and a prompt that starts with the same tokens takes them
+instead of computing them again (:mod:`nanospec.cache.block_manager`).
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ class EngineArgs:
     enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
     quantization: str | None = "auto"
+    enable_prefix_caching: bool = True
 
     def __post_init__(self):
         """Every check that needs no weights, before anything loads; ``device``, ``dtype`` and the speculative
@@ -72,6 +75,8 @@ class EngineArgs:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         parse_quantization(self.quantization)
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
@@ -138,7 +143,7 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
         logger.info("speculation: %s%s ...", args.speculative.method,
                     f" with {args.speculative.model}" if args.speculative.model is not None else "")
         proposer = make_proposer(args.speculative, config, tokenizer, num_blocks, args.block_size, device,
-                                 args.dtype, max_model_len, parallel)
+                                 args.dtype, max_model_len, parallel, args.enable_prefix_caching)
         if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
             if args.max_model_len is not None:
                 raise ValueError(f"max_model_len={args.max_model_len} is longer than the draft model's context "
@@ -156,7 +161,8 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
         parallel.send_setup(WorkerSetup(target, draft))
         runner = parallel.driver_runner(runner, TARGET)
     engine_config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len)
+                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+                                 enable_prefix_caching=args.enable_prefix_caching)
     return Engine(runner, tokenizer, engine_config, proposer=proposer, seed=args.seed,
                   adaptive_speculation=args.speculative is None or args.speculative.adaptive,
                   tune_threads=device.type == "cpu" and parallel is None)

@@ -243,8 +243,16 @@ class LLM:
 
     # ---------------------------------------------------------------- introspection
     def kv_cache_stats(self) -> dict:
+        """``free_blocks``: blocks a request can take, free or holding a cached prefix (``cached_blocks`` of them);
+        when nothing runs, all of them."""
         bm = self.engine.block_manager
-        return {"free_blocks": bm.num_free_blocks, "total_blocks": bm.num_blocks, "block_size": bm.block_size}
+        return {"free_blocks": bm.num_free_blocks, "cached_blocks": bm.num_cached_blocks,
+                "total_blocks": bm.num_blocks, "block_size": bm.block_size}
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (the next prompts are computed whole); only while no request runs. Returns
+        whether it did."""
+        return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
         s = self.engine.stats
@@ -256,6 +264,8 @@ class LLM:
             "num_accepted_tokens": s.num_accepted_tokens,
             "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
             "num_preemptions": self.engine.scheduler.num_preemptions,
+            "prefix_cache_queries": self.engine.block_manager.stats.queries,  # prompt tokens looked up
+            "prefix_cache_hits": self.engine.block_manager.stats.hits,        # of those, not computed again
             "forward_seconds": s.forward_seconds,
             "step_seconds": s.step_seconds,
         }

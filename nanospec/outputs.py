@@ -28,6 +28,7 @@ class RequestOutput:
     error: str | None = None        # what went wrong, when finish_reason is "error"
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when SamplingParams.logprobs is set
     index: int = 0                  # which of the prompt's n completions this is
+    num_cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache (not computed)
 
     @property
     def finished(self) -> bool:

@@ -4,7 +4,9 @@ Every step the running sequences come first (each needs slots for its uncached t
 speculative tokens it may verify); if the pool runs dry, the most recently admitted sequence is
 preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
 (prompt + output so far) when blocks free up. Then waiting sequences are admitted, oldest first,
-while the token budget, ``max_num_seqs`` and the pool allow. A request whose whole lifetime fits
+while the token budget, ``max_num_seqs`` and the pool allow; a sequence is admitted with the cached
+blocks that already hold the start of its tokens (the prefix cache, :mod:`nanospec.cache.block_manager`)
+and computes only the rest. A request whose whole lifetime fits
 the pool is checked at admission (``LLM`` does this), so a lone sequence never needs to preempt
 itself and the loop never hangs.
 """
@@ -57,13 +59,17 @@ class Scheduler:
 
         while self.waiting and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
+            prefix = bm.cached_prefix(seq.token_ids)
+            seq.num_cached_tokens = len(prefix) * bm.block_size
+            # a sequence with one uncached token (a one-token prompt, a cached prompt) may guess at once
             num_new = seq.num_tokens - seq.num_cached_tokens + self.num_lookahead_slots(seq)
-            need = seq.num_tokens + self.num_lookahead_slots(seq)  # a one-token prompt may guess at once
-            if num_new > budget and scheduled:
+            need = seq.num_tokens + self.num_lookahead_slots(seq)
+            if (num_new > budget and scheduled) or not bm.can_allocate(prefix, need):
+                seq.num_cached_tokens = 0
                 break
-            if not bm.can_reserve(seq.block_table, need):
-                break
-            bm.reserve(seq.block_table, need)
+            bm.allocate(seq.block_table, prefix, seq.num_tokens, need)
+            if seq.num_prefix_cached_tokens is None:
+                seq.num_prefix_cached_tokens = seq.num_cached_tokens
             budget -= num_new
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING

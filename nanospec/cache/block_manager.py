@@ -1,4 +1,4 @@
-"""Paged KV blocks: which physical block holds which tokens of which sequence.
+"""Paged KV blocks: which physical block holds which tokens of which sequence, and the prefix cache.
 
 The cache is a pool of ``num_blocks`` blocks of ``block_size`` token slots. A sequence owns a
 ``block_table`` (a list of block ids); its token ``i`` lives in slot
@@ -8,13 +8,31 @@ The cache is a pool of ``num_blocks`` blocks of ``block_size`` token slots. A se
 ``reserve`` grows a block table so that ``n`` tokens fit (before a forward that writes them),
 ``truncate`` shrinks it after speculative tokens are rejected (returning whole blocks no longer
 needed; rejected K/V inside a kept block is simply overwritten later), ``free`` returns them all.
-Invariant (property-tested): every block is either free or owned by exactly one block table.
-Prefix caching would add a hash per full block and a reference count; the pool API stays the same.
+
+**Prefix cache** (as vLLM v1's): a block full of tokens whose K/V is computed and committed is named by its
+chain hash
+
+    hash(block j) = H(hash(block j - 1), tokens of block j)        (block -1: the empty prefix)
+
+so equal hashes mean equal tokens from the start of the sequence to the end of the block (``H`` is BLAKE2b-128;
+a hit also compares the block's own tokens). ``cache_full_blocks`` names a table's newly full blocks; a block
+whose last reference goes keeps its K/V and its name as a **cached** block, and a new table that starts with the
+same tokens takes it (``cached_prefix``, then ``allocate``) by reference count instead of recomputing it. Free
+blocks go out before cached ones; cached blocks are evicted least recently used first (a table's tail blocks are
+returned before its head, so a prefix outlives its continuations). A block is only ever shared while full and
+named, and a sequence writes only at or past its committed length, so a shared block is never written.
+
+Every block is exactly one of: **used** (``ref_counts[b]`` tables hold it), **cached** (no table, named, in the
+LRU) or **free** (no table, no name). ``num_free_blocks`` counts free and cached: both are there to reserve.
 """
 
 from __future__ import annotations
 
+import hashlib
 import heapq
+from array import array
+from collections import OrderedDict
+from dataclasses import dataclass
 
 
 def slots_of(block_table: list[int], block_size: int, token_indices) -> list[int]:
@@ -22,46 +40,166 @@ def slots_of(block_table: list[int], block_size: int, token_indices) -> list[int
     return [block_table[i // block_size] * block_size + i % block_size for i in token_indices]
 
 
+def chain_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
+    """The name of a full block: BLAKE2b-128 over its parent's name and its tokens (int64 each)."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
 class OutOfBlocks(RuntimeError):
     """Raised by ``reserve`` when the pool has too few free blocks; callers preempt and retry."""
 
 
+@dataclass
+class PrefixCacheStats:
+    """Counted at each admission of a sequence (a recompute after preemption is a new admission), in tokens."""
+    queries: int = 0  # the sequence's tokens, looked up
+    hits: int = 0     # of those, found in cached blocks (not computed again)
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.free_block_ids: list[int] = list(range(num_blocks))  # a heap: the lowest free id is handed out first
+        self.ref_counts = [0] * num_blocks
+        self.block_hashes: list[bytes | None] = [None] * num_blocks  # a full block's name (None: not named)
+        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # a named block's tokens
+        self.cached_blocks: dict[bytes, int] = {}  # name -> the block that holds it, used or cached
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
+        self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks that ``reserve`` can hand out: free and cached."""
+        return len(self.free_block_ids) + len(self.evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self.evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    # ---------------------------------------------------------------- growing and shrinking a table
     def can_reserve(self, block_table: list[int], num_tokens: int) -> bool:
         return self.blocks_for(num_tokens) - len(block_table) <= self.num_free_blocks
 
     def reserve(self, block_table: list[int], num_tokens: int) -> None:
-        """Grow ``block_table`` in place until ``num_tokens`` tokens fit, with the lowest free block ids: a
-        sequence whose speculative tail is reserved and returned every step gets the same blocks back, and one
-        running alone keeps consecutive blocks (the CPU attention then reads its K/V as one slice, not a
-        gather)."""
+        """Grow ``block_table`` in place until ``num_tokens`` tokens fit, with the lowest free block ids (then the
+        least recently used cached blocks, forgotten): a sequence whose speculative tail is reserved and returned
+        every step gets the same blocks back, and one running alone keeps consecutive blocks (the CPU attention
+        then reads its K/V as one slice, not a gather)."""
         missing = self.blocks_for(num_tokens) - len(block_table)
         if missing > self.num_free_blocks:
             raise OutOfBlocks(f"need {missing} blocks, {self.num_free_blocks} free")
         for _ in range(missing):
-            block_table.append(heapq.heappop(self.free_block_ids))
+            if self.free_block_ids:
+                block = heapq.heappop(self.free_block_ids)
+            else:
+                block, _ = self.evictable.popitem(last=False)
+                self._forget(block)
+            self.ref_counts[block] = 1
+            block_table.append(block)
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
-        """Shrink ``block_table`` in place to the blocks that ``num_tokens`` tokens need."""
+        """Shrink ``block_table`` in place to the blocks that ``num_tokens`` tokens need, the last block first."""
         keep = self.blocks_for(num_tokens)
         while len(block_table) > keep:
-            heapq.heappush(self.free_block_ids, block_table.pop())
+            self._release(block_table.pop())
 
     def free(self, block_table: list[int]) -> None:
         self.truncate(block_table, 0)
+
+    def _release(self, block: int) -> None:
+        """One table fewer holds ``block``; with none left it is cached if it holds a name, else free."""
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] > 0:
+            return
+        name = self.block_hashes[block]
+        if name is not None and self.cached_blocks.get(name) == block:
+            self.evictable[block] = None
+        else:
+            if name is not None:  # named, but another block holds that name
+                self.block_hashes[block] = self.block_tokens[block] = None
+            heapq.heappush(self.free_block_ids, block)
+
+    def _forget(self, block: int) -> None:
+        del self.cached_blocks[self.block_hashes[block]]
+        self.block_hashes[block] = self.block_tokens[block] = None
+
+    # ---------------------------------------------------------------- the prefix cache
+    def cached_prefix(self, token_ids: list[int]) -> list[int]:
+        """The blocks that hold the K/V of the longest start of ``token_ids`` made of whole cached blocks, never
+        the last token (its logits are needed, so it is always computed). Looks, changes nothing."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks: list[int] = []
+        parent = b""
+        size = self.block_size
+        for start in range(0, len(token_ids) - size, size):  # blocks that end before the last token
+            tokens = tuple(token_ids[start:start + size])
+            parent = chain_hash(parent, tokens)
+            block = self.cached_blocks.get(parent)
+            if block is None or self.block_tokens[block] != tokens:
+                break
+            blocks.append(block)
+        return blocks
+
+    def can_allocate(self, prefix: list[int], num_tokens: int) -> bool:
+        """Whether a new table can take the cached ``prefix`` and grow to ``num_tokens`` tokens."""
+        taken_from_cache = sum(self.ref_counts[b] == 0 for b in prefix)
+        return self.blocks_for(num_tokens) - len(prefix) + taken_from_cache <= self.num_free_blocks
+
+    def allocate(self, block_table: list[int], prefix: list[int], num_queried_tokens: int, num_tokens: int) -> int:
+        """Start the empty ``block_table`` with the cached ``prefix`` (from :meth:`cached_prefix` over
+        ``num_queried_tokens`` tokens, just before) and grow it to ``num_tokens`` tokens; returns how many tokens
+        the prefix holds (their K/V is computed). Counts the lookup in ``stats``."""
+        if block_table:
+            raise ValueError(f"allocate starts an empty block table, got one of {len(block_table)} blocks")
+        if not self.can_allocate(prefix, num_tokens):
+            raise OutOfBlocks(f"need {self.blocks_for(num_tokens)} blocks ({len(prefix)} cached), "
+                              f"{self.num_free_blocks} free")
+        for block in prefix:
+            if self.ref_counts[block] == 0:
+                del self.evictable[block]
+            self.ref_counts[block] += 1
+            block_table.append(block)
+        self.reserve(block_table, num_tokens)
+        if self.enable_prefix_caching:
+            self.stats.queries += num_queried_tokens
+            self.stats.hits += len(prefix) * self.block_size
+        return len(prefix) * self.block_size
+
+    def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int) -> None:
+        """Name the blocks of ``block_table`` that ``token_ids[:num_computed]`` fills (K/V computed and committed:
+        never guesses), so that later tables can share them. Named blocks are always a start of a table: the walk
+        goes back from the last full block to the first named one."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        num_full = min(num_computed // size, len(block_table))
+        first = num_full
+        while first > 0 and self.block_hashes[block_table[first - 1]] is None:
+            first -= 1
+        parent = self.block_hashes[block_table[first - 1]] if first > 0 else b""
+        for j in range(first, num_full):
+            block, tokens = block_table[j], tuple(token_ids[j * size:(j + 1) * size])
+            parent = chain_hash(parent, tokens)
+            self.block_hashes[block], self.block_tokens[block] = parent, tokens
+            self.cached_blocks.setdefault(parent, block)  # a name already held elsewhere stays there
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (they become free). Only when no table holds a block: returns whether it
+        did."""
+        if any(self.ref_counts):
+            return False
+        while self.evictable:
+            block, _ = self.evictable.popitem(last=False)
+            self._forget(block)
+            heapq.heappush(self.free_block_ids, block)
+        return True

@@ -67,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--kv-cache-memory", type=int, default=None, help="bytes of KV cache (default: see LLM)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="reuse the K/V of prompt prefixes already computed (default on)")
     p.add_argument("--seed", type=int, default=0, help="seeds requests that give no seed")
     p.add_argument("--max-queue-len", type=int, default=256,
                    help="requests waiting beyond --max-num-seqs before new ones get HTTP 503 (default 256)")
@@ -98,6 +100,7 @@ def _check(args: argparse.Namespace) -> None:
                                  kv_cache_memory=args.kv_cache_memory, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                                  seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                                 enable_prefix_caching=args.enable_prefix_caching,
                                  quantization=None if args.quantization == "none" else args.quantization)
         args.default_sampling, args.default_sampling_source = default_sampling(args.model, args.generation_config)
     except (ValueError, OSError) as e:

@@ -4,7 +4,9 @@ scrapers read nanospec unchanged; every series carries a ``model_name`` label, a
 Updated by the engine thread only (prometheus-client is thread-safe; ``/metrics`` renders from the HTTP side):
 
     after every step      vllm:num_requests_running, vllm:num_requests_waiting (gauges), vllm:kv_cache_usage_perc
-                          (used target KV blocks / all of them, 0..1)
+                          (used target KV blocks / all of them, 0..1), vllm:num_preemptions_total,
+                          vllm:prefix_cache_queries_total and vllm:prefix_cache_hits_total (tokens looked up in
+                          the prefix cache at admission, and of those found there: hit rate = hits / queries)
     every output          vllm:prompt_tokens_total (once per request), vllm:generation_tokens_total
                           vllm:time_to_first_token_seconds   arrival -> first token
                           vllm:inter_token_latency_seconds   gap between two outputs of a request (a step may bring
@@ -72,6 +74,8 @@ class ServerMetrics:
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.")
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
         self.preemptions = counter("vllm:num_preemptions", "Preemptions (a request recomputed later).")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "Tokens looked up and found in the prefix cache.")
         self.success = counter("vllm:request_success", "Finished requests by finish reason.", ["finished_reason"])
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", buckets=TTFT_BUCKETS,
                               **label)
@@ -87,9 +91,9 @@ class ServerMetrics:
         self.accepted_per_pos = counter("vllm:spec_decode_num_accepted_tokens_per_pos",
                                         "Guesses accepted at each depth (0: the first guess).", ["position"])
         self.model_name = model_name
-        self._num_preemptions = 0
+        self._counted = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                       self.preemptions, self.ttft, self.itl, self.tpot, self.e2e, self.num_drafts,
+                       self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.tpot, self.e2e, self.num_drafts,
                        self.num_draft_tokens, self.num_accepted_tokens):
             metric.labels(model_name)
         for reason in FINISH_REASONS:
@@ -98,14 +102,17 @@ class ServerMetrics:
             self.accepted_per_pos.labels(model_name, str(position))
 
     def observe_engine(self, engine) -> None:
-        """After a step: the batch, the queue, the KV pool (``engine.load()``)."""
+        """After a step: the batch, the queue, the KV pool, the prefix cache (``engine.load()``)."""
         m, load = self.model_name, engine.load()
         self.running.labels(m).set(load.num_running)
         self.waiting.labels(m).set(load.num_waiting)
         self.kv_usage.labels(m).set(load.kv_cache_usage)
-        if load.num_preemptions > self._num_preemptions:
-            self.preemptions.labels(m).inc(load.num_preemptions - self._num_preemptions)
-            self._num_preemptions = load.num_preemptions
+        for name, counter in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
+                              ("prefix_cache_hits", self.prefix_hits)):
+            total = getattr(load, name)  # the engine's count so far
+            if total > self._counted[name]:
+                counter.labels(m).inc(total - self._counted[name])
+                self._counted[name] = total
 
     def observe_output(self, progress: RequestProgress, out: RequestOutput, now: float | None = None) -> None:
         """One output of a request (its counts are cumulative): what is new since the last one."""

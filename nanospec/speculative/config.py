@@ -195,9 +195,11 @@ def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel
 
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
-                  dtype, max_model_len: int | None = None, parallel=None) -> Proposer:
+                  dtype, max_model_len: int | None = None, parallel=None, enable_prefix_caching: bool = True
+                  ) -> Proposer:
     """The proposer the speculator drives (see ``nanospec.speculative.proposer.Proposer``). ``parallel``: the
-    driver's ``nanospec.worker.TensorParallel`` under tensor parallelism (the draft's group and command channel)."""
+    driver's ``nanospec.worker.TensorParallel`` under tensor parallelism (the draft's group and command channel).
+    ``enable_prefix_caching``: a draft model keeps the prefixes of its own K/V as the target does."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                              config.max_candidates, config.tree_budget)
@@ -208,4 +210,4 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         return MLPSpeculatorProposer.from_config(with_served_defaults(config, path), path, target_config, device,
                                                  dtype)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
-                         parallel)
+                         parallel, enable_prefix_caching)

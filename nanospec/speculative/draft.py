@@ -15,7 +15,10 @@ the target). Two ways to sample, ``speculative_config["acceptance"]``:
   (``argmax_v q_j(v) / E_v``); verification accepts a guess iff it is the token the target draws there.
   Lower acceptance; the output is exactly plain seeded sampling's, whatever the draft.
 
-After verification the draft KV of rejected guesses is rolled back with the target's.
+After verification the draft KV of rejected guesses is rolled back with the target's. The draft's pool keeps a
+prefix cache of its own (:mod:`nanospec.cache.block_manager`, on with the target's): a sequence's first draft
+forward starts after the cached blocks that hold the start of its tokens, and the blocks its committed tokens fill
+are named after each step.
 
 Under tensor parallelism the draft runs on its own group (``draft_tensor_parallel_size``): on rank 0 alone (1:
 a plain, unsharded model, no collective, no command to the workers), or sharded over as many ranks as the
@@ -66,7 +69,8 @@ class DraftState:
 
 class DraftProposer(Proposer):
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int | None = None, parallel=None):
+                 device: torch.device, dtype: torch.dtype, max_model_len: int | None = None, parallel=None,
+                 enable_prefix_caching: bool = True):
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
         self.coupled = config.acceptance == "coupled"
@@ -97,7 +101,7 @@ class DraftProposer(Proposer):
         self.max_tokens_per_step = self.k if self.tree_top_k == 1 else self.tree_budget
         self.ranked = self.tree_top_k == 1  # a chain's depths, ranked by alpha^j before any draft forward runs
         self.block_size = block_size
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, self.model.num_kv_heads, c.head_dim,
                                 self.model.dtype, device)
         # eager: a draft forward runs on batches built on the device; on the workers too, when sharded
@@ -123,7 +127,7 @@ class DraftProposer(Proposer):
         active = [i for i, k in enumerate(ks) if k > 0]
         states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
         for i in active:  # room for the sequence and the k-1 guesses fed back
-            self.block_manager.reserve(states[i].block_table, seqs[i].num_tokens + ks[i])
+            self._reserve(seqs[i], seqs[i].num_tokens + ks[i])
         feed = {i: seqs[i].token_ids[states[i].num_cached:] for i in active}
         starts = {i: states[i].num_cached for i in active}
         probs: dict[int, list[torch.Tensor]] = {i: [] for i in active}
@@ -162,8 +166,8 @@ class DraftProposer(Proposer):
         if not seqs:
             return []
         states: list[DraftState] = [s.spec_state for s in seqs]
-        for seq, st in zip(seqs, states):
-            self.block_manager.reserve(st.block_table, seq.num_tokens + self.tree_budget)
+        for seq in seqs:
+            self._reserve(seq, seq.num_tokens + self.tree_budget)
         feed = [seq.token_ids[st.num_cached:] for seq, st in zip(seqs, states)]  # backfill, ends with the root
         batch = build_forward_batch(feed, [st.num_cached for st in states], [st.block_table for st in states],
                                     self.block_size, [[len(f) - 1] for f in feed], self.model.device)
@@ -215,6 +219,16 @@ class DraftProposer(Proposer):
                 frontier[i] = [(n, score, next(rows)) for n, score, _ in frontier[i]]
         return [Proposal(t, p) for t, p in zip(tokens, parents)]
 
+    def _reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Room for ``num_tokens`` tokens of ``seq``'s draft K/V; a sequence without draft blocks starts with the
+        cached blocks that hold the start of its tokens."""
+        st: DraftState = seq.spec_state
+        if st.block_table:
+            self.block_manager.reserve(st.block_table, num_tokens)
+            return
+        prefix = self.block_manager.cached_prefix(seq.token_ids)
+        st.num_cached = self.block_manager.allocate(st.block_table, prefix, seq.num_tokens, num_tokens)
+
     def measure_cost(self) -> float:
         """Seconds of one single-token draft forward after 64 cached tokens."""
         model = self.model
@@ -243,6 +257,7 @@ class DraftProposer(Proposer):
         keep = seq.num_tokens - len(verdict.emitted) + min(verdict.num_accepted, st.num_reusable)
         st.num_cached = min(st.num_cached, keep)
         self.block_manager.truncate(st.block_table, st.num_cached)
+        self.block_manager.cache_full_blocks(st.block_table, seq.token_ids, st.num_cached)
 
     def preempt(self, seq: Sequence) -> None:
         st: DraftState = seq.spec_state
@@ -252,3 +267,6 @@ class DraftProposer(Proposer):
     def free(self, seq: Sequence) -> None:
         self.block_manager.free(seq.spec_state.block_table)
         seq.spec_state = None
+
+    def reset_prefix_cache(self) -> bool:
+        return self.block_manager.reset_prefix_cache()

@@ -12,7 +12,8 @@ Per speculating sequence: ``start`` when it is added; ``rank`` and ``propose`` e
 ``read_forward`` on the device after verification, for a proposer that reads the step's forward (the MLP speculator
 its hidden states, lookahead its window's argmax), whose values come back in the step's one read as
 ``Verdict.ahead``; ``commit`` after the sequence grew by the tokens its verdict emitted (not called for a sequence
-that finished); ``preempt`` when its KV is dropped for recompute; ``free`` when it finishes. A proposal none of whose
+that finished); ``preempt`` when its KV is dropped for recompute; ``free`` when it finishes; ``reset_prefix_cache``
+when the engine forgets its cached K/V (a proposer with a KV cache of its own forgets its own). A proposal none of whose
 nodes is verified still carries its first guesses (``Proposal.unverified_guesses``), checked against the outcome.
 Hooks a proposer has no use for keep these do-nothing defaults.
 """
@@ -63,3 +64,7 @@ class Proposer(abc.ABC):
 
     def free(self, seq: Sequence) -> None:
         seq.spec_state = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget cached K/V of its own; whether it did (False while a sequence holds some)."""
+        return True

@@ -105,6 +105,9 @@ class Speculator:
         if self.speculates(seq):
             self.proposer.free(seq)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.proposer is None or self.proposer.reset_prefix_cache()
+
     # ---------------------------------------------------------------- the step
     def propose(self, seqs: list[Sequence]) -> list[Proposal]:
         """One proposal per sequence (empty for those that do not guess this step). A proposal is cut to what pays
