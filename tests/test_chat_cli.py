@@ -10,6 +10,7 @@ embedded SmolLM2 (loaded once for the module).
 import io
 import os
 import pty
+import re
 import select
 import signal
 import subprocess
@@ -224,6 +225,21 @@ def test_piped_lines_are_answered_and_stats_shown(tiny_path):
     assert "tok/s" in result.stdout and "target steps" in result.stdout
     assert "(conversation cleared)" in result.stdout
     assert f"loading {tiny_path} ...\n" in result.stderr
+
+
+def test_stats_show_how_much_of_the_last_prompt_came_from_the_prefix_cache(tiny_path):
+    """The second turn's prompt starts with the first turn's: with the cache on, its full blocks (16 tokens each)
+    are not computed again; with --no-enable-prefix-caching, all of it is."""
+    turns = b"hello there\nsecond question\n/stats\n"
+    cached = []
+    for flag in ("--enable-prefix-caching", "--no-enable-prefix-caching"):
+        result = run_chat(["--model", str(tiny_path), "--max-tokens", "8", "--greedy", flag], turns)
+        assert result.returncode == 0, result.stderr
+        found = re.search(r"^\[last turn\].*prompt (\d+) tokens, (\d+) from the prefix cache", result.stdout, re.M)
+        assert found, result.stdout
+        cached.append((int(found.group(1)), int(found.group(2))))
+    (prompt, on), (same_prompt, off) = cached
+    assert prompt == same_prompt and 16 <= on < prompt and off == 0
 
 
 def test_piped_bytes_that_are_not_utf8_are_not_fatal(tiny_path):

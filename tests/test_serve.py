@@ -278,6 +278,20 @@ def test_tokenize_detokenize_health_metrics(server, offline):
         assert sum(float(v) for _, v in per_pos) == llm.stats()["num_accepted_tokens"]
 
 
+def test_prefix_cache_counters_follow_the_engine(server):
+    """A second request with the same long prompt finds its start cached: /metrics counts it as the engine does."""
+    url, llm = server
+    prompt = "The same system prompt, long enough for several blocks of four tokens. " + "x" * 20
+    for _ in range(2):
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 2}).status_code == 200
+    metrics = httpx.get(f"{url}/metrics").text
+    values = {m[0]: float(m[1]) for m in re.findall(r'^(vllm:prefix_cache_\w+)\{model_name="tiny"\} (\S+)$', metrics,
+                                                     re.M)}
+    stats = llm.stats()
+    assert values["vllm:prefix_cache_queries_total"] == stats["prefix_cache_queries"] >= 2 * len(prompt)
+    assert values["vllm:prefix_cache_hits_total"] == stats["prefix_cache_hits"] >= len(prompt) - 4
+
+
 def test_mlp_speculator_server_equals_offline(model_path, offline, tmp_path, capsys):
     """An MLP speculator behind the server (one built from the target's own outputs, so its guesses land); and on
     the command line, ``{"method": "mlp_speculator"}`` for a model with no shipped speculator exits 2 saying what
@@ -404,7 +418,8 @@ def test_every_listed_metric_exists_from_the_start_at_zero(model_path):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
                  "vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:num_preemptions_total",
                  "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-                 "vllm:spec_decode_num_accepted_tokens_total"):
+                 "vllm:spec_decode_num_accepted_tokens_total", "vllm:prefix_cache_queries_total",
+                 "vllm:prefix_cache_hits_total"):
         assert re.search(rf'^{name}\{{model_name="tiny"\}} 0\.0$', metrics, re.M), name
     for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "request_time_per_output_token_seconds",
                  "e2e_request_latency_seconds"):

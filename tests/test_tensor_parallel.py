@@ -126,6 +126,22 @@ class TestDraftOnTwoRanks:
         assert two.stats()["num_draft_tokens"] == one.stats()["num_draft_tokens"] > 0
         assert_no_leak(two)
 
+    def test_prefix_cache_on_every_rank_equals_no_cache(self, llms, target_path, draft_path):
+        """Prompts that start with blocks the 2-rank engine computed before (each rank's pool written through the
+        driver's block tables, target and sharded draft alike) give the tokens of a 1-rank engine without the
+        cache."""
+        _, two = llms
+        spec = {"method": "draft", "model": draft_path, "num_speculative_tokens": 3, "adaptive": False}
+        off = LLM(target_path, **KW, speculative_config=spec, enable_prefix_caching=False)
+        turns = [p + " and then" for p in PROMPTS]
+        hits = two.stats()["prefix_cache_hits"]
+        draft_hits = two.engine.speculator.proposer.block_manager.stats.hits
+        assert _run(two, GREEDY) == _run(off, GREEDY)
+        assert [o.token_ids for o in two.generate(turns, GREEDY)] == [o.token_ids for o in off.generate(turns, GREEDY)]
+        assert two.stats()["prefix_cache_hits"] > hits
+        assert two.engine.speculator.proposer.block_manager.stats.hits > draft_hits
+        assert_no_leak(two)
+
 
 def test_ngram_tree_equals_tp1(target_path):
     """Prompts that hold the model's own continuation, so that n-gram trees get accepted paths off the chain (their
