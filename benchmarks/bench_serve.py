@@ -101,7 +101,7 @@ class ServerProcess:
     """``python -m nanospec.serve`` on a free loopback port, up once /health answers; its stderr is drained by a
     thread (and kept, for the error message if it fails to start)."""
 
-    def __init__(self, model, spec_config, max_num_seqs):
+    def __init__(self, model, spec_config, max_num_seqs, extra_args=()):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -111,6 +111,7 @@ class ServerProcess:
             cmd += ["--model", model]
         if spec_config is not None:
             cmd += ["--speculative-config", json.dumps(spec_config)]
+        cmd += list(extra_args)  # more of the server's arguments
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         env.pop("NANOSPEC_API_KEY", None)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
