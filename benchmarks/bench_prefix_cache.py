@@ -6,7 +6,10 @@
 chat     an 8-turn conversation through the chat template (the questions of prompts.jsonl, greedy, --max-tokens
          answers), each turn streamed by ``LLM.stream_chat`` on an engine with the cache and on one without, in
          turn: time to first token (call -> first output with tokens) per turn, and the prompt tokens the cache
-         held. Both engines must answer every turn alike.
+         held, and whether both engines answered alike (the conversation goes on with the cache-off answer). With
+         float32 weights they do; with the CPU's int4 / int8 kernels (bfloat16 activations, the embedded model's
+         default) K/V computed in a decode step and in a prefill can round apart, and a near tie can go either
+         way.
 shared   the server (``python -m nanospec.serve``, --enable-prefix-caching / --no-enable-prefix-caching): --clients
          chat requests sent at once, each a ~--system-tokens system prompt that all share and a question of its
          own, streamed with the ``openai`` client, greedy, --shared-max-tokens: throughput (generated tokens over
@@ -42,6 +45,7 @@ from nanospec import LLM, SamplingParams  # noqa: E402
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the embedded SmolLM2)")
+    p.add_argument("--quantization", default="auto", help="the weights: auto (default), int4, int8 or none (float)")
     p.add_argument("--parts", nargs="+", default=["chat", "shared", "decode"], choices=["chat", "shared", "decode"])
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=96, help="chat: the longest answer (default 96)")
@@ -78,19 +82,20 @@ def first_token_seconds(llm, messages, params) -> tuple[float, str, int, int]:
 
 def bench_chat(args) -> list[dict]:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
-    engines = {on: LLM(args.model, enable_prefix_caching=on, max_num_seqs=1) for on in (True, False)}
+    engines = {on: LLM(args.model, enable_prefix_caching=on, max_num_seqs=1, quantization=args.quantization)
+               for on in (True, False)}
     history: list[dict] = []
     rows = []
     for turn, question in enumerate(questions()[: args.turns], 1):
         messages = history + [{"role": "user", "content": question}]
         result = {on: first_token_seconds(engines[on], messages, params) for on in (True, False)}
-        if result[True][1] != result[False][1]:
-            raise SystemExit(f"turn {turn}: the answers with and without the cache differ")
-        ttft_on, answer, prompt_tokens, cached = result[True]
+        ttft_on, _, prompt_tokens, cached = result[True]
+        ttft_off, answer = result[False][:2]
+        same = result[True][1] == answer
         rows.append({"turn": turn, "prompt_tokens": prompt_tokens, "cached_tokens": cached, "ttft_on": ttft_on,
-                     "ttft_off": result[False][0]})
+                     "ttft_off": ttft_off, "same_answer": same})
         print(f"turn {turn}: prompt {prompt_tokens} tokens ({cached} cached), TTFT on {ttft_on * 1000:.0f} ms, "
-              f"off {result[False][0] * 1000:.0f} ms", flush=True)
+              f"off {ttft_off * 1000:.0f} ms, answers {'alike' if same else 'DIFFER'}", flush=True)
         history = messages + [{"role": "assistant", "content": answer}]
     return rows
 
@@ -141,7 +146,8 @@ def bench_shared(args) -> list[dict]:
     for round_index in range(args.rounds):
         for on in (True, False):
             flag = "--enable-prefix-caching" if on else "--no-enable-prefix-caching"
-            server = ServerProcess(args.model, None, max_num_seqs=args.clients, extra_args=[flag])
+            server = ServerProcess(args.model, None, max_num_seqs=args.clients,
+                                   extra_args=[flag, "--quantization", args.quantization or "none"])
             try:
                 ttfts, tokens, wall = asyncio.run(shared_round(server.url, conversations, args.shared_max_tokens))
                 values = metric_values(httpx.get(f"{server.url}/metrics").text)
@@ -168,7 +174,7 @@ def decode_tok_s(llm, prompt: str, max_tokens: int) -> float:
 
 
 def bench_decode(args) -> dict:
-    engines = {on: LLM(args.model, enable_prefix_caching=on) for on in (True, False)}
+    engines = {on: LLM(args.model, enable_prefix_caching=on, quantization=args.quantization) for on in (True, False)}
     speeds = {True: [], False: []}
     for prompt in questions():
         for on in (True, False):
@@ -181,6 +187,8 @@ def bench_decode(args) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.quantization == "none":
+        args.quantization = None
     print(load_note(), flush=True)
     results = {}
     for part in args.parts:
