@@ -128,7 +128,8 @@ def load(args):
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config,
               tensor_parallel_size=args.tensor_parallel_size,
               quantization=None if args.quantization == "none" else args.quantization,
-              enable_prefix_caching=args.enable_prefix_caching, max_num_seqs=1)  # one conversation: the KV pool holds one context
+              enable_prefix_caching=args.enable_prefix_caching,
+              max_num_seqs=1)  # one conversation: the KV pool holds one context
     return llm, params
 
 
