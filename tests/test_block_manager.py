@@ -225,7 +225,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         for i, token in enumerate(tokens, start):
             block = seq["table"][i // self.BLOCK]
             assert self.bm.ref_counts[block] == 1 and self.bm.block_hashes[block] is None, "a shared block written"
-            self.shadow[slots_of(seq["table"], self.BLOCK, [i])[0]] = tuple(seq["tokens"][:start] + tokens[:i - start + 1])
+            slot = slots_of(seq["table"], self.BLOCK, [i])[0]
+            self.shadow[slot] = tuple(seq["tokens"][:start] + tokens[:i - start + 1])
 
     @rule(base=st.sampled_from([[1, 2, 1, 2, 3], [1, 2, 1, 3], [2, 2, 2, 2, 2, 2]]), cut=st.integers(1, 6),
           tail=st.lists(st.integers(1, 3), max_size=3))

@@ -182,7 +182,8 @@ def test_cached_blocks_hold_the_kv_of_their_tokens(name, target, draft, speculat
             bm.reserve(fresh, len(tokens))
             model.forward(build_forward_batch([tokens], [0], [fresh], BLOCK, [[len(tokens) - 1]], device), kv)
             span = range(len(named) * BLOCK)
-            assert_same_kv(kv, model.config.num_hidden_layers, slots_of(named, BLOCK, span), slots_of(fresh, BLOCK, span))
+            assert_same_kv(kv, model.config.num_hidden_layers, slots_of(named, BLOCK, span),
+                           slots_of(fresh, BLOCK, span))
             bm.free(fresh)
             checked += len(named)
         assert checked >= 10

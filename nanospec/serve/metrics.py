@@ -93,8 +93,8 @@ class ServerMetrics:
         self.model_name = model_name
         self._counted = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
         for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
-                       self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.tpot, self.e2e, self.num_drafts,
-                       self.num_draft_tokens, self.num_accepted_tokens):
+                       self.preemptions, self.prefix_queries, self.prefix_hits, self.ttft, self.itl, self.tpot,
+                       self.e2e, self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens):
             metric.labels(model_name)
         for reason in FINISH_REASONS:
             self.success.labels(model_name, reason)
