@@ -20,6 +20,7 @@ instead of computing them again (:mod:`nanospec.cache.block_manager`).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -142,7 +143,11 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
     if args.speculative is not None:
         logger.info("speculation: %s%s ...", args.speculative.method,
                     f" with {args.speculative.model}" if args.speculative.model is not None else "")
-        proposer = make_proposer(args.speculative, config, tokenizer, num_blocks, args.block_size, device,
+        speculative = args.speculative
+        if speculative.method == "mlp_speculator" and speculative.dtype is None and model.matmul_dtype != args.dtype:
+            # over a quantized target on a CPU: the speculator's matmuls read bfloat16 too (half the bytes a guess)
+            speculative = dataclasses.replace(speculative, dtype=str(model.matmul_dtype).removeprefix("torch."))
+        proposer = make_proposer(speculative, config, tokenizer, num_blocks, args.block_size, device,
                                  args.dtype, max_model_len, parallel, args.enable_prefix_caching)
         if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
             if args.max_model_len is not None:
