@@ -5,7 +5,7 @@ Three things differ from a Hugging Face checkpoint:
 - q and k rows: llama.cpp's converter reorders them per head so that each rotary pair (i, i + head_dim / 2) sits
   in adjacent rows. Within a head of d rows, HF row  h * d / 2 + j  (half h, j < d / 2) is stored at row  2 * j + h.
   Viewing a head as (2, d / 2) in HF order and (d / 2, 2) in GGUF order, the inverse is a transpose of those two axes;
-- the tokenizer is metadata (tokens, merges, token types), from which we build a `tokenizers` JSON.
+- the tokenizer is metadata (tokens, merges, token types): `nanospec.model.gguf_tokenizer` builds a `tokenizers` JSON.
 Quantized tensors stay quantized or are dequantized to fp32, as asked (`nanospec.model.gguf_quant`).
 
 The header (metadata and tensor list) is read here rather than by gguf's GGUFReader, which trusts every length and
@@ -28,12 +28,11 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
-from tokenizers import Tokenizer as BackendTokenizer
 from tqdm import tqdm
 
 from nanospec.model.config import ConfigError, LlamaConfig, short_repr
 from nanospec.model.gguf_quant import gguf_weight
+from nanospec.model.gguf_tokenizer import STRINGS, tokenizer_from_metadata
 from nanospec.model.quantization import Weight, check_int4_shape, select_rows
 
 _GLOBAL_NAMES = {
@@ -52,16 +51,6 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-# How llama.cpp splits text into words before BPE, by `tokenizer.ggml.pre`. The Llama 3 family differs from GPT-2's
-# split (digits in runs of up to 3, case-insensitive contractions); anything else uses GPT-2's, as transformers does.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_PRE_TOKENIZER_SPLITS = {name: _LLAMA3_SPLIT for name in ("llama3", "llama-v3", "llama-bpe", "smaug-bpe")}
-
-_CONTROL_TOKEN, _USER_DEFINED_TOKEN = 3, 4  # tokenizer.ggml.token_type values
 
 
 # The metadata keys of the LlamaConfig fields. Without llama.vocab_size the vocabulary is tokenizer.ggml.tokens.
@@ -86,12 +75,6 @@ _ROPE_SCALING_KEYS = {
     "rope_scaling.factor": "llama.rope.scaling.factor",
     "rope_scaling.original_max_position_embeddings": "llama.rope.scaling.original_context_length",
 }
-
-# Expected types of tokenizer metadata: (test, description).
-_STRING = (lambda v: isinstance(v, str), "a string")
-_BOOL = (lambda v: isinstance(v, bool), "a boolean")
-_STRINGS = (lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v), "an array of strings")
-_INTEGERS = (lambda v: isinstance(v, list) and all(type(x) is int for x in v), "an array of integers")
 
 
 @dataclass
@@ -129,7 +112,7 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
         raise ValueError(f"unsupported GGUF architecture {short_repr(architecture)} in {path}: nanospec runs 'llama' "
                          "only")
     config = _config_from_metadata(metadata, tied=not any(t.name == "output.weight" for t in header_tensors))
-    tokenizer_json, tokenizer_config = _tokenizer_from_metadata(metadata, config.vocab_size)
+    tokenizer_json, tokenizer_config = tokenizer_from_metadata(metadata, config.vocab_size)
     hf_names = _check_tensors(header_tensors, config, path)
     if quantization in ("int4", "auto") and group_size != 32:
         for tensor in header_tensors:
@@ -292,8 +275,7 @@ class _Metadata:
         return key in self.values
 
     def get(self, key: str, default=None, expect: tuple | None = None):
-        """The value of `key` (`default` if absent); with `expect` (_STRING, _STRINGS, ...), checked to be of that
-        type."""
+        """The value of `key` (`default` if absent), checked to be of type `expect` (a (test, description) pair)."""
         if key not in self.values:
             return default
         value = self.values[key]
@@ -318,7 +300,7 @@ def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
     fields = dict(_CONFIG_DEFAULTS)
     fields |= {field: metadata.get(key) for field, key in _CONFIG_KEYS.items() if key in metadata}
     if "vocab_size" not in fields:
-        fields["vocab_size"] = len(metadata.require("tokenizer.ggml.tokens", _STRINGS))
+        fields["vocab_size"] = len(metadata.require("tokenizer.ggml.tokens", STRINGS))
     eos_ids = []  # llama.cpp stops at any of them
     for key in _EOS_KEYS:
         if key in metadata and metadata.get(key) not in eos_ids:
@@ -418,101 +400,3 @@ def _unpermute_rotary_rows(weight: Weight, num_heads: int) -> Weight:
     rows = weight.shape[0]
     order = torch.arange(rows).reshape(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
     return select_rows(weight, order)
-
-
-def _tokenizer_from_metadata(metadata: _Metadata, vocab_size: int) -> tuple[str, dict]:
-    """A byte-level BPE tokenizer (GPT-2 style, `tokenizer.ggml.model` == "gpt2") as tokenizer.json text, and its
-    tokenizer_config: the same ids as transformers builds from this file. Missing or ill-typed tokenizer metadata, more
-    tokens than `vocab_size`, and special token ids outside the token list are ValueErrors naming the file and key."""
-    kind = metadata.require("tokenizer.ggml.model", _STRING)
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer {kind!r} in {metadata.path}: nanospec reads byte-level BPE "
-                         "('gpt2') tokenizers from GGUF; load the model's Hugging Face directory instead")
-    tokens = metadata.require("tokenizer.ggml.tokens", _STRINGS)
-    if len(tokens) > vocab_size:
-        raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.tokens has {len(tokens)} tokens, more than the "
-                         f"model's vocabulary ({vocab_size})")
-    token_types = metadata.get("tokenizer.ggml.token_type", None, _INTEGERS) or [1] * len(tokens)
-    if len(token_types) != len(tokens):
-        raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.token_type has {len(token_types)} entries for "
-                         f"{len(tokens)} tokens")
-    merges = [tuple(merge.split(" ")) for merge in metadata.require("tokenizer.ggml.merges", _STRINGS)]
-    bad_merge = next((" ".join(merge) for merge in merges if len(merge) != 2), None)
-    if bad_merge is not None:
-        raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.merges holds {short_repr(bad_merge)}, which is "
-                         "not two tokens separated by a space")
-
-    # Every byte-level BPE token is spelled in GPT-2's 256-character byte alphabet; a few files write a token in
-    # plain text instead, which we respell.
-    byte_alphabet = _bytes_to_unicode()
-    spelled = set(byte_alphabet.values())
-
-    def respell(token: str) -> str:
-        return token if set(token) <= spelled else "".join(byte_alphabet[b] for b in token.encode("utf-8"))
-
-    vocab = {respell(token): index for index, token in enumerate(tokens)}
-    try:
-        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, continuing_subword_prefix="",
-                                              end_of_word_suffix="", fuse_unk=False))
-    except Exception as error:  # tokenizers' own error type: a merge of tokens that are not in the vocabulary, ...
-        raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.tokens and tokenizer.ggml.merges do not make a "
-                         f"BPE tokenizer ({error})") from None
-    split = _PRE_TOKENIZER_SPLITS.get(metadata.get("tokenizer.ggml.pre", None, _STRING))
-    if split is None:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    else:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    backend.decoder = decoders.ByteLevel()
-
-    # Control tokens ("<|im_start|>") are special: matched whole in text and skipped when decoding. A "control" token
-    # outside the byte alphabet is a mislabel in the file and stays out, as in transformers. User-defined tokens
-    # ("<think>") are matched whole but are ordinary text.
-    backend.add_special_tokens([
-        AddedToken(token, special=True, normalized=False)
-        for token, kind in zip(tokens, token_types) if kind == _CONTROL_TOKEN and set(token) <= spelled
-    ])
-    backend.add_tokens([
-        AddedToken(token, special=False, normalized=False)
-        for token, kind in zip(tokens, token_types) if kind == _USER_DEFINED_TOKEN and token in vocab
-    ])
-
-    def token_of(key: str) -> str | None:
-        index = metadata.get(f"tokenizer.ggml.{key}")
-        if index is None:
-            return None
-        if type(index) is not int or not 0 <= index < len(tokens):
-            raise ValueError(f"GGUF file {metadata.path}: tokenizer.ggml.{key} must be a token id from 0 to "
-                             f"{len(tokens) - 1} (inside tokenizer.ggml.tokens), got {short_repr(index)}")
-        return tokens[index]
-
-    config = {
-        "bos_token": token_of("bos_token_id"),
-        "eos_token": token_of("eos_token_id"),
-        "unk_token": token_of("unknown_token_id"),
-        "pad_token": token_of("padding_token_id"),
-        "add_bos_token": metadata.get("tokenizer.ggml.add_bos_token", False, _BOOL),
-        "chat_template": metadata.get("tokenizer.chat_template", None, _STRING),
-    }
-    if config["add_bos_token"] and config["bos_token"] is not None:
-        # Let the tokenizer.json itself add BOS, so any reader of it (transformers included) agrees.
-        bos = config["bos_token"]
-        backend.post_processor = processors.TemplateProcessing(
-            single=f"{bos}:0 $A:0", pair=f"{bos}:0 $A:0 {bos}:1 $B:1", special_tokens=[(bos, vocab[respell(bos)])]
-        )
-    return backend.to_str(), {key: value for key, value in config.items() if value is not None}
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from each byte to a printable character: printable bytes map to themselves, the rest to
-    characters from U+0100 up, so that every byte sequence is a string without spaces or control characters."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping
