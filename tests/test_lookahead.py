@@ -7,14 +7,14 @@ import pytest
 import torch
 
 from nanospec.kernels.attention_mask import pack_mask, unpack_mask
-from nanospec.speculative.proposal import tree_mask
+from nanospec.speculative.proposal import tree_depths, tree_mask
 from nanospec.speculative.lookahead import LookaheadDecoder
 
 
 # ----------------------------------------------------------------------------- helpers
 def dense(step):
     n = len(step.tokens)
-    return unpack_mask(step.mask, n)
+    return unpack_mask(tree_mask(step.parents), n)
 
 
 def full_parents(step):
@@ -23,7 +23,7 @@ def full_parents(step):
     parents = []
     for row in range(len(step.tokens)):
         seen = [b for b in range(len(step.tokens)) if visible[row, b] and b != row]
-        parents.append(max(seen, key=lambda b: step.positions[b]) if seen else -1)
+        parents.append(max(seen, key=lambda b: tree_depths(step.parents)[b]) if seen else -1)
     return parents
 
 
@@ -31,8 +31,8 @@ def causal_path(step, row, visible_rows=None):
     """Tokens that `row` sees, in position order; checks they are exactly one per position 0..pos(row)."""
     visible_rows = dense(step) if visible_rows is None else visible_rows
     visible = visible_rows[row].nonzero().flatten().tolist()
-    visible.sort(key=lambda b: step.positions[b])
-    assert [step.positions[b] for b in visible] == list(range(step.positions[row] + 1))
+    visible.sort(key=lambda b: tree_depths(step.parents)[b])
+    assert [tree_depths(step.parents)[b] for b in visible] == list(range(tree_depths(step.parents)[row] + 1))
     return [step.tokens[b] for b in visible]
 
 
@@ -45,7 +45,7 @@ def window_cells(state):
 def greedy_tree_walk(step, argmax):
     """Accepted path along the target's argmax plus the final emitted token."""
     children = {}
-    for node, parent in enumerate(step.tree_parents):
+    for node, parent in enumerate(step.parents[:step.num_tree_nodes]):
         if parent >= 0:
             children[(parent, step.tokens[node])] = node
     node, accepted = 0, []
@@ -72,8 +72,8 @@ def test_step_by_hand_w3_n3_g2():
     step = decoder.build_step(state, 5)
 
     assert step.tokens == [5, 1, 3, 2, 10, 11, 20, 21, 22]
-    assert step.positions == [0, 1, 2, 2, 1, 2, 1, 2, 3]
-    assert step.tree_parents == [-1, 0, 1, 1]  # the shared prefix "1" appears once
+    assert tree_depths(step.parents) == [0, 1, 2, 2, 1, 2, 1, 2, 3]
+    assert step.parents[:step.num_tree_nodes] == [-1, 0, 1, 1]  # the shared prefix "1" appears once
     assert step.num_tree_nodes == 4
     assert step.lookahead_rows == range(4, 9)
     sees = {
@@ -90,15 +90,15 @@ def test_step_by_hand_w3_n3_g2():
     expected = torch.zeros(9, 9, dtype=torch.bool)
     for row, cols in sees.items():
         expected[row, cols] = True
-    assert step.mask.dtype == torch.int64 and step.mask.shape == (9, 1)
-    assert torch.equal(step.mask, pack_mask(expected))
+    assert tree_mask(step.parents).dtype == torch.int64 and tree_mask(step.parents).shape == (9, 1)
+    assert torch.equal(tree_mask(step.parents), pack_mask(expected))
 
 
 def test_no_candidates_gives_root_only_tree():
     decoder = LookaheadDecoder(4, 4, 3, seed_pool_from_prompt=False)
     state = decoder.new_state([9, 9, 9])
     step = decoder.build_step(state, 7)
-    assert step.num_tree_nodes == 1 and step.tree_parents == [-1]
+    assert step.num_tree_nodes == 1 and step.parents[:step.num_tree_nodes] == [-1]
     assert step.lookahead_rows == range(1, len(step.tokens))
 
 
@@ -120,9 +120,9 @@ def test_step_structure_random(seed):
 
     # the mask is the ancestor mask of one tree spanning both branches
     parents = full_parents(step)
-    assert parents[:t] == step.tree_parents
-    assert torch.equal(step.mask, tree_mask(parents))
-    assert step.mask.shape == (n, (n + 63) // 64)
+    assert parents[:t] == step.parents[:step.num_tree_nodes]
+    assert torch.equal(tree_mask(step.parents), tree_mask(parents))
+    assert tree_mask(step.parents).shape == (n, (n + 63) // 64)
     for row in range(n):
         causal_path(step, row, visible)
 
@@ -131,9 +131,9 @@ def test_step_structure_random(seed):
     assert t <= 1 + G * (N - 1)
     paths = {0: ()}
     for node in range(1, t):
-        assert 0 <= step.tree_parents[node] < node
-        paths[node] = paths[step.tree_parents[node]] + (step.tokens[node],)
-        assert step.positions[node] == len(paths[node])
+        assert 0 <= step.parents[:step.num_tree_nodes][node] < node
+        paths[node] = paths[step.parents[:step.num_tree_nodes][node]] + (step.tokens[node],)
+        assert tree_depths(step.parents)[node] == len(paths[node])
     assert len(set(paths.values())) == t  # no two nodes for one prefix
     prefixes = {c[:d] for c in state.candidates(root) for d in range(N)}
     assert set(paths.values()) == prefixes
@@ -146,7 +146,7 @@ def test_step_structure_random(seed):
     # lookahead cells: token (l, c) at position l + c, in level order
     cells = window_cells(state)
     assert len(cells) == n - t
-    assert [step.positions[r] for r in step.lookahead_rows] == [level + c for level, c in cells]
+    assert [tree_depths(step.parents)[r] for r in step.lookahead_rows] == [level + c for level, c in cells]
     assert [step.tokens[r] for r in step.lookahead_rows] == [x for level in state.levels for x in level]
     assert n <= decoder.max_step_tokens
 
@@ -158,8 +158,8 @@ def test_mask_spans_several_words():
     set_pool(decoder, state, [(7, [k, k + 1, k + 2, k + 3]) for k in range(8)])
     step = decoder.build_step(state, 7)
     assert len(step.tokens) == 1 + 8 * 4 + 39 == 72
-    assert step.mask.shape == (72, 2)
-    assert torch.equal(step.mask, tree_mask(full_parents(step)))
+    assert tree_mask(step.parents).shape == (72, 2)
+    assert torch.equal(tree_mask(step.parents), tree_mask(full_parents(step)))
 
 
 # ----------------------------------------------------------------------------- pool and window updates
@@ -234,9 +234,9 @@ def test_window_moves_one_position_per_step(W, N):
         assert state.width == W + L - filled
         step = decoder.build_step(state, root)
         assert len(step.tokens) <= decoder.max_step_tokens
-        old_position = {step.tokens[row]: step.positions[row] for row in step.lookahead_rows}
+        old_position = {step.tokens[row]: tree_depths(step.parents)[row] for row in step.lookahead_rows}
         argmax = list(range(fresh, fresh + len(step.lookahead_rows)))
-        guess_position = {g: step.positions[row] + 1 for g, row in zip(argmax, step.lookahead_rows)}
+        guess_position = {g: tree_depths(step.parents)[row] + 1 for g, row in zip(argmax, step.lookahead_rows)}
         fresh += 10_000
         decoder.update(state, step, argmax, accepted=[root + 1])
         window_ngrams = [c for cs in state.pool.values() for c in cs if c[-1] >= 5000]

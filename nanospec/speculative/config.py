@@ -1,25 +1,14 @@
 """``speculative_config``: which proposer guesses tokens for the target to verify.
 
     {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 1}
-    {"method": "draft", "model": "path/to/small-llama", "num_speculative_tokens": 4}
     {"method": "ngram", "num_speculative_tokens": 5, "max_candidates": 4}          # a token tree
     {"method": "draft", "model": PATH, "num_speculative_tokens": 4, "tree_top_k": 2, "tree_budget": 12}
-    {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
     {"method": "draft", "model": PATH, "acceptance": "coupled"}     # outputs equal plain seeded sampling
-    {"method": "draft", "model": PATH, "draft_tensor_parallel_size": 1}  # the draft on rank 0 alone (TP > 1)
-    {"method": "mlp_speculator"}                   # the speculator shipped for the embedded model, as it is served
-    {"method": "mlp_speculator", "model": "path/to/speculator", "num_speculative_tokens": 3}
-    {"method": "mlp_speculator", "tree_top_k": 4, "prompt_lookup": True}  # a beam of 4 paths, and n-gram guesses
-    {"method": "mlp_speculator", "tree_top_k": 1, "prompt_lookup": False}  # the plain chain of its stages
+    {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
+    {"method": "mlp_speculator", "model": PATH, "tree_top_k": 4, "prompt_lookup": True}
 
-``num_speculative_tokens`` is the most guesses verified per step. With ``"adaptive": True`` (the
-default) each step verifies only as many as pay off on this machine (``nanospec.speculative.policy``);
-``False`` always verifies every guess the proposer has. An MLP speculator (IBM's format) guesses from the
-target's hidden state; its ``num_speculative_tokens`` defaults to, and may not exceed, its ``n_predict``; with
-``tree_top_k`` it proposes a tree (a beam of that many paths per depth), with ``prompt_lookup`` the n-gram
-chain joins it (``prompt_lookup_min`` / ``prompt_lookup_max`` as for ``ngram``). Those two keys, where the caller
-leaves them out, come from the speculator directory's ``speculative_config.json`` if it has one (the shipped
-speculator's: a beam of 16 and prompt lookup), else a chain without lookup.
+``"adaptive": True`` (the default) verifies only the guesses that pay (:mod:`nanospec.speculative.policy`). The
+keys of each method and their meaning: ``docs/speculative-decoding.md``.
 """
 
 from __future__ import annotations
@@ -158,10 +147,8 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
 
 
 def with_served_defaults(config: SpeculativeConfig, speculator: Path) -> SpeculativeConfig:
-    """``tree_top_k`` and ``prompt_lookup`` where ``speculative_config`` left them out: from the speculator
-    directory's optional ``speculative_config.json`` (as a model's ``generation_config.json`` sits beside its
-    weights, it says how this speculator is best served), else a chain without lookup. The file's values pass
-    the same checks as the caller's; an error names the file."""
+    """``tree_top_k`` and ``prompt_lookup`` where the caller left them out: from the speculator directory's
+    ``speculative_config.json``, else a chain without lookup."""
     file = Path(speculator) / "speculative_config.json"
     served: dict = {}
     if file.is_file():
@@ -181,8 +168,7 @@ def with_served_defaults(config: SpeculativeConfig, speculator: Path) -> Specula
 
 
 def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel_size: int) -> int | None:
-    """How many ranks the draft runs on (None: there is no draft model): 1 (rank 0 alone) or the target's
-    ``tensor_parallel_size`` (the default). ValueError for anything else, naming it."""
+    """How many ranks the draft runs on (None: no draft model): 1 or the target's ``tensor_parallel_size``."""
     if config is None or config.method != "draft":
         return None
     size = config.draft_tensor_parallel_size
@@ -197,9 +183,7 @@ def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
                   dtype, max_model_len: int | None = None, parallel=None, enable_prefix_caching: bool = True
                   ) -> Proposer:
-    """The proposer the speculator drives (see ``nanospec.speculative.proposer.Proposer``). ``parallel``: the
-    driver's ``nanospec.worker.TensorParallel`` under tensor parallelism (the draft's group and command channel).
-    ``enable_prefix_caching``: a draft model keeps the prefixes of its own K/V as the target does."""
+    """The proposer the speculator drives; ``parallel``: the driver's ``TensorParallel`` under tensor parallelism."""
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                              config.max_candidates, config.tree_budget)

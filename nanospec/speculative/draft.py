@@ -1,35 +1,19 @@
 """The draft-model proposer: a small Llama with its own paged KV guesses k tokens autoregressively.
 
-Each step, per sequence, the draft's KV covers ``num_cached`` tokens of ``token_ids``. Its first
-forward is a ragged prefill over every token whose draft KV is missing: the whole prompt the first
-time, the one new token after a rejection, and ``[d_k, bonus]`` after all k drafts were accepted
-(the draft never ran on its own last guess ``d_k``: **backfill**). Then k-1 one-token forwards
-follow, each feeding the previous guess. Guess ``d_j`` is the argmax of the draft's distribution
-``q_j`` for greedy requests, otherwise a sample from ``q_j`` (same temperature / top-k / top-p as
-the target). Two ways to sample, ``speculative_config["acceptance"]``:
+The draft's first forward each step feeds every token whose draft K/V is missing (the prompt, the token after a
+rejection, or ``[d_k, bonus]`` after a full acceptance: backfill); then k-1 one-token forwards, each feeding the
+previous guess. Guess ``d_j`` is the argmax of the draft's ``q_j`` when greedy, else drawn from it
+(``speculative_config["acceptance"]``):
 
-* ``"rejection"`` (default): uniforms from the request seed on a stream of its own; ``q_j`` goes to the
-  rejection sampler. The highest acceptance; the output follows the target distribution exactly, but
-  which tokens a seed gives depends on the draft and on k.
-* ``"coupled"``: the exponential race with the target's own numbers at that position
-  (``argmax_v q_j(v) / E_v``); verification accepts a guess iff it is the token the target draws there.
-  Lower acceptance; the output is exactly plain seeded sampling's, whatever the draft.
+* ``"rejection"``: a seed stream of the draft's own; ``q_j`` goes to the rejection sampler (output distributed as
+  the target's, highest acceptance).
+* ``"coupled"``: the exponential race with the target's own numbers at that position; verified by matching, so the
+  output equals plain seeded sampling's.
 
-After verification the draft KV of rejected guesses is rolled back with the target's. The draft's pool keeps a
-prefix cache of its own (:mod:`nanospec.cache.block_manager`, on with the target's): a sequence's first draft
-forward starts after the cached blocks that hold the start of its tokens, and the blocks its committed tokens fill
-are named after each step.
-
-Under tensor parallelism the draft runs on its own group (``draft_tensor_parallel_size``): on rank 0 alone (1:
-a plain, unsharded model, no collective, no command to the workers), or sharded over as many ranks as the
-target, each forward sent to the workers as a command (its guesses fed back travel in that command's batch).
-Its block tables, like the target's, are the driver's alone; each rank's draft KV pool has the same blocks.
-
-**Trees** (``tree_top_k > 1``): from the root, every frontier node branches on its ``tree_top_k``
-most probable next tokens; of all those children the ``tree_budget`` most probable (by cumulative
-draft log-probability) are kept, level by level, up to depth k. Each level is one draft forward over
-the whole tree so far, with the "ancestors and self" mask. The candidates are picked
-deterministically, so the target verifies them as one-hot candidates (still lossless).
+Trees (``tree_top_k > 1``): every frontier node branches on its ``tree_top_k`` most probable tokens, and the
+``tree_budget`` best children by cumulative log-probability are kept, level by level, one draft forward a level;
+verified as one-hot candidates. Rejected guesses' draft K/V is rolled back with the target's; the draft's pool
+keeps a prefix cache of its own. Under tensor parallelism the draft runs on rank 0 alone or sharded like the target.
 """
 
 from __future__ import annotations
@@ -220,8 +204,7 @@ class DraftProposer(Proposer):
         return [Proposal(t, p) for t, p in zip(tokens, parents)]
 
     def _reserve(self, seq: Sequence, num_tokens: int) -> None:
-        """Room for ``num_tokens`` tokens of ``seq``'s draft K/V; a sequence without draft blocks starts with the
-        cached blocks that hold the start of its tokens."""
+        """Room for ``num_tokens`` of draft K/V; a sequence's first blocks come from the prefix cache."""
         st: DraftState = seq.spec_state
         if st.block_table:
             self.block_manager.reserve(st.block_table, num_tokens)
@@ -237,9 +220,7 @@ class DraftProposer(Proposer):
                              max_len=model.config.max_position_embeddings)[0]
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Guess j for every sequence (a device tensor) and, in rejection mode when any samples, the draft
-        distributions ``q`` ``[S, V]``. Coupled: the exponential race at the guess's own position with the
-        request's own seed, the very numbers the target's token there is drawn with (then verified by matching)."""
+        """Guess j for every sequence (on the device) and, when rejection-sampling, the draft's ``q`` ``[S, V]``."""
         if all(s.params.greedy for s in seqs):
             return logits.argmax(dim=-1), None
         if self.coupled:
@@ -249,9 +230,7 @@ class DraftProposer(Proposer):
         return sample_from_probs(q, t.seeds, t.offsets), q
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Drop the draft K/V of rejected guesses. Kept: the old tokens' and the accepted guesses' that were
-        fed in sequence order (a tree's nodes sit in tree order: its K/V is dropped whole, and the next
-        step backfills the accepted path and the bonus token in one ragged forward)."""
+        """Drop the draft K/V of rejected guesses (a tree's whole: the next step backfills the accepted path)."""
         st: DraftState = seq.spec_state
         st.acceptance.observe_chain(proposal, verdict)
         keep = seq.num_tokens - len(verdict.emitted) + min(verdict.num_accepted, st.num_reusable)

@@ -1,22 +1,13 @@
 """Lookahead decoding (Fu et al. 2024): Jacobi iteration on a 2-D window feeds an n-gram pool, no draft model.
 
-Window size W, n-gram size N, guess set size G; the window has L = N - 1 levels. A sequence whose last committed
-token ``root`` sits at position P feeds one tree per step: the root, the verification branch (a trie of the pool's
-continuations of the root, verified like any tree) and the lookahead branch (the window, fed but not verified). The
-two branches share only the root; every token sees itself and its ancestors and sits at P + depth.
-
-The window is a grid of guesses, level l (0..L-1) by column c (0..W-1), token (l, c) at position P + l + c; cell
-(0, 0) is the root, so L*W - 1 tokens are fed. Token (l, c) sees ``root -> (0,1) .. (0,c) -> (1,c) .. (l,c)``, a
-consistent left-to-right text, and its argmax guesses position P + l + c + 1. Column c read top to bottom, then the
-argmax of its last token, is an n-gram: each step adds the W of them to the pool. Then the window moves one
-position on (Jacobi): level l takes level l + 1 (level 0 without its column 0), the last level takes the argmaxes
-of the last level; by one position even when several tokens were committed, as the official implementation (LADE)
-does. Warm-up: a fresh window holds level 0 only, W + L - 2 tokens drawn from the prompt by a seeded RNG, and grows a
-level a step until it has L levels and W columns (no window n-grams before that).
-
-The pool maps a token to at most G continuations (N - 1 tokens) that followed it, the most recently seen first: the
-window's n-grams, the committed text's n-grams ending at each committed token, and (``seed_pool_from_prompt``) the
-prompt's. The output does not depend on the window: the verifier checks every guess.
+Window size W, n-gram size N, guess set size G, L = N - 1 levels. A sequence whose root sits at position P feeds the
+root, the verification trie (the pool's continuations of the root) and the window (fed, not verified); every token
+sees itself and its ancestors and sits at P + depth. Window token (l, c) sits at P + l + c and sees
+``root -> (0,1) .. (0,c) -> (1,c) .. (l,c)``; column c read top to bottom, then its last token's argmax, is an n-gram
+for the pool. Then the window moves one position on: level l takes level l + 1 (level 0 without its column 0), the
+last level takes the argmaxes. A fresh window holds level 0 only (W + L - 2 prompt tokens drawn by a seeded RNG) and
+grows a level a step. The pool keeps per token at most G continuations, most recent first: the window's n-grams and
+the committed text's. The output does not depend on the window: the verifier checks every guess.
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanospec.sequence import Sequence
-from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict, tree_depths, tree_mask
+from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
 WINDOW_SEED = 0  # the RNG that fills a fresh window from the prompt: the same prompt gives the same window
@@ -36,27 +27,12 @@ WINDOW_SEED = 0  # the RNG that fills a fresh window from the prompt: the same p
 
 @dataclass
 class LookaheadStep:
-    """One step's tokens, root first: the verification trie (root included), then the window level by level.
-    Every token hangs under ``parents[i]`` (the root's is -1); the positions and the mask follow from them."""
+    """One step's tokens, root first: the verification trie, then the window level by level, each under
+    ``parents[i]``."""
 
     tokens: list[int]
     parents: list[int]
     num_tree_nodes: int  # root + verification nodes (they come first)
-
-    @property
-    def positions(self) -> list[int]:
-        """Offsets to add to P (root 0): each token's depth."""
-        return tree_depths(self.parents)
-
-    @property
-    def mask(self) -> torch.Tensor:
-        """The packed int64 bitmask ``[n, ceil(n / 64)]``: each token sees itself and its ancestors."""
-        return tree_mask(self.parents)
-
-    @property
-    def tree_parents(self) -> list[int]:
-        """Parents of the verification part, indices 0..num_tree_nodes-1 (root -1)."""
-        return self.parents[: self.num_tree_nodes]
 
     @property
     def lookahead_rows(self) -> range:
@@ -66,13 +42,8 @@ class LookaheadStep:
 
 @dataclass
 class LookaheadState:
-    """Per-sequence state: the 2-D window, the n-gram pool and the last committed tokens.
-
-    ``levels[0]`` holds columns 1..width-1 of level 0 (column 0 is the root); ``levels[l]``, l >= 1,
-    holds columns 0..width-1. ``pool[a]`` keeps continuations of ``a``, oldest first (read them with
-    ``candidates``). ``recent`` is the tail (at most N - 1 tokens) of the committed text whose n-grams
-    are in the pool; ``root_in_recent`` says whether it already ends with the current root.
-    """
+    """Per sequence: the window (``levels[0]`` without column 0), the n-gram pool (oldest first) and the committed tail
+    ``recent``."""
 
     levels: list[list[int]]
     pool: dict[int, OrderedDict[tuple[int, ...], None]] = field(default_factory=dict)
@@ -145,11 +116,8 @@ class LookaheadDecoder:
     def update(
         self, state: LookaheadState, step: LookaheadStep, lookahead_argmax: list[int], accepted: list[int]
     ) -> None:
-        """Advance the window and grow the pool after the forward of ``step``.
-
-        ``lookahead_argmax``: the target's argmax at each lookahead row (``len(step.lookahead_rows)``);
-        ``accepted``: the tokens committed this step (accepted path + the final emitted token).
-        """
+        """Advance the window and grow the pool after the forward of ``step``: ``lookahead_argmax`` at each window row,
+        ``accepted`` the tokens committed."""
         levels = state.levels
         if len(lookahead_argmax) != len(step.lookahead_rows):
             raise ValueError(f"lookahead_argmax has {len(lookahead_argmax)} tokens, the step has "
@@ -177,8 +145,7 @@ class LookaheadDecoder:
         state.root_in_recent = True
 
     def commit_without_step(self, state: LookaheadState, committed: list[int]) -> None:
-        """Tokens committed by a forward that ran no lookahead step (the prefill, or a step skipped near the
-        end of the context): they join the committed text, so the next root is their last token."""
+        """Tokens committed by a forward that ran no window (the prefill, or a step near the end of the context)."""
         self._add_committed(state, [int(t) for t in committed])
         state.root_in_recent = True
 
@@ -193,7 +160,6 @@ class LookaheadDecoder:
             recent.append(token)
 
     def _insert(self, state: LookaheadState, key: int, continuation: tuple[int, ...]) -> None:
-        """Make ``continuation`` the most recent one of ``key``, dropping the oldest beyond G."""
         continuations = state.pool.setdefault(key, OrderedDict())
         continuations[continuation] = None
         continuations.move_to_end(continuation)
@@ -210,8 +176,8 @@ def _window_row(num_tree_nodes: int, width: int, level: int, column: int) -> int
 
 @dataclass
 class LookaheadProposal(Proposal):
-    """The trie (verified), then the window (fed, not verified: the target's argmax at its rows comes back to the
-    proposer). ``window_parents`` number the fed nodes, the trie first (-1: the root)."""
+    """The trie (verified), then the window (fed, not verified); ``window_parents`` number the fed nodes, the trie
+    first."""
     window_tokens: list[int] = field(default_factory=list)
     window_parents: list[int] = field(default_factory=list)
 
@@ -235,9 +201,7 @@ class LookaheadProposal(Proposal):
 
 
 class LookaheadProposer(Proposer):
-    """Lookahead decoding in the engine: each step's proposal is the trie of pool candidates, followed by the
-    window as fed-only nodes; the target's argmax over the window comes back in ``commit``. Unranked: the window
-    must run every step to keep its Jacobi iteration going."""
+    """Each step's proposal is the trie, then the window; unranked: the window must run every step."""
 
     def __init__(self, window_size: int, ngram_size: int, guess_set_size: int):
         self.decoder = LookaheadDecoder(window_size, ngram_size, guess_set_size)
@@ -259,7 +223,7 @@ class LookaheadProposer(Proposer):
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
-        """The target's argmax at each window row, ``[B, widest window]`` (padded with the root's)."""
+        """The target's argmax at each window row, ``[B, widest window]``."""
         windows = [len(p.window_tokens) if isinstance(p, LookaheadProposal) else 0 for p in proposals]
         width = max(windows, default=0)
         if not width:

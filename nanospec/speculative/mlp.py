@@ -1,45 +1,19 @@
 """The MLP speculator as a proposer: guesses from the target's own hidden state, with no extra target pass.
 
-Every step's forward already computes, for each sequence, the target's final hidden state ``h`` (after its final
-norm) at the row whose logits drew the sequence's last emitted token ``t_0``: the root's row when no guess was
-accepted, else the last accepted node's; after a prefill (or a recompute), the last prompt row. This proposer
-``needs_hidden_states``; after verification, on the device and before the step's one read, it runs its stages from
-``(h, t_0)`` (:meth:`MLPSpeculatorProposer.read_forward`, :mod:`nanospec.model.mlp_speculator`):
-
-    state_0 = h  (h / rms(h) / sqrt(2) with scale_input)
-    for i = 0 .. k-1:   state_i+1 = GELU(LN_i(proj_i(state_i) + (emb_weight / state_weight) * emb_i(t_i)))
-                        t_i+1     = argmax head_i(state_i+1)
-
-The guesses come back with the verdicts (``Verdict.ahead``): guessing costs ``k`` small stages batched over the
-step's sequences and no device read of its own. Its cost is measured at start-up (:meth:`measure_cost`) and
-weighed by the goodput policy like a draft forward; with the policy the beam goes one depth deeper than the step
-verified. The guesses are one-hot: verification is the matched rule, so greedy output and seeded sampling are
-exactly plain decoding's, whatever the speculator's weights.
-
-**Trees** (``tree_top_k: w > 1``, as IBM serves its speculators): a beam search over the stages
-(:meth:`MLPSpeculator.propose_tree`) keeps at each depth the ``w`` most probable paths, scored by summed
-log-probabilities. **Prompt lookup** (``prompt_lookup: True``): the n-gram chain (:mod:`nanospec.speculative.ngram`)
-joins the tree, so text the answer copies from the prompt is guessed even where the speculator cannot.
-
-**Ranked nodes.** Every proposal comes best first with each node's chance to lie on the accepted path, and the
-goodput policy verifies the prefix that pays (:mod:`nanospec.speculative.policy`):
+After verification, on the device and before the step's one read, it runs its stages
+(:mod:`nanospec.model.mlp_speculator`) from ``(h, t_0)``: ``t_0`` the sequence's last emitted token, ``h`` the
+target's final hidden state at the row whose logits drew it. The guesses come back with the verdicts
+(``Verdict.ahead``) and are one-hot, so verification is the matched rule: the output is plain decoding's.
+With ``tree_top_k`` w > 1 a beam keeps the w most probable paths per depth; with ``prompt_lookup`` the n-gram chain
+joins the tree. Nodes are ranked by their chance to lie on the accepted path, for the goodput policy:
 
     beam node with path score s (summed log-probabilities)   chance = min(1, c * exp(s))
     n-gram chain's token at depth d                           chance = a^d
     a node on both                                            the larger
 
-``c`` calibrates the speculator's confidence to the target: per sequence, decayed, the accepted beam depth over the
-sum of the verified beam nodes' ``exp(s)``, shrunk towards ``CALIBRATION_PRIOR``; ``a`` is the n-gram chain's own
-acceptance estimate. A child is never more likely than its parent, so sorting by chance (shorter paths first on
-ties) keeps every prefix a tree. A sequence the policy stops still has its first depth checked against the outcome,
-which feeds ``c`` and ``a``.
-
-Per sequence the proposer keeps the beam and the ranked tree made from it when the sequence's last outcome came;
-a sequence whose state is missing or stale (just added, preempted, a failed step) guesses nothing until its next
-step has run. ``speculative_config``: ``{"method": "mlp_speculator", "model": PATH, "num_speculative_tokens": k,
-"tree_top_k": w, "prompt_lookup": False}``; without ``model``, the speculator shipped for the embedded
-SmolLM2-135M-Instruct (``nanospec/speculators/smollm2-135m-instruct``). ``tree_top_k`` and ``prompt_lookup``, where
-left out, come from the directory's ``speculative_config.json`` (``config.with_served_defaults``), else a chain.
+``c`` (accepted beam depth over the verified beam nodes' ``exp(s)``) and ``a`` (the chain's acceptance) are
+estimated per sequence, decayed. A child is never more likely than its parent, so sorting by chance (shorter paths
+first on ties) keeps every prefix a tree. A sequence whose state is missing or stale guesses nothing this step.
 """
 
 from __future__ import annotations
@@ -72,8 +46,7 @@ def is_embedded_shape(target_config) -> bool:
 
 
 def speculator_path(model: str | None, target_config) -> Path:
-    """The speculator directory: ``model``, or for the embedded model's shape the shipped one (a clear error when
-    the target is another model or the shipped directory is missing)."""
+    """The speculator directory: ``model``, or the shipped one for a target of the embedded model's shape."""
     if model is not None:
         return Path(model)
     if not is_embedded_shape(target_config):
@@ -113,9 +86,8 @@ class MLPSpeculatorProposer(Proposer):
 
     def __init__(self, speculator: MLPSpeculator, num_speculative_tokens: int | None = None, tree_top_k: int = 1,
                  prompt_lookup: NgramProposer | None = None, adaptive: bool = True):
-        """``num_speculative_tokens``: the deepest guess a step verifies (default and at most: the speculator's
-        ``n_predict``, its number of stages); ``tree_top_k``: the beam width (1: a chain); ``prompt_lookup``: an
-        n-gram proposer whose chain joins the tree; ``adaptive``: the goodput policy chooses what is verified."""
+        """``num_speculative_tokens``: the deepest guess verified (default and at most ``n_predict``); ``tree_top_k``:
+        the beam width; ``prompt_lookup``: an n-gram proposer whose chain joins the tree."""
         n_predict = speculator.config.n_predict
         k = n_predict if not num_speculative_tokens else num_speculative_tokens
         if k > n_predict:
@@ -135,8 +107,7 @@ class MLPSpeculatorProposer(Proposer):
     @classmethod
     def from_config(cls, config, path: Path, target_config, device: torch.device,
                     dtype: torch.dtype) -> MLPSpeculatorProposer:
-        """Load the speculator at ``path`` (:func:`speculator_path`) for the target, in ``config.dtype`` or the
-        target's, served as ``config`` says (its ``tree_top_k`` and ``prompt_lookup`` set)."""
+        """Load the speculator at ``path`` for the target, in ``config.dtype`` or the target's."""
         if config.dtype is not None:
             dtype = resolve_dtype(config.dtype, device)
         speculator = load_mlp_speculator(path, emb_dim=target_config.hidden_size, vocab_size=target_config.vocab_size,
@@ -150,15 +121,14 @@ class MLPSpeculatorProposer(Proposer):
         seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)
 
     def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """On the device: every sequence's beam, ``min(depth, k)`` deep, from the state behind its last emitted
-        token (``[B, hidden]``, ``[B]``)."""
+        """On the device: every sequence's beam, ``min(depth, k)`` deep, from ``[B, hidden]`` states and ``[B]``
+        tokens."""
         return list(self.model.propose_tree(hidden_states, last_tokens, min(depth, self.k), self.width))
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
-        """During verification: the beam from the hidden state behind each sequence's last emitted token, read with
-        the verdicts; with the policy one depth deeper than this step verified (the guesses deepen by at most one
-        a step, and a step that verifies little pays for little guessing)."""
+        """The beam behind each sequence's last emitted token; with the policy one depth deeper than this step
+        verified."""
         rows, last_tokens = verification.last_emitted()
         depth = max((p.max_depth() for p in proposals), default=0) + 1 if self.adaptive else self.k
         return self.guess_ahead(hidden[rows], last_tokens, depth)
@@ -168,12 +138,10 @@ class MLPSpeculatorProposer(Proposer):
                 for p, depth in zip(self.propose(seqs, depths), depths)]
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        """Each sequence's ranked tree, made when its last outcome came (the speculator cuts it to the depth it
-        verifies); no device work."""
+        """Each sequence's ranked tree, made when its last outcome came; no device work."""
         return [seq.spec_state.ranked if self._has_current_state(seq) else Proposal() for seq in seqs]
 
     def _ranked_tree(self, state: MLPState) -> Proposal:
-        """The beam's paths and the n-gram chain, merged, best first by chance (module docstring)."""
         tokens, parents, scores = state.beam
         state.beam_paths = {tuple(path): math.exp(score) for path, score in zip(Proposal(tokens, parents).paths(),
                                                                                  scores)}
@@ -196,8 +164,8 @@ class MLPSpeculatorProposer(Proposer):
         return state is not None and state.ranked is not None and state.num_tokens == seq.num_tokens
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Calibrate the chances on the outcome; keep the beam guessed from the hidden state behind the sequence's
-        new last token, ranked with the n-gram chain, for the next step."""
+        """Calibrate ``c`` and ``a`` on the outcome; rank the beam guessed behind the new last token for the next
+        step."""
         state: MLPState = seq.spec_state
         verified = [tuple(path) for path in proposal.paths()] or [(t,) for t in proposal.unverified_guesses]
         if verified:
@@ -209,7 +177,6 @@ class MLPSpeculatorProposer(Proposer):
 
     @staticmethod
     def _calibrate(state: MLPState, verified: list[tuple[int, ...]], emitted: list[int]) -> None:
-        """``verified``: the paths checked this step (the first depth only, for a stopped sequence)."""
         def accepted_depth(paths: list[tuple[int, ...]]) -> int:
             return max((len(p) for p in paths if list(p) == emitted[: len(p)]), default=0)
 
@@ -224,8 +191,7 @@ class MLPSpeculatorProposer(Proposer):
         seq.spec_state.beam = seq.spec_state.ranked = None
 
     def measure_cost(self) -> float:
-        """Seconds one depth of guesses costs on this device: a batch-1 beam ``k`` deep, read back as in a step,
-        over ``k``."""
+        """Seconds per depth of a batch-1 beam ``k`` deep, read back as in a step."""
         c = self.model.config
         hidden = torch.randn(1, c.emb_dim, device=self.device, dtype=self.model.proj[0].weight.dtype)
         last_token = torch.zeros(1, dtype=torch.int64, device=self.device)

@@ -1,22 +1,11 @@
 """How many guesses to verify: the goodput rule (Liu et al. 2024, "SmartSpec"), for the whole batch.
 
-A ranked proposer lists each sequence's guesses best first, each node with its chance ``c`` to lie on the accepted
-path (a chain's depth ``j``: ``alpha^j``; a parent is never less likely than its child, so every prefix is a tree).
-At most one node per depth is accepted, so verifying a set of nodes yields ``S + sum of their chances`` tokens in
-expectation (each of the ``S`` sequences emits one token of the target's own) and costs ``T(M + n) + d * D``:
-``T(m)`` the target's forward over ``m`` tokens (``M`` fed without guesses, ``n`` nodes), ``D`` one depth of
-guessing (0 for n-gram), ``d`` the deepest node taken. :meth:`GoodputPolicy.choose_nodes` takes the nodes of the
-whole batch in order of chance and keeps the prefix that maximises that ratio. For one sequence and a chain it is
-the ``k`` that maximises ``E(k) / (T(k + 1) + k D)``, ``E(k) = 1 + alpha + ... + alpha^k``.
-
-``T`` and ``D`` are measured when the engine starts. Where ``T`` is flat (a GPU below its compute bound) a wide tree
-is verified whole; where it rises (a CPU), only the nodes likely enough to pay for their token, and in a large batch
-far fewer.
-
-``alpha`` is estimated per request from its own history: decayed counts of accepted and tried
-drafts, shrunk towards a prior, ``alpha = (S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)``. The
-counts decay every step, so a request that stopped speculating drifts back to the prior and probes
-again. Greedy and sampled outputs are unaffected: only how many candidates are checked changes.
+Each ranked node has a chance ``c`` to lie on the accepted path (a chain's depth ``j``: ``alpha^j``). Verifying a set
+of nodes of ``S`` sequences yields ``S + sum c`` tokens in expectation and costs ``T(M + n) + d * D``: ``T(m)`` the
+target's forward over ``m`` tokens (``M`` fed without guesses, ``n`` nodes), ``D`` one depth of guessing, ``d`` the
+deepest node taken. :meth:`GoodputPolicy.choose_nodes` takes nodes in order of chance and keeps the prefix that
+maximises the ratio. ``alpha`` per request: ``(S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)`` over decayed counts
+of accepted and tried guesses. Outputs are unaffected: only how many candidates are checked changes.
 """
 
 from __future__ import annotations
@@ -41,14 +30,12 @@ class AcceptanceEstimate:
         self.observe_expected(min(num_tried, num_accepted + 1), num_accepted, decay)
 
     def observe_expected(self, expected: float, num_accepted: int, decay: float = DECAY) -> None:
-        """As a calibration: guesses predicted to give ``expected`` accepted tokens gave ``num_accepted``
-        (``alpha`` is then the ratio of the two, decayed and shrunk towards the prior)."""
+        """Guesses predicted to give ``expected`` accepted tokens gave ``num_accepted``."""
         self.successes = decay * self.successes + num_accepted
         self.trials = decay * self.trials + expected
 
     def observe_chain(self, proposal, verdict) -> None:
-        """After a step of a chain: its verified depth and how much of it was accepted; a chain left out of
-        verification counts as depth 1 tried, a hit if the target's token is its first guess."""
+        """After a step of a chain; a chain left out of verification counts as depth 1 tried."""
         if proposal.token_ids:
             self.observe(proposal.max_depth(), verdict.num_accepted)
         elif proposal.unverified_guesses:
@@ -61,8 +48,7 @@ def chain_ranking(alpha: float, k: int) -> list[tuple[float, int]]:
 
 
 def non_decreasing_fit(values: list[float]) -> list[float]:
-    """Isotonic regression (pool adjacent violators): the non-decreasing sequence closest to ``values`` in
-    squared error, each run of values that would fall replaced by the run's mean."""
+    """Isotonic regression (pool adjacent violators): the non-decreasing sequence closest to ``values``."""
     blocks: list[list[float]] = []  # [mean, count]
     for value in values:
         blocks.append([value, 1])
@@ -75,12 +61,9 @@ def non_decreasing_fit(values: list[float]) -> list[float]:
 class GoodputPolicy:
     def __init__(self, max_k: int, target_cost: list[float], draft_cost: float = 0.0,
                  larger_forwards: dict[int, float] | None = None):
-        """``target_cost[m - 1]`` is the measured time of a target forward over ``m`` tokens, m = 1..max_k+1
-        (``max_k``: the most guesses, or nodes, one sequence verifies); ``draft_cost``: one depth of guessing;
-        ``larger_forwards`` maps larger token counts to their measured times (batches). A forward over more
-        tokens never costs less, so the points are first made non-decreasing by isotonic regression (the
-        least-squares non-decreasing fit: runs of points that fall are replaced by their mean); then between
-        points the cost is interpolated linearly, past the last one extrapolated along the last two."""
+        """``target_cost[m - 1]``: the time of a target forward over m = 1..max_k+1 tokens; ``larger_forwards``: more
+        token counts and their times. The points are made non-decreasing, interpolated linearly, extrapolated along the
+        last two."""
         if len(target_cost) < max_k + 1:
             raise ValueError(f"need target costs for 1..{max_k + 1} tokens, got {len(target_cost)}")
         self.max_k = max_k
@@ -101,11 +84,8 @@ class GoodputPolicy:
         return t1 + max(t1 - t0, 0.0) * (num_tokens - m1) / (m1 - m0)
 
     def choose_nodes(self, chances: list[list[tuple[float, int]]], num_tokens: int, num_seqs: int) -> list[int]:
-        """How many of each sequence's nodes to verify: ``chances[i]`` lists sequence ``i``'s nodes best first, each
-        as (chance it is on the accepted path, depth), a parent before its children; the forward already feeds
-        ``num_tokens`` tokens of ``num_seqs`` sequences. Nodes are taken in order of chance over the whole batch
-        (a sequence's own in its order) while the goodput ``(S + sum of chances) / (T(M + n) + longest D)`` grows
-        to its best."""
+        """How many of each sequence's nodes to verify: ``chances[i]`` lists (chance, depth) best first; the forward
+        already feeds ``num_tokens`` tokens of ``num_seqs`` sequences."""
         nodes = sorted(((chance, -j, i, depth) for i, node_list in enumerate(chances)
                         for j, (chance, depth) in enumerate(node_list)), reverse=True)
         expected, longest = float(num_seqs), 0

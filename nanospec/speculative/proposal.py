@@ -1,18 +1,10 @@
-"""What a proposer guesses for one sequence, what verification decides, and how both sit in the step batch.
+"""Proposals, verdicts, and their layout in the step batch.
 
-A **proposal** is a token tree under the sequence's root (its last committed token): node ``i`` holds
-``token_ids[i]`` under node ``parents[i] < i`` (-1: the root); a chain is ``parents = [-1, 0, 1, ...]``. A
-**ranked** tree lists its nodes best first with each one's chance to lie on the accepted path (``chances``; every
-prefix is a tree); a tree without chances is verified whole.
-
-**Layout in the step batch** (:func:`build_step_batch`, the one place rows, positions and masks come from): a
-sequence feeds its uncached tokens (in decode: the root), then every node (``fed``: the tree, then any nodes fed
-but not verified, lookahead's window). Node ``i`` is stored at ``root + 1 + i``, sits at position
-``root + depth(i)`` and sees the context, the root and its ancestors (a bitmask; a chain is causal). The logits
-rows are the root's, then every node's: the row after node ``i`` judges ``i``'s children.
-
-A **verdict**: the accepted path (node indices, a child of the root first) and the tokens emitted, the path's
-tokens and then one token of the target's own.
+A **proposal** is a token tree under the sequence's root: node ``i`` holds ``token_ids[i]`` under ``parents[i] < i``
+(-1: the root); a chain is ``parents = [-1, 0, 1, ...]``. A **ranked** one lists its nodes best first with their
+``chances`` to lie on the accepted path. In the batch (:func:`build_step_batch`) a sequence feeds its uncached
+tokens, then every fed node: node ``i`` is stored at ``root + 1 + i``, sits at position ``root + depth(i)`` and sees
+the context and its ancestors. A **verdict** is the accepted path (node indices) and the emitted tokens.
 """
 
 from __future__ import annotations
@@ -32,7 +24,7 @@ WORD_MASK, SIGN_BIT = (1 << BITS_PER_WORD) - 1, 1 << (BITS_PER_WORD - 1)
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
     """The attention bitmask (:mod:`nanospec.kernels.attention_mask`) of a tree: each node sees itself and its
-    ancestors. A row is a Python-int bitset (its parent's plus its own bit), split into int64 words."""
+    ancestors."""
     words = num_words(len(parents))
     bitsets: list[int] = []
     rows: list[list[int]] = []
@@ -87,11 +79,10 @@ class Proposal:
 
     @property
     def is_chain(self) -> bool:
-        """Every fed node is the child of the one before: the causal layout, no mask needed."""
+        """Every fed node is the child of the one before: causal, no mask needed."""
         return all(p == i - 1 for i, p in enumerate(self.fed()[1]))
 
     def max_depth(self) -> int:
-        """The depth of the deepest node (0 for an empty tree)."""
         return max(self.depths, default=0)
 
     def paths(self) -> list[list[int]]:
@@ -102,7 +93,6 @@ class Proposal:
         return paths
 
     def first_guesses(self) -> tuple[int, ...]:
-        """The nodes at depth 1 (the root's children)."""
         return tuple(t for t, p in zip(self.token_ids, self.parents) if p == -1)
 
     def layout(self) -> tuple[list[int], torch.Tensor]:
@@ -137,11 +127,7 @@ class Verdict:
 
 
 class TokenTrie:
-    """Token sequences merged under one root, shared prefixes once (the n-gram and lookahead trees).
-
-    Node ``i`` holds ``token_ids[i]`` under node ``parents[i]`` (-1: the root); the children of a node carry
-    distinct tokens; nodes are numbered in insertion order, so a parent comes before its children.
-    """
+    """Token sequences merged under one root, shared prefixes once; a parent comes before its children."""
 
     def __init__(self, budget: int | None = None):
         self.budget = budget
@@ -171,8 +157,7 @@ class TokenTrie:
 
 
 def build_step_batch(seqs: list[Sequence], proposals: list[Proposal], block_size: int) -> ForwardBatch:
-    """One ragged batch for the step, on the host: each sequence's uncached tokens, then its proposal, laid out
-    as above (the model runner takes it to the device)."""
+    """One ragged batch for the step, on the host: each sequence's uncached tokens, then its proposal."""
     token_lists, starts, logits_rows, positions, masks = [], [], [], [], []
     for seq, proposal in zip(seqs, proposals):
         uncached = seq.token_ids[seq.num_cached_tokens:]

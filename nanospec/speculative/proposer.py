@@ -1,21 +1,9 @@
 """What the speculator asks of a proposer (n-gram, lookahead, draft model, MLP speculator).
 
-Every proposer proposes a token tree per sequence (a chain is a tree). A **ranked** proposer (``ranked = True``)
-lists its nodes best first with each one's chance to lie on the accepted path, and :meth:`Proposer.rank` tells the
-goodput policy those chances before the step: a chain's depth ``j`` with ``alpha^j`` (``alpha`` its acceptance
-estimate: a draft model's per-depth choice is a ranking too), the MLP speculator's beam by its calibrated scores.
-The policy keeps the prefix of each ranking that pays, and ``propose`` is asked for that many depths (a proposer
-whose guesses are free may return more; the speculator keeps what it verifies). An unranked proposer's trees are
-verified whole.
-
-Per speculating sequence: ``start`` when it is added; ``rank`` and ``propose`` each decode step (batched);
-``read_forward`` on the device after verification, for a proposer that reads the step's forward (the MLP speculator
-its hidden states, lookahead its window's argmax), whose values come back in the step's one read as
-``Verdict.ahead``; ``commit`` after the sequence grew by the tokens its verdict emitted (not called for a sequence
-that finished); ``preempt`` when its KV is dropped for recompute; ``free`` when it finishes; ``reset_prefix_cache``
-when the engine forgets its cached K/V (a proposer with a KV cache of its own forgets its own). A proposal none of whose
-nodes is verified still carries its first guesses (``Proposal.unverified_guesses``), checked against the outcome.
-Hooks a proposer has no use for keep these do-nothing defaults.
+A proposer returns a token tree per sequence. A **ranked** one tells the goodput policy each node's chance
+(:meth:`Proposer.rank`) before the step, and ``propose`` is asked for the depths that pay. Per sequence: ``start``,
+``rank`` / ``propose`` each decode step, ``read_forward`` on the device after verification (its values come back as
+``Verdict.ahead``), ``commit`` after the sequence grew, ``preempt`` when its KV is dropped, ``free`` when it ends.
 """
 
 from __future__ import annotations
@@ -35,8 +23,7 @@ class Proposer(abc.ABC):
     needs_hidden_states = False  # the step's forward returns the target's final hidden states, for read_forward
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        """For a ranked proposer: per sequence, (chance, depth) of each node it would propose at most ``depths[i]``
-        deep, best first (the policy's input)."""
+        """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first."""
         raise NotImplementedError(f"{type(self).__name__} does not rank its proposals")
 
     @abc.abstractmethod
@@ -45,12 +32,11 @@ class Proposer(abc.ABC):
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
-        """On the device, after verification (:class:`~nanospec.speculative.verify.Verification`): tensors
-        ``[B, ...]`` read in the step's one read, row ``b`` landing in sequence ``b``'s ``Verdict.ahead``."""
+        """Device tensors ``[B, ...]`` computed after verification, row ``b`` landing in ``Verdict.ahead``."""
         return []
 
     def measure_cost(self) -> float:
-        """Seconds one depth of guesses costs (a draft forward); 0 for proposers that need no model."""
+        """Seconds one depth of guesses costs; 0 for proposers that need no model."""
         return 0.0
 
     def start(self, seq: Sequence) -> None:
@@ -66,5 +52,5 @@ class Proposer(abc.ABC):
         seq.spec_state = None
 
     def reset_prefix_cache(self) -> bool:
-        """Forget cached K/V of its own; whether it did (False while a sequence holds some)."""
+        """Forget cached K/V of its own; whether it did."""
         return True

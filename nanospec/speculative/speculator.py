@@ -1,15 +1,11 @@
-"""The Speculator owns everything speculative about an engine step, in the order the engine asks:
+"""The Speculator: everything speculative about an engine step.
 
-    propose   which sequences guess and how deep (the context, max_tokens and, for a ranked proposer, the goodput
-              policy: of each sequence's ranked guesses the prefix that pays), and the proposer's token tree for
-              each (a chain is a tree)
-    verify    one pass over the target's logits (:mod:`nanospec.speculative.verify`): each sequence's accepted path
-              and the token after it (plain sampling for a sequence that does not speculate); what the proposer
-              reads from the forward (its next guesses) comes back in the same, the step's one, device read; the
-              accepted path's K/V then moves next to the root, so the sequence's K/V is contiguous again
-    commit    the outcome goes back to the proposer (its acceptance estimate, its own state, draft K/V rollback)
+    propose   which sequences guess, how deep (context, max_tokens, the goodput policy), and their token trees
+    verify    one pass over the target's logits (:mod:`nanospec.speculative.verify`) and the step's one device
+              read; the accepted path's K/V then moves next to the root
+    commit    the outcome goes back to the proposer
 
-Without a proposer the same seam proposes nothing and verify is plain sampling.
+Without a proposer it proposes nothing and verify is plain sampling.
 """
 
 from __future__ import annotations
@@ -52,12 +48,9 @@ class Speculator:
 
     def _calibrated_policy(self, block_manager: BlockManager, max_num_seqs: int,
                            max_num_batched_tokens: int) -> GoodputPolicy:
-        """Time the target over 1..k+1 tokens (one sequence's verify) and, sparser, over the token counts
-        of the batches of verifies this engine can run (through the runner: graphs where the steps use them), or
-        read those times from the cache where this model, its weights, device and thread count were timed before
-        (:mod:`nanospec.speculative.cost_cache`; a busy machine is timed at one thread and not kept). One depth of
-        the proposer's guesses is timed too, and where the target was timed, again after it, keeping the faster (a
-        stall of a shared machine during one of them would otherwise price guessing several times over)."""
+        """The goodput policy over measured costs: the target over 1..k+1 tokens and the batch sizes this engine can run
+        (or the cached times, :mod:`nanospec.speculative.cost_cache`), and one depth of guessing, timed again after the
+        target when it was measured (keeping the faster)."""
         k = self.max_tokens_per_step
         larger: list[int] = []
         while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
@@ -110,9 +103,8 @@ class Speculator:
 
     # ---------------------------------------------------------------- the step
     def propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        """One proposal per sequence (empty for those that do not guess this step). A proposal is cut to what pays
-        (the goodput policy, for a ranked proposer), what the context has room for, and what max_tokens can still
-        emit (one token always comes from the target)."""
+        """One proposal per sequence (empty where it does not guess), cut to what pays, what the context holds and what
+        max_tokens can still emit."""
         proposals = [Proposal() for _ in seqs]
         guessing = [i for i, s in enumerate(seqs) if self.num_lookahead_slots(s) > 0]
         if not guessing:
@@ -132,8 +124,7 @@ class Speculator:
         return proposals
 
     def _verified_part(self, proposal: Proposal, max_depth: int, max_nodes: int) -> Proposal:
-        """The nodes to verify: down to ``max_depth``, the first ``max_nodes``; none: the first guesses are
-        still checked against the outcome."""
+        """The nodes to verify; when none, the first guesses are still checked against the outcome."""
         self._check_vocabulary(proposal)
         verified = proposal.truncated(max_depth, max_nodes)
         if not verified.token_ids:
@@ -149,9 +140,8 @@ class Speculator:
 
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                hidden: torch.Tensor | None = None) -> list[Verdict]:
-        """Each sequence's verdict, with what the proposer read from the forward (``Verdict.ahead``; ``hidden``: the
-        step's final hidden states, a row per logits row, for a proposer that reads them), from one device read; an
-        accepted path off the chain has its K/V moved next to the root."""
+        """Each sequence's verdict, with what the proposer read from the forward (``Verdict.ahead``), from one device
+        read."""
         outcome = verify(seqs, proposals, logits, self.runner.to_device)
         ahead = self.proposer.read_forward(proposals, logits, hidden, outcome) if self.proposer is not None else []
         verdicts, values = outcome.read(ahead)  # the step's one device read

@@ -1,33 +1,19 @@
 """Verification for a whole batch: what each sequence emits this step.
 
-Every proposal is a token tree under the sequence's root (a chain is a tree). The target forward gave logits at the
-root and at every node; ``p_c`` is the target's distribution after node ``c`` (temperature, top-k, top-p applied), at
-position ``num_tokens + depth(c)``, each row processed as plain decoding would (:mod:`nanospec.sampling`: the
-``min_tokens`` ban and the penalties, counting the path down to the row's node).
+``p_c`` is the target's distribution after tree node ``c``, at position ``num_tokens + depth(c)``, each row
+processed as plain decoding would (:mod:`nanospec.sampling`: ``min_tokens`` ban and penalties over the path).
 
-**Matched verification** (guesses made without sampling: n-gram, lookahead, draft trees, a coupled draft, the MLP
-speculator). At every node the target draws its own token exactly as plain sampling would at that position: the
-exponential race ``s_c = argmax_v p_c(v) / E_v`` with ``E_v = -log(uniform(seed, position, v))`` (the argmax when
-greedy). The walk starts at the root and moves to the child whose token is ``s_cur``; when no child matches it emits
-``s_cur`` and stops. Every emitted token is the token plain seeded sampling draws at its position, whatever was
-guessed, so the output is exactly plain decoding's, for any k, tree or batch. A guess ``d`` is accepted with
-probability ``p(d)``, and a node's children together with their mass: what rejection sampling with one-hot guesses
-gives.
+**Matched** (guesses made without sampling): at every node the target draws its own token as plain sampling would,
+``s_c = argmax_v p_c(v) / E_v``, ``E_v = -log(uniform(seed, position, v))`` (argmax when greedy). From the root,
+move to the child whose token is ``s_cur``; when none matches, emit ``s_cur`` and stop. Every emitted token is plain
+seeded sampling's, for any k, tree or batch.
 
-**Rejection sampling** (a draft model that sampled its guesses from ``q``): try the children of ``cur`` in turn,
-accepting ``t`` with probability ``min(1, p(t) / q(t))`` and replacing ``p`` by the residual ``norm(max(p - q, 0))``
-after each rejection; at an acceptance move on; when every child is rejected, emit a token drawn from the residual
-(from ``p_cur`` itself at a leaf: the bonus token). Each emitted token is distributed exactly as ``p`` (Leviathan et
-al. 2023, Chen et al. 2023; SpecInfer for trees), with higher acceptance than matching, but the tokens depend on the
-guesses (:mod:`nanospec.kernels.tree_rejection`).
+**Rejection sampling** (a draft that sampled from ``q``): accept child ``t`` with probability ``min(1, p(t) / q(t))``,
+replace ``p`` by ``norm(max(p - q, 0))`` after a rejection, emit a draw from the residual when every child fails
+(Leviathan et al. 2023; SpecInfer for trees; :mod:`nanospec.kernels.tree_rejection`).
 
-Log-probabilities: the emitted token at depth ``d`` was drawn from the row of the path's node at depth ``d - 1``
-(the root's for ``d = 0``); its log-probability and the row's top ones are the raw logits'
-(:mod:`nanospec.sampling.logprobs`).
-
-:func:`verify` moves the step's metadata to the device in one copy; one launch draws every node's token, one walks
-every tree, one more rejection-samples the draft rows. It returns device tensors (:class:`Verification`); the
-Speculator reads them, with what the proposer computed from them, in the step's one device read.
+Log-probabilities of the token at depth ``d`` come from the raw logits of the path's node at depth ``d - 1``.
+:func:`verify` returns device tensors; the Speculator reads them in the step's one device read.
 """
 
 from __future__ import annotations
@@ -48,9 +34,8 @@ from nanospec.speculative.proposal import Proposal, Verdict
 
 @dataclass
 class Verification:
-    """A step's outcome on the device. Row ``b`` of ``path`` / ``emitted`` ``[B, N]`` (-1 padded) is sequence ``b``'s
-    accepted nodes and emitted tokens; ``pad[b, j]`` is the index in ``rows`` of its root (j = 0) or node ``j``
-    (clamped to its last), ``rows`` their logits rows; ``first_rows[b]`` (host) is the logits row of ``b``'s root."""
+    """A step's outcome on the device: ``path`` / ``emitted`` ``[B, N]`` (-1 padded); ``pad[b, j]`` indexes ``rows``
+    (the logits rows) for sequence ``b``'s root (j = 0) or node ``j``; ``first_rows[b]``: its root's logits row."""
     seqs: list[Sequence]
     path: torch.Tensor
     emitted: torch.Tensor
@@ -61,9 +46,7 @@ class Verification:
     num_top: int | None
 
     def last_emitted(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """On the device, per sequence: the logits row its last emitted token was drawn from (the deepest accepted
-        node's, or the root's: nodes are numbered parents first, so the path's largest is its deepest), and that
-        token (the last of ``emitted``, whose unused slots are -1)."""
+        """Per sequence, on the device: the logits row its last emitted token was drawn from, and that token."""
         node = self.path.max(dim=1, keepdim=True).values.clamp(min=0)
         rows = self.rows[self.pad.gather(1, node).squeeze(1)]
         emitted = self.emitted
@@ -71,8 +54,7 @@ class Verification:
         return rows, last
 
     def read(self, ahead: list[torch.Tensor] = ()) -> tuple[list[Verdict], list[list]]:
-        """The verdicts, and the values of ``ahead`` (tensors computed on the device from this outcome), from one
-        device read."""
+        """The verdicts, and the values of ``ahead`` (device tensors computed from this outcome), in one read."""
         width = self.path.shape[1]
         paths, emits, *values = read_once([self.path.flatten(), self.emitted.flatten(), *(t.flatten() for t in ahead),
                                            *self.logprobs])
@@ -91,9 +73,8 @@ class Verification:
 
 def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
            to_device: Callable[[list[torch.Tensor]], list[torch.Tensor]] | None = None) -> Verification:
-    """Each sequence's outcome, on the device. ``logits`` rows: per sequence its root's, then one per fed node
-    (modified in place: the ``min_tokens`` ban and the penalties). ``to_device`` moves host integer tensors to the
-    logits' device (the runner's: one copy for them all); by default one ``.to`` each."""
+    """Each sequence's outcome, on the device. ``logits``: per sequence its root's row, then one per fed node (the bans
+    and penalties are applied in place). ``to_device`` moves host tensors in one copy."""
     device = logits.device
     if to_device is None:
         to_device = lambda tensors: [t.to(device) for t in tensors]  # noqa: E731
@@ -139,8 +120,7 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
 
 
 def read_once(tensors: list[torch.Tensor]) -> list[list]:
-    """Every tensor's values on the host, in one device read (through float64 when some are floating point:
-    token ids, far below 2**53, stay exact)."""
+    """Every tensor's values on the host in one device read (through float64 when some are floating point)."""
     floating = any(t.is_floating_point() for t in tensors)
     flat = torch.cat([t.double() for t in tensors] if floating else tensors).tolist()
     values, start = [], 0
@@ -152,7 +132,7 @@ def read_once(tensors: list[torch.Tensor]) -> list[list]:
 
 def _rejection_sample(seqs, proposals, logits, starts, sizes, sampled, node_tokens, parents, num_nodes, path,
                       emitted) -> None:
-    """Overwrite the walks of the ``sampled`` rows (guesses drawn from a draft's ``q``) with rejection sampling."""
+    """Overwrite the walks of the ``sampled`` rows with rejection sampling."""
     device = logits.device
     n_max = max(sizes[b] for b in sampled)
     rows = torch.tensor([[starts[b] + min(j, sizes[b] - 1) for j in range(n_max)] for b in sampled], device=device)
