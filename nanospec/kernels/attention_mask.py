@@ -1,14 +1,7 @@
-"""Bitmasks that say which new tokens of a sequence each new token may attend to.
+"""Bitmasks of which new tokens of a sequence each new token may attend to (the cached context is always visible).
 
-A mask over ``q`` new tokens is an int64 tensor ``[q, W]`` with ``W = ceil(q / 64)``: query ``i`` may see
-new token ``b`` iff bit ``b % 64`` of word ``b // 64`` of row ``i`` is set,
-
-    visible(i, b) = (words[i, b // 64] >> (b % 64)) & 1
-
-Bit 63 is the int64 sign bit; packing sums disjoint powers of two (``1 << 63`` is ``-2**63``), which never
-overflows, and unpacking shifts arithmetically then keeps the lowest bit, so bit 63 round-trips.
-The cached context of a sequence is always visible and is not part of the mask. A token tree's mask (each node
-sees itself and its ancestors) is built with the proposals (:func:`nanospec.speculative.proposal.tree_mask`).
+A mask over ``q`` new tokens is int64 ``[q, ceil(q / 64)]``: ``visible(i, b) = (words[i, b // 64] >> (b % 64)) & 1``.
+Bit 63 is the sign bit: packing sums disjoint powers of two and unpacking shifts arithmetically, so it round-trips.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""One switch that decides how every op in `nanospec.kernels` runs.
+"""How every op in `nanospec.kernels` runs: ``NANOSPEC_BACKEND`` or :func:`set_backend` / :func:`backend`.
 
-* ``triton``  - the Triton kernel. On CUDA tensors it is compiled; on CPU tensors it runs only under
-  Triton's interpreter (``TRITON_INTERPRET=1`` set before triton is imported), which is how the
-  kernels are tested on a machine without a GPU.
-* ``torch``   - the plain-PyTorch reference of the same op (same signature, same result); the model's
-  attention runs its CPU backend (:mod:`nanospec.kernels.cpu_attention`) instead.
-* ``auto``    - (default) Triton for CUDA tensors, torch for everything else.
+* ``triton``: the Triton kernel (on CPU tensors only under ``TRITON_INTERPRET=1``, how kernels are tested here);
+* ``torch``: the plain-PyTorch reference (attention: the CPU backend, :mod:`nanospec.kernels.cpu_attention`);
+* ``auto`` (default): Triton for CUDA tensors, torch for the rest.
 
-Choose with the environment variable ``NANOSPEC_BACKEND`` or, in code, with :func:`set_backend`
-(also usable as a context manager through :func:`backend`). Every op module declares its op once:
-``<op> = dispatch(<op>_triton, <op>_ref)``.
+Every op module declares its op once: ``<op> = dispatch(<op>_triton, <op>_ref)``.
 """
 
 from __future__ import annotations
@@ -66,8 +61,8 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 def dispatch(triton_op: Callable, ref_op: Callable) -> Callable:
-    """The op: ``triton_op`` when its first argument (the main input tensor) should run the Triton kernel, else
-    ``ref_op``; both take the same arguments. It carries the reference's name, signature and docstring."""
+    """The op: ``triton_op`` when its first tensor argument should run Triton, else ``ref_op`` (whose name and docstring
+    it carries)."""
     first = next(iter(inspect.signature(ref_op).parameters))
 
     @functools.wraps(ref_op)

@@ -1,11 +1,9 @@
-"""Drawing one token from a (residual) distribution by an exponential race, shared by the sampler and the
-verifiers.
+"""One token from a (residual) distribution by an exponential race, shared by the sampler and the verifiers:
 
     token = argmax_v  w_v / E_v,   E_v = -log(uniform(seed, offset, v))
 
-picks v with probability w_v / sum(w): no normalisation, no cumsum, one pass over the vocabulary.
-The log is taken in float64 and rounded to float32 and divisions round to nearest, so the Triton
-kernels and their torch references pick the same token; ties go to the lowest id.
+picks v with probability w_v / sum(w). The log is float64 rounded to float32 and divisions round to nearest, so
+Triton and torch pick the same token; ties go to the lowest id.
 """
 
 from __future__ import annotations
@@ -38,12 +36,8 @@ def draw_token(
     p_ptr, q_ptr, p_sum, q_sum, coef, rejected_tokens, num_rejected, seed, offset, V,
     HAS_DRAFT_PROBS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Exponential race over the residual if ``num_rejected > 0`` and it has mass, else over p.
-
-    Residual: with draft probabilities ``norm(max(p - coef * q, 0))``; one-hot drafts: p with the
-    ``num_rejected`` tokens in ``rejected_tokens`` zeroed (the chain verifier passes coef = 1 and
-    its one rejected draft token).
-    """
+    """The race over the residual when ``num_rejected > 0`` and it has mass, else over p. Residual: ``norm(max(p - coef
+    * q, 0))`` with draft probabilities, else p with ``rejected_tokens`` zeroed."""
     use_residual = num_rejected > 0
     slots = tl.arange(0, BLOCK_N)
     best_p_score = tl.full((), 0.0, tl.float32)

@@ -1,15 +1,11 @@
 """Moving K/V inside the paged cache (``copy_kv_slots``), and the slot write it is built on.
 
-Layout per layer: ``k_cache, v_cache: [num_blocks, block_size, Hk, D]``; slot ``block_id * block_size + offset``
-indexes the view ``[num_blocks * block_size, Hk, D]``.
+Per layer ``k_cache, v_cache: [num_blocks, block_size, Hk, D]``, slot ``block_id * block_size + offset``.
 
     store_kv:       k_cache[slot_mapping[t]] = k[t], v likewise, for every t with slot_mapping[t] >= 0
     copy_kv_slots:  cache[dst_slots[i]] = old cache[src_slots[i]] for K and V, every read before any write
 
-so a destination may also be another pair's source (compacting an accepted tree path moves slots down onto slots
-still to be read); ``dst_slots`` must be distinct. The engine writes new K/V fused with RoPE
-(:mod:`nanospec.kernels.rope_store_kv`). Triton: one program per token, all its heads; the copy gathers the sources
-into a temporary, then scatters it with the store kernel.
+so a destination may be another pair's source; ``dst_slots`` must be distinct.
 """
 
 from __future__ import annotations

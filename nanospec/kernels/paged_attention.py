@@ -1,28 +1,16 @@
 """Paged attention over a ragged batch: prefill, decode and verify in one call, causal or tree-masked.
 
-Sequence ``s`` has ``q_len = query_start_loc[s+1] - query_start_loc[s]`` new query tokens (rows
-``query_start_loc[s]...`` of ``q``) and ``seq_len = seq_lens[s]`` tokens in all, the last ``q_len`` of them
-new, so ``ctx_len = seq_len - q_len``; new token ``i`` has storage index ``ctx_len + i``. The K/V of every
-token, the new ones included, are already in the paged cache ``[num_blocks, block_size, Hk, D]``:
-storage index ``j`` lives at slot ``block_tables[s, j // block_size] * block_size + j % block_size``.
+Sequence ``s`` has ``q_len`` new query tokens (rows ``query_start_loc[s]...`` of ``q``) and ``seq_len = seq_lens[s]``
+tokens in all, so ``ctx_len = seq_len - q_len``. Every token's K/V is already in the cache
+``[num_blocks, block_size, Hk, D]``: storage index ``j`` at slot ``block_tables[s, j // block_size] * block_size +
+j % block_size``. Query ``i`` (head ``h``, kv head ``h // (Hq // Hk)``) sees index ``j`` iff
 
-Query ``i`` of sequence ``s`` (query head ``h``, kv head ``h // (Hq // Hk)``) sees storage index ``j`` iff
-
-    j < ctx_len                                         (the cached context), or
-    j - ctx_len <= i                                    (no tree_mask: causal), or
-    bit (j - ctx_len) of tree_mask[query_start_loc[s] + i]   (see attention_mask.py)
+    j < ctx_len, or  j - ctx_len <= i (causal), or  bit (j - ctx_len) of tree_mask[query_start_loc[s] + i]
 
 and    out[t, h] = sum_j softmax_j(scale * q[t, h] . k[j]) v[j]    over the visible j.
 
-The Triton kernel runs one program per (sequence, block of BLOCK_M query tokens, kv head). The query
-heads of one kv head are processed together, so K/V are read once per GQA group: tile row ``r`` is
-query token ``r // GROUP``, query head ``r % GROUP`` of the group. Keys are visited in tiles of
-BLOCK_N with an online (flash-attention) softmax; each key's slot is looked up in the block table, so
-a tile may span cache blocks. Without a tree mask the loop stops at the last key the block's last
-query can see.
-
-The reference computes the formula one sequence at a time; the engine's CPU backend plans the batch once per
-forward for every layer (:mod:`nanospec.kernels.cpu_attention`).
+Triton: one program per (sequence, BLOCK_M query tokens, kv head), the query heads of a GQA group together, keys in
+tiles of BLOCK_N with an online softmax. The CPU backend is :mod:`nanospec.kernels.cpu_attention`.
 """
 
 from __future__ import annotations
@@ -173,8 +161,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 def paged_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                         seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
                         tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of the new tokens ``q [T, Hq, D]`` over their sequences' paged K/V; returns ``[T, Hq, D]``. The
-    formula, one sequence at a time, in fp32."""
+    """The formula, one sequence at a time, in fp32: ``[T, Hq, D]``."""
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_size, group = k_cache.shape[1], q.shape[1] // k_cache.shape[2]
     k_slots, v_slots = k_cache.flatten(0, 1), v_cache.flatten(0, 1)

@@ -1,23 +1,12 @@
 """Weight-only quantized matmul: ``y = x W^T`` with ``W`` dequantized in registers, never in memory.
 
-    W[n, k] = (q[n, k] - 8) * scale[n, k // G] + zero[n, k // G]     int4 (bits=4): q two to a byte, the even k in
-                                                                       the low nibble of q_packed[n, k // 2]
-    W[n, k] = q[n, k] * scale[n]                                       int8 (bits=8): one group of K, no zero
+    W[n, k] = (q[n, k] - 8) * scale[n, k // G] + zero[n, k // G]     int4: two q a byte, even k in the low nibble
+    W[n, k] = q[n, k] * scale[n]                                       int8: one group of K, no zero
 
-Shapes: ``x [M, K]``, ``q [N, K / 2]`` uint8 (int4) or ``[N, K]`` int8, ``scale`` and ``zero`` ``[N, K / G]``;
-``y [M, N]`` in ``x.dtype``, accumulated in float32. ``M`` may be 0.
-
-The Triton kernel tiles ``y`` into ``BLOCK_M x BLOCK_N`` and walks K in steps of ``BLOCK_K``: load a tile of x, load
-the matching bytes of q, unpack each input's nibble, scale and shift it by its group's scale and zero, and
-accumulate ``x_tile @ W_tile^T`` with ``tl.dot``. Two launch shapes, by the number of rows:
-
-* **split-K** (``M <= 16``: decode and verify): there are too few output tiles to fill a GPU, so K is cut into
-  ``SPLIT_K`` slices as well; each program writes its slice's partial sums and one ``sum`` adds them (in a fixed
-  order: no atomics, the result does not depend on scheduling).
-* **tiled** (prefill): larger ``BLOCK_M``, every program runs the whole K.
-
-The float32 reference dequantizes W and calls ``F.linear``; the engine's CPU path uses PyTorch's own weight-only
-kernels instead (``nanospec.model.linear``), which take a repacked layout.
+Shapes: ``x [M, K]``, ``q [N, K / 2]`` uint8 (int4) or ``[N, K]`` int8, ``scale``, ``zero`` ``[N, K / G]``; ``y [M,
+N]`` in ``x.dtype``, accumulated in float32. Triton: tiles of ``y``, K in steps of ``BLOCK_K``; for ``M <= 16``
+(decode, verify) K is also split into ``SPLIT_K`` slices summed in a fixed order. The reference dequantizes and
+calls ``F.linear``; the CPU path uses PyTorch's own weight-only kernels (``nanospec.model.linear``).
 """
 
 from __future__ import annotations
@@ -74,8 +63,7 @@ SPLIT_K_MAX_ROWS = 16
 
 
 def launch_shape(M: int, N: int, K: int) -> dict:
-    """Block sizes and the K split for ``M`` rows of an ``N x K`` weight (depends on ``M`` only through which side
-    of SPLIT_K_MAX_ROWS it falls, so decode and verify rows run the same reduction)."""
+    """Block sizes and the K split for ``M`` rows (only which side of SPLIT_K_MAX_ROWS ``M`` falls on counts)."""
     if M <= SPLIT_K_MAX_ROWS:
         block_n, block_k = 64, 128
         split_k = max(1, min(triton.cdiv(K, block_k), 128 // triton.cdiv(N, block_n)))

@@ -1,18 +1,10 @@
-"""Counter-based random numbers, bit-identical in Triton and in PyTorch.
-
-Every random draw in nanospec is ``uniform(seed, offset, index)``: a pure function of three integers,
-so a seeded request gives the same tokens on any backend, at any batch size, and the Triton kernels
-can be tested against their torch references token for token.
+"""Counter-based random numbers, bit-identical in Triton and in PyTorch: ``uniform(seed, offset, index)``.
 
     h = mix32(mix32(mix32(seed_lo ^ K0) ^ seed_hi ^ offset) ^ index)      (all uint32, wrapping)
     u = ((h >> 9) + 0.5) / 2**23 = (2j + 1) / 2**24,  j = h >> 9 in [0, 2**23)
 
-so u is one of 2**23 equally likely float32 values, each exactly representable (24 significant bits),
-strictly inside (0, 1): log(u) and log(1 - u) are always finite, and u * 2**24 is an exact odd integer.
-
-``mix32`` is the "lowbias32" integer finaliser (two multiply-xorshift rounds). ``seed`` is a 64-bit
-per-request seed, ``offset`` counts the request's sampling steps (e.g. the position of the token
-being drawn), and ``index`` separates the numbers one step needs (e.g. one per vocabulary entry).
+so u is one of 2**23 exact float32 values strictly inside (0, 1). ``mix32`` is "lowbias32"; ``seed`` a request's
+64-bit seed, ``offset`` its step (the position drawn), ``index`` the number within a step (a vocabulary entry).
 """
 
 from __future__ import annotations
@@ -39,8 +31,7 @@ def _mix32(x):
 
 @triton.jit
 def uniform(seed, offset, index):
-    """Triton: uniform float32 in (0, 1) from int64 seed, int offset and int index (tensors or
-    Python ints, broadcasting)."""
+    """Uniform float32 in (0, 1) from int64 seed, offset and index (tensors or ints, broadcasting)."""
     seed64 = tl.cast(seed, tl.int64)
     seed_lo = (seed64 & 0xFFFFFFFF).to(tl.uint32)
     seed_hi = ((seed64 >> 32) & 0xFFFFFFFF).to(tl.uint32)

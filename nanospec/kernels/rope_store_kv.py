@@ -1,17 +1,12 @@
-"""RoPE and the KV write in one launch: what each attention layer does to its new tokens before attending.
-
-For every new token t (``q [T, Hq, D]``, ``k, v [T, Hk, D]``, strided views of a fused qkv projection with
-the last dim contiguous; ``positions [T]``; ``slot_mapping [T]``, negative for padding tokens):
+"""RoPE and the KV write in one launch, for every new token t:
 
     q_out[t]                    = rope(q[t], positions[t])          (returned, contiguous)
     k_cache[slot_mapping[t]]    = rope(k[t], positions[t])          (when slot_mapping[t] >= 0)
     v_cache[slot_mapping[t]]    = v[t]
 
-with ``rope`` and the cache layout of :mod:`nanospec.kernels.rope` and :mod:`nanospec.kernels.kv_store`.
-The rotated k goes straight into the cache: it is never written to, and read back from, a temporary.
-The reference is those two modules' references, one after the other; the Triton kernel runs one program
-per token (its q heads, then, unless it is padding, its k and v heads), replacing two launches per layer
-(``apply_rope``, ``store_kv``) with one. The caches must have k's dtype (the engine's do).
+``q [T, Hq, D]``, ``k, v [T, Hk, D]`` (strided views of a fused qkv, last dim contiguous); ``rope`` and the cache
+layout as in :mod:`nanospec.kernels.rope` and :mod:`nanospec.kernels.kv_store`, whose references this one chains.
+Triton: one program per token. The caches must have k's dtype.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Token sampling: temperature, top-k, top-p, and seeded draws from a distribution.
 
-``probs_from_logits`` turns one row of logits ``x`` into the distribution a request samples from:
+``probs_from_logits`` turns a row of logits ``x`` into the distribution a request samples from:
 
-* temperature ``T == 0`` (greedy): the one-hot of ``argmax x`` (the first index on ties);
-* otherwise ``w_v = exp((x_v - max x) / T)`` over the kept tokens ``{v : x_v >= tau}``, normalised, where ``tau`` is
-  the larger of top-k's ``tau_k`` (on when ``0 < k < V``: the k-th largest logit, every tie kept) and top-p's
-  ``tau_p`` (on when ``top_p < 1``: the largest ``t`` with ``sum_{x_v >= max(tau_k, t)} w_v >= top_p *
-  sum_{x_v >= tau_k} w_v``: vLLM's smallest nucleus, the crossing token and its ties included).
+* ``T == 0`` (greedy): the one-hot of ``argmax x`` (the first index on ties);
+* otherwise ``w_v = exp((x_v - max x) / T)`` over the kept tokens ``{v : x_v >= tau}``, normalised; ``tau`` is the
+  larger of top-k's ``tau_k`` (the k-th largest logit, ties kept) and top-p's ``tau_p`` (the largest ``t`` with
+  ``sum_{x_v >= max(tau_k, t)} w_v >= top_p * sum_{x_v >= tau_k} w_v``: vLLM's smallest nucleus).
 
-Thresholds compare logits through an order-preserving integer key of the float32 bits, so both backends keep the
-same top-k set. The Triton kernel is sort-free: one program per row finds each threshold by bisection over the
-2**32 keys (32 passes over the row in ``BLOCK_V`` tiles); the reference uses ``torch.topk``. Top-p compares float
-sums, so the backends can differ only where a candidate's mass equals ``top_p * mass`` to within rounding.
-
-``sample_from_probs`` draws one token per row by the exponential race of :mod:`nanospec.kernels.exponential_race`
-at the row's ``(seed, offset)``: ``P(v) = p_v / sum p`` (unnormalised is fine, zeros are never drawn, a row without
-mass gives 0), bit-identical in both backends. Speculative verification compares its guesses with this very draw,
-so a seeded request samples the same tokens with or without speculation. ``sample`` is ``probs_from_logits`` then
-``sample_from_probs``. Shapes: logits ``[N, V]`` (fp32/bf16/fp16), temperature and top_p ``[N]`` float32, top_k
-``[N]`` int32, seeds and offsets ``[N]`` int64; ``N`` may be 0.
+Thresholds compare an order-preserving int32 key of the float32 bits, so both backends keep the same top-k set; the
+Triton kernel finds each by bisection over the keys (sort-free), the reference by ``torch.topk``.
+``sample_from_probs`` draws one token per row by the exponential race at ``(seed, offset)``
+(:mod:`nanospec.kernels.exponential_race`), bit-identical in both backends. Shapes: logits ``[N, V]``, temperature
+and top_p ``[N]`` float32, top_k ``[N]`` int32, seeds and offsets ``[N]`` int64.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
-"""Lossless verification of a token tree: rejection sampling over several candidates per position.
+"""Lossless verification of a token tree by rejection sampling over several candidates per position (SpecInfer).
 
 Row ``b`` holds a tree of ``num_nodes[b]`` nodes: node 0 the root, node ``i > 0`` under ``parents[b, i] < i`` with
-token ``node_tokens[b, i]``; ``target_probs[b, i]`` is the target distribution after node ``i`` (normalised here).
-The children of a node are tried in increasing node index (SpecInfer, Miao et al. 2023):
+token ``node_tokens[b, i]``; ``target_probs[b, i]`` is the target distribution after node ``i``. Children are tried
+in increasing node index:
 
     cur = 0, p = norm(target_probs[b, 0])
     loop:
@@ -12,26 +12,16 @@ The children of a node are tried in increasing node index (SpecInfer, Miao et al
             on rejection:  p = norm(max(p - q, 0))                                (the residual)
         every child rejected (or none): emit a token drawn from p and stop
 
-Each emitted token is distributed exactly as the target's: given the rejections so far, the next candidate is an
-independent draw from q, so trying it against the residual is one more step of rejection sampling.
+* One-hot candidates (``draft_probs`` None): acceptance has probability ``p(t_c)``; the residual is ``p`` with the
+  rejected tokens zeroed.
+* A draft model: children are draws of one q (``draft_probs[b, c]``). After j rejections the residual is
+  ``norm(max(p - c_j q, 0))``, ``c_0 = 0``, ``c_{j+1} = c_j + Z_j``, ``Z_j`` the mass of ``max(p - c_j q, 0)``.
 
-* One-hot candidates (``draft_probs`` None): acceptance has probability ``p(t_c)`` and the residual is ``p`` with
-  ``t_c`` zeroed, kept as the raw row with the rejected tokens masked out (a duplicate is always rejected).
-* A draft model: a node's children are independent draws (with replacement) of one q, stored in each child's row
-  ``draft_probs[b, c]``. After j rejections the residual is ``norm(max(p - c_j q, 0))``, ``c_0 = 0``,
-  ``c_{j+1} = c_j + Z_j`` with ``Z_j`` the mass of ``max(p - c_j q, 0)``: one pass over the vocabulary per rejection.
-
-A residual without mass falls back to the node's target row. Randomness (:mod:`nanospec.kernels.random`), at the
-row's ``seed``, ``offset`` and the depth ``d`` being verified (root 0): the j-th child tried is accepted iff
-``uniform(seed, offset + d, V + j) * q(t) * W < w(t) * S_q`` (``w``, ``W``: the current residual and its mass), and
-the drawn token is ``argmax_v w_v / E_v``, ``E_v = -log(uniform(seed, offset + d, v))``. A chain is ordinary
-speculative sampling (j = 0 at every depth); with one-hot target rows this is :mod:`nanospec.kernels.tree_verify`'s
-walk. The kernel and the reference emit identical tokens: float64 sums rounded to float32, divisions rounded to
-nearest, no fused multiply-add (``enable_fp_fusion=False``), ties to the lowest id.
-
-Outputs, both ``[B, N]`` int64 padded with -1: ``path_nodes`` (accepted nodes, root excluded) and ``emitted`` (their
-tokens, then the recovered or bonus token). Triton: one program per row, the tree in registers, the vocabulary
-streamed in ``BLOCK_V`` tiles: a pass per visited node, one per rejection with a draft model, one for the draw.
+A residual without mass falls back to the node's target row. At depth ``d`` the j-th child tried is accepted iff
+``uniform(seed, offset + d, V + j) * q(t) * W < w(t) * S_q`` (``w``, ``W``: the residual and its mass); the drawn
+token is the exponential race at ``(seed, offset + d)``. Kernel and reference emit identical tokens: float64 sums
+rounded to float32, divisions rounded to nearest, no fused multiply-add, ties to the lowest id. Outputs ``[B, N]``
+int64, -1 padded: ``path_nodes`` (root excluded) and ``emitted`` (one more than the path).
 """
 
 from __future__ import annotations
@@ -170,11 +160,7 @@ def _tree_rejection_sample_kernel(target_probs_ptr, draft_probs_ptr, node_tokens
 def tree_rejection_sample_ref(target_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
                               num_nodes: torch.Tensor, draft_probs: torch.Tensor | None = None, *,
                               seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Verify a token tree per row against ``target_probs [B, N, V]`` (one row per node): the accepted
-    ``path_nodes [B, N]`` and the ``emitted [B, N]`` tokens (one more than the path), both -1 padded.
-
-    All rows walk their trees together: a loop over depth and over the j-th child, vectorised over rows, with the
-    kernel's scalar arithmetic, one row per tensor element."""
+    """The module's walk for every row at once: a loop over depth and over the j-th child, vectorised over rows."""
     batch, max_nodes, vocab_size = target_probs.shape
     device = target_probs.device
     rows = torch.arange(batch, device=device)

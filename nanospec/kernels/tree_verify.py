@@ -1,11 +1,9 @@
 """Matched verification of a token tree: follow the target's own tokens down each row's tree.
 
-Row ``b`` holds a tree of ``num_nodes[b]`` nodes (node 0 the root, node ``i > 0`` under ``parents[b, i] < i`` with
-token ``node_tokens[b, i]``) and ``target[b, i]``, the token the target draws after node ``i`` (its argmax, or the
-exponential race of plain seeded sampling at that node's position). From the root, move to the first child whose
-token is ``target[cur]``; when there is none, emit ``target[cur]`` and stop. Outputs, both ``[B, N]`` int64 padded
-with -1: ``path_nodes`` (the accepted nodes, root excluded) and ``emitted`` (their tokens, then the target's own:
-one more than the path). Triton: one program per row, the tree in registers, no host sync.
+Row ``b``: a tree of ``num_nodes[b]`` nodes (node ``i > 0`` under ``parents[b, i] < i``, token ``node_tokens[b, i]``)
+and ``target[b, i]``, the token the target draws after node ``i``. From the root, move to the first child whose token
+is ``target[cur]``; when none, emit ``target[cur]`` and stop. Outputs ``[B, N]`` int64, -1 padded: ``path_nodes``
+(root excluded) and ``emitted`` (one more than the path).
 """
 
 from __future__ import annotations
