@@ -1,14 +1,10 @@
-"""One layer's attention on paged KV, from its fused ``qkv`` projection: RoPE, KV write, attention.
+"""One layer's attention on paged KV, from its fused ``qkv`` projection:
 
     q, k, v = split(qkv);  q, k = RoPE(q, k, positions);  cache[slot_mapping] = k, v
     out[t] = softmax(scale * q[t] K^T + mask) V      over the context and the new tokens t may see
 
-Two backends, the same math:
-
-* **Triton** (CUDA, or the interpreter when the backend is ``triton``): ``rope_store_kv`` (RoPE and the
-  KV write fused) and ``paged_attention``, two launches per layer reading the batch metadata on the device.
-* **CPU** (:mod:`nanospec.kernels.cpu_attention`): torch ops, with what depends only on the batch (RoPE tables,
-  each sequence's cache slots and mask) worked out once per forward (:meth:`Attention.plan`) instead of per layer.
+Triton: ``rope_store_kv`` and ``paged_attention``. CPU (:mod:`nanospec.kernels.cpu_attention`): torch ops, planned
+once per forward (:meth:`Attention.plan`).
 """
 
 from __future__ import annotations

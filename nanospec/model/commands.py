@@ -1,16 +1,10 @@
-"""What the driver (rank 0) tells the tensor-parallel workers, one command at a time, by ``torch.distributed``
-broadcasts over a gloo group of every rank (the control group: host tensors, whatever backend the model's
-collectives use).
-
-A command is two broadcasts from rank 0: a fixed header of ``HEADER`` int64s, then one flat int64 payload::
+"""What the driver tells the tensor-parallel workers: a command is two broadcasts from rank 0 over the control group,
 
     header = [op, model, max_query_len, num_tensors,  (dtype code, ndim, dim 0, dim 1) per tensor ...]
     payload = cat(tensor.flatten().to(int64) for each tensor that is present)
 
-``op`` is an :class:`Op`, ``model`` which model it is for (:data:`TARGET` or :data:`DRAFT`); a step's
-:class:`~nanospec.model.forward_batch.ForwardBatch` travels as its integer tensors (absent ``tree_mask``: dtype
-code 0). Every rank then runs the command on its own shard; the model's own collectives (all-reduce, all-gather)
-run on the model's group, not here.
+``op`` an :class:`Op`, ``model`` :data:`TARGET` or :data:`DRAFT`; a ``ForwardBatch`` travels as its integer
+tensors (an absent ``tree_mask``: dtype code 0).
 """
 
 from __future__ import annotations

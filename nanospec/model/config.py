@@ -1,8 +1,4 @@
-"""The hyper-parameters of a Llama model, read from and written to Hugging Face's config.json.
-
-A LlamaConfig checks itself when it is made (whichever loader made it): every field has the right type and a sane
-value (see LIMITS), so an absurd header or config.json is refused before anything is allocated from its numbers.
-"""
+"""The hyper-parameters of a Llama model, from and to Hugging Face's config.json, checked when made (see LIMITS)."""
 
 from __future__ import annotations
 
@@ -44,8 +40,8 @@ REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hid
 
 
 class ConfigError(ValueError):
-    """A field of a model config with a bad type or value. `field` names it (as LlamaConfig does), `value` is the bad
-    value and `requirement` what it must be; `describe` words the error for another name of the field (a GGUF key)."""
+    """A field with a bad type or value: `field`, `value`, `requirement`; `describe` words it for another name (a GGUF
+    key)."""
 
     def __init__(self, field: str, value, requirement: str):
         self.field, self.value, self.requirement = field, value, requirement
@@ -57,12 +53,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class LlamaConfig:
-    """What nanospec needs to build a Llama model. Defaults are those of transformers' LlamaConfig.
-
-    Making one checks every field (ConfigError, a ValueError, naming the field and the value): integers are ints (not
-    bools, not strings) within LIMITS, floats are finite numbers within FLOAT_LIMITS, num_key_value_heads divides
-    num_attention_heads, hidden_size is a multiple of num_attention_heads when head_dim is not given, head_dim is
-    even, the bos and eos ids are inside the vocabulary, and rope_scaling holds what its kind needs."""
+    """What nanospec needs to build a Llama (transformers' defaults). Every field is checked when made (ConfigError
+    naming the field): types, LIMITS, head divisibility, an even head_dim, token ids in the vocabulary, rope_scaling."""
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -112,9 +104,8 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, d: dict, require: tuple[str, ...] = ()) -> LlamaConfig:
-        """Read a transformers config.json (4.x or 5.x layout); the keys in `require` must be present (a missing one is
-        otherwise given transformers' default). Raises ValueError for a missing required key or a model that is not a
-        Llama, and ConfigError (a ValueError) for a field with a bad type or value."""
+        """Read a transformers config.json (4.x or 5.x); the keys in `require` must be present. ValueError for a missing
+        key or not a Llama."""
         if not isinstance(d, dict):
             raise ValueError(f"a config must be a JSON object, got {short_repr(d)}")
         missing = [key for key in require if key not in d]
@@ -187,8 +178,7 @@ class LlamaConfig:
         }
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every weight the model needs, by its Hugging Face name, with its shape (Linear weights are (out, in)).
-        No "lm_head.weight" when the head is tied to the embeddings."""
+        """Every weight by its Hugging Face name with its shape (Linear: (out, in)); no "lm_head.weight" when tied."""
         hidden, q_size = self.hidden_size, self.num_attention_heads * self.head_dim
         kv_size = self.num_key_value_heads * self.head_dim
         shapes = {"model.embed_tokens.weight": (self.vocab_size, hidden)}
@@ -213,8 +203,7 @@ class LlamaConfig:
 
 
 def token_ids(name: str, value, vocab_size: int) -> list[int]:
-    """`value` (a token id, a list of them, or None for none) as a list, each id checked to be inside the vocabulary
-    (ConfigError naming `name` otherwise)."""
+    """`value` (an id, a list, or None) as a list, each id inside the vocabulary (ConfigError naming `name`)."""
     ids = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
     return [_checked_id(name, i, vocab_size) for i in ids]
 
@@ -271,8 +260,7 @@ def _checked_rope_scaling(scaling) -> dict | None:
 
 
 def _normalize_rope_scaling(scaling) -> dict | None:
-    """Spell the scaling kind as "rope_type" (older configs say "type"); plain RoPE is None. rope_theta, which
-    transformers 5 keeps among these, is a field of its own."""
+    """The scaling kind as "rope_type" (older configs say "type"); plain RoPE is None."""
     if not scaling:
         return None
     if not isinstance(scaling, dict):

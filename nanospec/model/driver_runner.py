@@ -1,13 +1,7 @@
-"""The driver's (rank 0's) runner of a tensor-parallel model: every call is sent to the workers as a command
-(:mod:`nanospec.model.commands`), then run on the driver's own shard, so that all ranks enter the model's
-collectives together. The workers run the same :class:`~nanospec.model.runner.ModelRunner` calls on theirs
-(``nanospec.worker``).
-
-A call that fails part-way leaves the ranks out of step (a worker may wait in an all-reduce the driver never
-reaches), so any failure inside one is fatal: it raises :class:`~nanospec.model.parallel.TensorParallelError`
-(naming the worker that died, when one did), and the group's ``health`` remembers it: every later call of any
-model on the group raises it again. ``health.check(grace)`` raises it when a worker is gone; it is called before
-each command, so a worker that died between steps is reported at once, without entering a collective.
+"""The driver's runner of a tensor-parallel model: every call goes to the workers as a command
+(:mod:`nanospec.model.commands`), then runs on the driver's shard, so all ranks enter the collectives together.
+A call that fails part-way leaves the ranks out of step, so it is fatal: it raises
+:class:`~nanospec.model.parallel.TensorParallelError`, remembered by the group's ``health`` for every later call.
 """
 
 from __future__ import annotations
@@ -26,8 +20,7 @@ class GroupHealth(Protocol):
     broken: str | None  # why the group failed, once it has (kept as text: an exception would keep its frames alive)
 
     def check(self, grace: float) -> None:
-        """Raise TensorParallelError if the group is broken or a worker is gone (waiting up to ``grace`` seconds
-        for one to be); a dead worker breaks the group."""
+        """Raise TensorParallelError if the group is broken or a worker is gone (waiting up to ``grace`` seconds)."""
 
 
 class DriverRunner:
@@ -44,8 +37,8 @@ class DriverRunner:
         return self.local.to_device(tensors)
 
     def execute(self, batch: ForwardBatch, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[R, vocab]`` logits (and the final hidden states when asked: every rank holds them whole, after the
-        last all-reduce), on the driver; every rank ran its shard of the forward."""
+        """Logits ``[R, vocab]`` (and the final hidden states when asked) on the driver, after every rank ran its
+        shard."""
         return self._mirrored(lambda: self.channel.send_batch(Op.EXECUTE, self.model_id, batch),
                               lambda: self.local.execute(batch, hidden_states))
 

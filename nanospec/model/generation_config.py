@@ -1,15 +1,7 @@
-"""The sampling a model asks for by default, as vLLM's ``--generation-config`` reads it; the server applies it to
-every field a request leaves out (a request's own fields win).
-
-    "auto"   the model directory's ``generation_config.json`` (beside a ``.gguf`` file, if there is one there); the
-             embedded SmolLM2 has none and gets its model card's suggestion, temperature 0.2 and top-p 0.9, what
-             ``python -m nanospec.chat`` samples with
-    "vllm"   nothing: the API's own defaults (temperature 1, top-p 1)
-    a DIR    ``DIR/generation_config.json``
-
-Keys read, as vLLM reads them: ``temperature``, ``top_p``, ``top_k``, ``repetition_penalty`` and ``max_new_tokens``
-(the default ``max_tokens``); ``do_sample: false`` is greedy (temperature 0), as transformers reads it. Other keys
-are ignored. Each value is checked as a request's would be, the error naming the file, before the model loads.
+"""The sampling a model asks for by default (vLLM's ``--generation-config``); the server applies it to every field
+a request leaves out. ``"auto"``: the model directory's ``generation_config.json`` (the embedded SmolLM2: temperature
+0.2, top-p 0.9, its model card's); ``"vllm"``: the API's defaults; a DIR: ``DIR/generation_config.json``. Keys read:
+``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``max_new_tokens``; ``do_sample: false`` is greedy.
 """
 
 from __future__ import annotations
@@ -26,8 +18,7 @@ KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "repet
 
 
 def default_sampling(model: str | None, generation_config: str = "auto") -> tuple[dict, str]:
-    """(SamplingParams fields, where they come from) for ``model`` (a path, or None: the embedded SmolLM2);
-    ValueError for a file that is not valid or holds a bad value, naming it."""
+    """(SamplingParams fields, where they come from) for ``model``; ValueError naming a bad file or value."""
     if generation_config == "vllm":
         return {}, "the API's defaults (--generation-config vllm)"
     if generation_config != "auto":

@@ -1,17 +1,14 @@
 """GGUF tensors as nanospec weights: the 4-bit blocks kept as int4 groups of 32, the rest rounded or dequantized.
 
-The 4-bit kinds map exactly onto ``w = (q - 8) * scale + zero`` per 32 inputs (``nanospec.model.quantization``),
-with each block's own fields (fp16 ``d``, ``m``, ``dmin``; 6-bit sub-block scales ``sc`` and mins ``mn``):
+The 4-bit kinds map exactly onto ``w = (q - 8) * scale + zero`` per 32 inputs (:mod:`nanospec.model.quantization`):
 
     Q4_0   w = d (q - 8)                           scale = d,       zero = 0
     Q4_1   w = d q + m                             scale = d,       zero = m + 8 d
     Q4_K   w = d sc_j q - dmin mn_j   (8 groups of 32 in a block of 256)
                                                    scale = d sc_j,  zero = 8 d sc_j - dmin mn_j
 
-so the float weight they stand for equals ``gguf``'s dequantization up to float32 rounding. Every other quantized
-kind (Q8_0, Q5_0/1, Q5_K, Q6_K, Q2_K, Q3_K, ...) has no exact int4-in-groups-of-32 form (more than 16 levels, or
-Q6_K's groups of 16); it is dequantized with ``gguf`` and rounded to the scheme asked for: int8 per output channel
-by default (the 8-bit and 5-6-bit kinds keep most of their precision; see ``benchmarks/RESULTS.md``).
+Every other quantized kind has no exact int4-in-groups-of-32 form; it is dequantized with ``gguf`` and rounded to
+the scheme asked for (int8 per output channel by default).
 """
 
 from __future__ import annotations
@@ -30,8 +27,7 @@ ROWS_AT_ONCE = 4096  # rows dequantized, then rounded, at a time: a whole embedd
 
 
 def int4_from_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int]) -> Int4Weight:
-    """The Q4_0 / Q4_1 / Q4_K blocks ``data`` (uint8, a tensor's bytes) of an ``(out, in)`` weight as int4 groups of
-    32."""
+    """The Q4_0 / Q4_1 / Q4_K blocks ``data`` (a tensor's bytes) of an ``(out, in)`` weight as int4 groups of 32."""
     N, K = shape
     if kind == Q.Q4_K:
         q, scale, zero = _q4_k(data.reshape(-1, 144))
@@ -84,10 +80,8 @@ def dequantize_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple
 
 def gguf_weight(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], quantization: str | None,
                 group_size: int = 32):
-    """One tensor as the model will hold it. ``quantization``: None dequantizes to float32; ``"auto"`` keeps the
-    4-bit kinds as int4, leaves float kinds float and rounds the other quantized kinds to int8; ``"int4"`` /
-    ``"int8"`` give every 2-D weight that scheme (the 4-bit kinds as they are when int4 in groups of 32 is asked).
-    1-D tensors (norms) are always float32."""
+    """One tensor as the model holds it. ``quantization`` None: float32; "auto": 4-bit kinds as int4, float kinds float,
+    other kinds int8; "int4" / "int8": every 2-D weight that scheme. 1-D tensors are float32."""
     if quantization is None or len(shape) != 2:
         return dequantize_blocks(data, kind, shape)
     if kind in INT4_KINDS and (quantization == "auto" or (quantization == "int4" and group_size == 32)):

@@ -1,9 +1,6 @@
-"""Load a Llama checkpoint — a Hugging Face directory, a GGUF file, or the embedded SmolLM2 — into one form:
-a LlamaConfig, tensors under Hugging Face names, and a Tokenizer.
-
-Everything that can be checked cheaply (files present, headers valid, the config sane, every tensor present with the
-right shape and a floating-point type) is checked before any weight is read, and each error names the file and the
-field or tensor at fault. Each weight read is checked for NaN and infinities.
+"""Load a Llama checkpoint (a Hugging Face directory, a GGUF file, or the embedded SmolLM2) as a LlamaConfig, tensors
+under Hugging Face names, and a Tokenizer. What can be checked cheaply is checked before any weight is read, each
+error naming the file and the field or tensor; each weight read is checked for NaN and infinities.
 """
 
 from __future__ import annotations
@@ -39,11 +36,9 @@ class Checkpoint:
 
 def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None,
                     quantization: str | None = None) -> Checkpoint:
-    """Load `path` (an HF directory or a .gguf file; None: the embedded SmolLM2) with float tensors cast to `dtype`
-    (None: keep the stored dtype; GGUF tensors are dequantized to float32). `quantization`
-    (``nanospec.model.quantization.QUANTIZATIONS``): None loads every weight as float; "auto" keeps a GGUF file's
-    4-bit blocks (``nanospec.model.gguf_quant``) and an HF checkpoint as stored; "int4" / "int8" round the matrices
-    of an HF checkpoint on load (a GGUF's 4-bit blocks are kept as they are when they fit)."""
+    """Load `path` (None: the embedded SmolLM2), float tensors cast to `dtype` (None: as stored). `quantization`: None
+    loads float weights; "auto" keeps a GGUF's 4-bit blocks and an HF checkpoint as stored; "int4" / "int8" round an HF
+    checkpoint's matrices on load."""
     scheme, group_size = parse_quantization(quantization)
     path = embedded_model_path() if path is None else Path(path)
     if not path.exists():
@@ -146,8 +141,7 @@ def _open_safetensors(file: Path):
 
 
 def _cut_short_tensor(file: Path) -> str | None:
-    """The first tensor of a safetensors file whose data runs past the file's end, when its header can tell (the
-    header is 8 bytes of length, then JSON: {name: {"dtype", "shape", "data_offsets": [begin, end]}, ...})."""
+    """The first tensor of a safetensors file whose data runs past the file's end, when its header tells."""
     try:
         with open(file, "rb") as f:
             (header_size,) = struct.unpack("<Q", f.read(8))
@@ -163,8 +157,8 @@ def _cut_short_tensor(file: Path) -> str | None:
 
 
 def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
-    """tokenizer.json, with tokenizer_config.json (or transformers 5's chat_template.jinja) for the chat template
-    and special tokens; the stop ids are the tokenizer's eos plus those of config.json and generation_config.json."""
+    """tokenizer.json with tokenizer_config.json (or chat_template.jinja); stop ids from config.json and
+    generation_config.json too."""
     tokenizer_json = _require_file(directory / "tokenizer.json")
     config_file = directory / "tokenizer_config.json"
     tokenizer_config = read_json(config_file) if config_file.is_file() else {}

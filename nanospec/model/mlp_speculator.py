@@ -1,20 +1,16 @@
-"""The MLP speculator (IBM, arXiv 2404.19124; the format vLLM loads as ``mlp_speculator``): a few small stages that
-guess the tokens after the one the target just emitted, from the target's final hidden state, with no target pass.
+"""The MLP speculator (IBM, arXiv 2404.19124; vLLM's ``mlp_speculator`` format): small stages that guess the tokens
+after ``t_0`` from the target's final hidden state ``h`` at the row that drew it.
 
-    state_0   = h                  the target's final hidden state at the row whose logits gave t_0
-                                   (with scale_input: h / rms(h) / sqrt(2))
+    state_0   = h                  (with scale_input: h / rms(h) / sqrt(2))
     state_i+1 = GELU(LN_i(proj_i(state_i) + (emb_weight / state_weight) * emb_i(t_i)))
     t_i+1     = argmax head_i(state_i+1)                                   (i = 0 .. n_predict - 1)
 
     state_weight = 0.5 ** (0.5 / n_predict),  emb_weight = sqrt((1 - state_weight**2) * inner_dim / 2)
     LN(x)        = weight * x / sqrt(mean(x**2) + 1e-6) + bias
 
-``proj_0`` maps ``emb_dim`` (the target's hidden size) to ``inner_dim``; with ``tie_weights`` every stage shares
-stage 0's ``emb``, ``head`` and ``ln``, and stages 1.. share ``proj_1``. On disk: ``config.json`` and
-``model.safetensors`` (``emb.i``, ``proj.i``, ``head.i``, ``ln.i`` weights, possibly prefixed ``speculator.``).
-nanospec's extension, a **hot vocabulary** (``hot_vocab_size: K``, a tensor ``hot_token_ids [K]``): ``head_i``
-scores only those K tokens and ``emb_i`` has ``K + 1`` rows (row ``K`` embeds every other token); guesses are
-still full-vocabulary ids. The guesses are one-hot: whatever the weights, verification keeps the target's output.
+With ``tie_weights`` every stage shares stage 0's ``emb``, ``head`` and ``ln``, and stages 1.. share ``proj_1``.
+A **hot vocabulary** (``hot_vocab_size: K``, ``hot_token_ids [K]``): ``head_i`` scores only those K tokens and
+``emb_i`` has ``K + 1`` rows (row ``K`` embeds every other token).
 """
 
 from __future__ import annotations
@@ -156,22 +152,17 @@ class MLPSpeculator(nn.Module):
 
     @torch.inference_mode()
     def propose(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int) -> torch.Tensor:
-        """Greedy guesses ``[B, k]`` (full-vocabulary ids) after ``token_ids`` ``[B]``, from ``hidden``
-        ``[B, emb_dim]``: the chain, a beam of width 1."""
+        """Greedy guesses ``[B, k]`` after ``token_ids [B]`` from ``hidden [B, emb_dim]``: a beam of width 1."""
         return self.propose_tree(hidden, token_ids, k, 1)[0]
 
     @torch.inference_mode()
     def propose_tree(self, hidden: torch.Tensor, token_ids: torch.Tensor, k: int, width: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A beam search over the stages (IBM's candidate trees): depth ``d`` keeps the ``width`` most probable
-        paths of ``d`` tokens, each an extension of a path kept at depth ``d - 1`` by one of the ``width`` most
-        probable tokens of that path's stage; a path's score is the sum of its tokens' log-probabilities.
-
-        Returns ``(token_ids, parents, log_probs)``, each ``[B, k * width]`` (on the device): node ``d * width + j``
-        is the ``j``-th best path of ``d + 1`` tokens, ending in ``token_ids[:, node]`` (a full-vocabulary id),
-        under node ``parents[:, node]`` of depth ``d`` (``-1``: the root), with score ``log_probs[:, node]`` (float32,
-        never above its parent's). Siblings hold distinct tokens, parents come before their children, and with
-        ``width = 1`` it is the greedy chain."""
+        """A beam search over the stages: depth ``d`` keeps the ``width`` most probable paths of ``d`` tokens (score:
+        summed log-probabilities), each extending a path of depth ``d - 1`` by one of its stage's ``width`` best
+        tokens. Returns ``(token_ids, parents, log_probs)``, each ``[B, k * width]``: node ``d * width + j`` is the
+        ``j``-th best path of ``d + 1`` tokens, under node ``parents[:, node]`` (-1: the root); siblings hold distinct
+        tokens."""
         if not 0 <= k <= self.config.n_predict:
             raise ValueError(f"this speculator guesses at most {self.config.n_predict} tokens, asked for {k}")
         if not 1 <= width <= self.config.num_scored:
@@ -196,9 +187,8 @@ class MLPSpeculator(nn.Module):
         return torch.cat(all_tokens, 1), torch.cat(all_parents, 1), torch.cat(all_scores, 1)
 
     def forward(self, hidden: torch.Tensor, token_ids: torch.Tensor) -> list[torch.Tensor]:
-        """Teacher-forced logits of every stage: ``hidden`` ``[N, emb_dim]`` at position t, ``token_ids``
-        ``[N, n_predict]`` the tokens at t+1 .. t+n_predict (stage i reads token t+1+i and is trained to give
-        t+2+i). Returns n_predict tensors ``[N, num_scored]``."""
+        """Teacher-forced logits of every stage: ``hidden [N, emb_dim]`` at t, ``token_ids [N, n_predict]`` the tokens
+        at t+1 ..; n_predict tensors ``[N, num_scored]``."""
         state, out = self.first_state(hidden), []
         for i in range(self.config.n_predict):
             state, logits = self.stage(i, state, token_ids[:, i])

@@ -1,29 +1,16 @@
 """Tensor parallelism: which rank holds which slice of a Llama, and the collectives that put it back together.
 
-A model runs on a **tensor-parallel group** of ``T`` ranks (a ``torch.distributed`` process group: NCCL on CUDA,
-one GPU per rank; gloo on a CPU). Rank ``r`` of the group holds (Megatron-LM's layout, as vLLM's):
+Rank ``r`` of ``T`` holds (Megatron-LM's layout, as vLLM's):
 
     q heads        [r H/T, (r+1) H/T)                                         H = num_attention_heads
-    k, v heads     [r KV/T, (r+1) KV/T)        when T <= KV                   KV = num_key_value_heads
-                   the one head  r KV // T     when T > KV (replicated: T/KV ranks share each KV head)
+    k, v heads     [r KV/T, (r+1) KV/T), or the one head r KV // T when T > KV (replicated)
     gate, up rows  [r F/T, (r+1) F/T)                                         F = intermediate_size
-    vocab rows     [r V', (r+1) V') of the embedding and the head             V' = ceil(V / T), the last shorter
+    vocab rows     [r V', (r+1) V') of the embedding and the head             V' = ceil(V / T)
 
-so the q heads of a rank use exactly the KV heads it holds (q head h reads KV head h // (H/KV)). Per layer:
-
-    qkv     = x W_qkv[r]^T                     column-parallel: this rank's heads, no communication
-    o       = all_reduce_r( attn_r W_o[:, r]^T )       row-parallel: each rank's heads' share of o, summed
-    gate_up = x W_gate_up[r]^T                 column-parallel
-    down    = all_reduce_r( act_r W_down[:, r]^T )     row-parallel: each rank's slice of F, summed
-
-two all-reduces per layer of ``[tokens, hidden]`` each; everything else (norms, residuals) is replicated. The
-embedding is vocab-parallel: a rank looks up the ids in its rows, zeros the others, and one all-reduce sums the
-ranks' rows (exactly one is non-zero per token, so the sum is exact). The head gives each rank its vocabulary
-slice of the logits and one all-gather puts them side by side on every rank (sampling runs on rank 0 only).
-
-Each rank keeps its own paged KV cache of its KV heads, indexed by the same block tables (the driver's).
-
-At ``T = 1`` (``tp`` None or of size 1) a model is the plain, unsharded one and makes no distributed call.
+Per layer: qkv and gate_up are column-parallel (no communication); o and down are row-parallel, each followed by an
+all-reduce of ``[tokens, hidden]``. The embedding is vocab-parallel (one all-reduce, exact: one non-zero term per
+token); the head's slices are all-gathered. Each rank keeps a KV pool of its heads under the driver's block tables.
+At ``T = 1`` a model makes no distributed call.
 """
 
 from __future__ import annotations
@@ -66,10 +53,8 @@ class ParallelGroup:
 
 
 def check_shardable(config, size: int, what: str = "tensor_parallel_size", group_size: int | None = None) -> None:
-    """ValueError, naming the value, when a model of ``config`` (a LlamaConfig) cannot be split over ``size`` ranks:
-    its q heads and MLP width must divide evenly, and its KV heads must either divide evenly or be replicated evenly
-    (``size`` a multiple of num_key_value_heads). With int4 weights in groups of ``group_size``, each rank's share of
-    the attention output and of the MLP width (the inputs of o_proj and down_proj, split by columns) must be whole
+    """ValueError, naming the value, when ``config`` cannot be split over ``size`` ranks: q heads and MLP width divide
+    evenly, KV heads divide or replicate evenly, and with int4 weights each rank's o_proj and down_proj inputs are whole
     groups."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"{what} must be a positive integer, got {size!r}")
@@ -88,8 +73,8 @@ def check_shardable(config, size: int, what: str = "tensor_parallel_size", group
 
 
 def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
-    """The heads ``[start, end)`` rank ``rank`` of ``size`` holds: an even split, or, with more ranks than heads
-    (KV heads under GQA), the one head ``rank * num_heads // size``, replicated over ``size / num_heads`` ranks."""
+    """The heads ``[start, end)`` rank ``rank`` holds: an even split, or with more ranks than heads the one head ``rank
+    * num_heads // size``."""
     if size <= num_heads:
         per_rank = num_heads // size
         return rank * per_rank, (rank + 1) * per_rank
@@ -98,8 +83,8 @@ def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
-    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last rank's shorter (maybe
-    empty). The head's all-gather pads every slice to ``ceil(V / size)`` and cuts the padding off."""
+    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last shorter (maybe
+    empty)."""
     per_rank = -(-vocab_size // size)
     return min(rank * per_rank, vocab_size), min((rank + 1) * per_rank, vocab_size)
 
@@ -115,8 +100,8 @@ def columns(weight: Weight, start: int, end: int) -> Weight:
 
 
 class VocabParallelEmbedding:
-    """Rank ``r`` holds rows ``vocab_range(V, r, T)`` of the embedding (``weight``: those rows already). ``h[t] =
-    sum_r (E_r[x_t - start_r] if x_t in rank r's rows else 0)``: one all-reduce, exact (one non-zero term)."""
+    """Rank ``r`` holds rows ``vocab_range(V, r, T)``; ``h[t] = sum_r E_r[x_t - start_r]`` over the rank that holds
+    ``x_t``: one all-reduce."""
 
     def __init__(self, weight: Weight, vocab_size: int, tp: ParallelGroup | None, dtype: torch.dtype):
         """``weight``: float rows, or quantized rows dequantized to ``dtype`` as they are looked up."""
@@ -143,5 +128,5 @@ class VocabParallelEmbedding:
 
 
 class TensorParallelError(RuntimeError):
-    """The tensor-parallel group cannot go on: a worker died, or a command failed part-way (the ranks' collectives
-    are then out of step). Fatal for the ``LLM``: every later call raises it again; ``shutdown()`` ends the workers."""
+    """The tensor-parallel group cannot go on (a worker died, or a command failed part-way); every later call raises it
+    again."""

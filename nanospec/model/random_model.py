@@ -1,8 +1,5 @@
-"""A Llama of a real shape with random weights (for speed measurements: no files to move to a GPU).
-
-The vocabulary and tokenizer are the embedded SmolLM2's, so text can be encoded and decoded; every
-other dimension is given. Weights are drawn on the target device directly.
-"""
+"""A Llama of a given shape with random weights, drawn on the device, and the embedded SmolLM2's tokenizer (for speed
+measurements)."""
 
 from __future__ import annotations
 
