@@ -1,10 +1,7 @@
-"""What a conversation must be, checked in one place for every front (``LLM.chat``, the server's
-``/v1/chat/completions`` and ``/tokenize``): the same input is refused with the same message everywhere.
+"""What a conversation must be, checked in one place for every front (``LLM.chat``, the server).
 
-A conversation is a non-empty list of messages; a message is a dict with a ``role`` (one of :data:`ROLES`), a
-``content`` (a string, or OpenAI's list of ``{"type": "text", "text": ...}`` parts, joined) and optionally a
-``name`` (a string, unused). Nothing else: a key the engine would ignore (``tool_calls``, ``images``) is an error
-that names it.
+A non-empty list of dicts, each with a ``role`` (:data:`ROLES`), a ``content`` (a string, or OpenAI's list of
+``{"type": "text", "text": ...}`` parts) and optionally a ``name``; any other key is an error that names it.
 """
 
 from __future__ import annotations

@@ -1,28 +1,12 @@
-"""How many CPU threads an engine step uses, learned from the steps' own times.
+"""How many CPU threads an engine step uses, learned online from the steps' own times.
 
-A step on a CPU is a few hundred small parallel regions (oneDNN matmuls, elementwise ops), each split over every
-torch thread and closed by a barrier. On a machine whose cores are free that is fastest. When other processes keep
-the cores busy, the OS parks one of the step's threads for a time slice now and then, and every barrier waits for
-it: on two cores beside busy processes a SmolLM2 decode step took 0.3-2.5 s at two threads against 55-90 ms at
-one (``benchmarks/RESULTS.md``, ``benchmarks/bench_busy.py``). How busy a machine is changes while it runs, so the count is chosen online,
-from what each step measures anyway:
-
-- steps run at the ``current`` count. Each step's wall time is kept per (threads, size) as a moving average, the
-  size being the forward's token count rounded up to a power of two (steps of one size cost alike), and so is how
-  long the process's threads waited for a core (:class:`Contention`: ~0 on free cores, ~0.7 of a second per
-  second for one thread beside two busy processes on two cores);
-- a probe runs up to ``PROBE_STEPS`` steps at a neighbouring count (the next power of two down or up); if the
-  probe's median time against the current count's average for the same sizes is below ``SWITCH_BELOW``, the
-  probed count becomes the current one. A probe step slower than ``1 / SWITCH_BELOW`` of that average ends the
-  probe at once, so a losing probe costs one step;
-- probes come every ``interval`` steps, in turn down and up, and the interval doubles (up to ``MAX_INTERVAL``)
-  after every probe that loses, so a machine whose load does not change pays for one ever more rarely. A probe up
-  is skipped while the threads wait for a core more than ``IDLE_WAIT`` (more threads cannot help then);
-- two steps in a row whose threads waited for a core more than ``BUSY_WAIT``, or that took more than
-  ``SLOW_FACTOR`` times their size's average (the machine got busy), start a probe down at once (those started by
-  waiting no more often than every ``wait_gap`` steps, which doubles after each that loses).
-
-The counts are the thread count torch has when the engine starts and the powers of two below it.
+Every barrier of a step's parallel regions waits for its slowest thread, so beside busy processes fewer threads can
+be much faster. Steps run at the ``current`` count; each step's time is averaged per (threads, size), the size its
+token count rounded up to a power of two, with how long the threads waited for a core (:class:`Contention`).
+Every ``interval`` steps a probe runs up to ``PROBE_STEPS`` steps at the next power of two down or up and is adopted
+when its median is below ``SWITCH_BELOW`` of the current count's average; the interval doubles after each losing
+probe (up to ``MAX_INTERVAL``). Steps that wait more than ``BUSY_WAIT`` or take ``SLOW_FACTOR`` times their average
+start a probe down at once; a probe up is skipped while threads wait more than ``IDLE_WAIT``.
 """
 
 from __future__ import annotations
@@ -132,8 +116,7 @@ class ThreadTuner:
 
 
 def _waited_ns() -> int | None:
-    """Nanoseconds this process's threads have spent ready to run but waiting for a core (Linux's per-thread
-    ``schedstat``), or None where the OS does not say."""
+    """Nanoseconds this process's threads waited for a core (Linux ``schedstat``), or None."""
     total = 0
     try:
         for task in os.scandir("/proc/self/task"):
@@ -145,9 +128,8 @@ def _waited_ns() -> int | None:
 
 
 class Contention:
-    """``with Contention() as c:`` measures the block: ``c.seconds`` of wall time and ``c.waiting``, the seconds the
-    process's threads spent ready to run but waiting for a core, per second of wall time (~0 on free cores; ~0.7
-    for one thread beside two busy processes on two cores; None where the OS does not say)."""
+    """``with Contention() as c:``: ``c.seconds`` of wall time and ``c.waiting``, the seconds per second the process's
+    threads waited for a core (None where the OS does not say)."""
 
     def __enter__(self) -> Contention:
         self._waited, self._wall = _waited_ns(), time.perf_counter()

@@ -1,10 +1,7 @@
 """Streaming text: token ids become text as they arrive, and stop strings end a request.
 
-`IncrementalDetokenizer` turns a growing list of ids into text deltas, never cutting a multi-byte character in
-half. `TextStream` is one request's output text on top of it: it ends the request at a stop string (the text
-stops just before it, and so do the tokens: the token that completed it is the last one), and it holds back
-from streaming any tail that could still grow into a stop string, so the streamed deltas always add up to
-the final text.
+`TextStream` ends a request at a stop string (text and tokens stop just before it) and holds back any tail that
+could still grow into one, so the streamed deltas add up to the final text.
 """
 
 from __future__ import annotations
@@ -17,14 +14,8 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet
 
 
 class IncrementalDetokenizer:
-    """Streams text for a growing sequence of token ids, without re-decoding the whole sequence each time.
-
-    The technique of vLLM and TGI: keep two offsets into the ids. Text up to `read_offset` has been emitted. Each
-    call decodes the short window from `prefix_offset` twice, without and with the new ids, and emits the
-    difference. Decoding a few tokens of context in front keeps the spacing right (e.g. SentencePiece drops the
-    leading space of the first token it decodes). If the new text ends in U+FFFD, the last token ended in the middle
-    of a multi-byte character: nothing is emitted and the offsets stay, so the next call decodes it whole.
-    """
+    """Text deltas of a growing id list (vLLM's and TGI's prefix / read offsets); a delta ending in U+FFFD waits for the
+    rest of its character."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, context_tokens: int = 5):
         self.tokenizer = tokenizer

@@ -38,10 +38,8 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 
 def fix_malloc_mmap_threshold(nbytes: int = 4 << 20) -> None:
-    """On glibc, serve every allocation of ``nbytes`` or more from its own memory map, returned to the system when
-    freed. glibc's own threshold rises (to 32 MiB) after the first such block is freed, and the weights read, fused
-    and repacked while a model loads then leave its heap fragmented: the embedded model's process peaks ~130 MB
-    higher. For a process's entry point (the chat, the server): it sets the whole process's allocator."""
+    """On glibc, serve every allocation of ``nbytes`` or more from its own memory map, so the load's freed buffers go
+    back to the system (glibc's own threshold rises after the first). Process-wide: for entry points."""
     try:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc

@@ -1,26 +1,15 @@
 """The engine loop. One step:
 
-    seqs      = scheduler.schedule()                    which sequences run, KV blocks reserved (cached
-                                                        blocks taken for a prompt's start)
+    seqs      = scheduler.schedule()                    which sequences run; KV blocks reserved
     proposals = speculator.propose(seqs)                a token tree of guesses per sequence (maybe empty)
     batch     = build_step_batch(seqs, proposals)       one ragged batch: prefill, decode and verify alike
-    logits, hidden = runner.execute(batch, ...)         ONE target forward (a CUDA graph for decode / verify);
-                                                        the final hidden states only for a proposer that reads them
+    logits, hidden = runner.execute(batch, ...)         ONE target forward
     verdicts  = speculator.verify(seqs, proposals, ...) accepted path + one token of the target's own
-    commit                                              append tokens, stop checks, name the newly full blocks
-                                                        for the prefix cache, roll back rejected KV, tell the
-                                                        proposer (with the hidden state behind the last token)
+    commit                                              append tokens, stop checks, name full blocks for the
+                                                        prefix cache, roll back rejected KV, tell the proposer
 
-Each sequence feeds ``token_ids[num_cached_tokens:]`` and then its proposal's nodes. The target's
-logits at the root (the last committed token) and at every node judge the nodes below them. After
-verification the rejected nodes' K/V is dead: ``num_cached_tokens`` moves to just before the newly
-emitted token and the blocks past it return to the pool. Only blocks that ``token_ids[:num_cached_tokens]``
-fills are named for the prefix cache (and shared); every write of a step lies past them.
-
-The engine is given its runner (:func:`nanospec.engine_args.build_engine` makes both). Under tensor parallelism it
-runs on the driver, rank 0, and the runner is a ``DriverRunner`` that sends every forward and K/V copy to the
-workers first; nothing else changes. A failure of the group (:class:`~nanospec.model.parallel.TensorParallelError`)
-is not one request's: it ends the step and reaches the caller.
+After verification ``num_cached_tokens`` moves to just before the newly emitted token and the blocks past it return
+to the pool. A failure of the tensor-parallel group is not one request's: it ends the step and reaches the caller.
 """
 
 from __future__ import annotations
@@ -81,9 +70,8 @@ class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
                  proposer: Proposer | None = None, seed: int = 0, adaptive_speculation: bool = True,
                  tune_threads: bool = False):
-        """``runner``: the target's, over a KV pool of ``config.num_blocks`` blocks, its queries at least
-        :func:`max_query_len` rows a sequence. ``tune_threads``: each step's CPU thread count follows how busy the
-        machine is (:mod:`nanospec.cpu_threads`; one process on a CPU)."""
+        """``runner``: the target's, over ``config.num_blocks`` KV blocks. ``tune_threads``: each step's CPU thread
+        count follows how busy the machine is (:mod:`nanospec.cpu_threads`)."""
         self.runner = runner
         self.model, self.kv_cache = runner.model, runner.kv_cache
         self.tokenizer = tokenizer
@@ -144,8 +132,7 @@ class Engine:
                              f"{self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory or lower max_tokens")
 
     def abort(self, request_id: int) -> RequestOutput | None:
-        """End a request now (finish reason "abort") and free its KV blocks; its final output, or None if it
-        is unknown or already finished."""
+        """End a request now (finish reason "abort"); its final output, or None if unknown or finished."""
         seq = self.sequences.pop(request_id, None)
         if seq is None or seq.is_finished:
             return None
@@ -170,8 +157,7 @@ class Engine:
                           scheduler.num_preemptions, self.speculator.max_guess_depth, bm.stats.queries, bm.stats.hits)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget the cached K/V blocks of the target (and of a draft model); only while no request holds a block.
-        Returns whether it did."""
+        """Forget the cached K/V blocks (the target's and a draft's); only while no request holds a block."""
         return self.block_manager.reset_prefix_cache() and self.speculator.reset_prefix_cache()
 
     def pop_finished(self, request_id: int) -> None:
@@ -179,8 +165,8 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[RequestOutput]:
-        """schedule -> propose -> build the batch -> ONE target forward -> verify -> commit. On a CPU the step runs
-        at the thread count ``self.threads`` chose, and torch's own count is restored after it."""
+        """schedule -> propose -> build the batch -> ONE target forward -> verify -> commit, at ``self.threads``'
+        count."""
         saved = torch.get_num_threads()
         threads = self.threads.threads if self.threads is not None else saved
         if threads != saved:
@@ -215,8 +201,7 @@ class Engine:
         return [self._commit(seq, proposal, verdict) for seq, proposal, verdict in zip(seqs, proposals, verdicts)]
 
     def _isolate(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
-        """After a failed step: drop what the step may have advanced of each sequence's speculative state, then
-        fail the sequence if it was alone, else run each alone."""
+        """After a failed step: reset each sequence's speculative state, then fail it if alone, else run each alone."""
         for seq in seqs:
             self.speculator.preempt(seq)
         if len(seqs) == 1:
@@ -229,7 +214,6 @@ class Engine:
         return self._output(seq, seq.text_stream.take_delta(finished=True))
 
     def _commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> RequestOutput:
-        """Bookkeeping, then either the speculator's feedback and the KV rollback, or the end of the request."""
         try:
             finish_reason = self._append(seq, proposal, verdict)
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_cached_tokens)
@@ -243,8 +227,8 @@ class Engine:
         return self._output(seq, seq.text_stream.take_delta(finished=finish_reason is not None))
 
     def _append(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> str | None:
-        """Append the emitted tokens, one at a time, up to the first that ends the request (a stop string in
-        the text, eos, max_tokens, the context); count them. Returns why the request ended, or None."""
+        """Append the emitted tokens up to the first that ends the request; count them. Returns why it ended, or
+        None."""
         num_drafts = len(proposal.token_ids)
         num_old = seq.num_tokens
         finish_reason = None

@@ -1,21 +1,13 @@
-"""Every knob of an engine, validated once (:class:`EngineArgs`), and the one function that builds the engine from
-them (:func:`build_engine`), shared by ``LLM``, the server and, for their shards, the tensor-parallel workers.
+"""Every knob of an engine, validated once (:class:`EngineArgs`), and :func:`build_engine`, shared by ``LLM``, the
+server and the tensor-parallel workers.
 
     args = EngineArgs(model=PATH, speculative_config={"method": "ngram"}, max_num_seqs=16)   # ValueError here
-    engine, group = build_engine(args)     # the model, the KV pool, the proposer, the runner, the engine
+    engine, group = build_engine(args)
 
-``model``: an HF directory, a ``.gguf`` file, the embedded SmolLM2 (None) or an in-memory ``Checkpoint``. KV pool:
-``num_blocks`` blocks of ``block_size`` tokens, or as many as ``kv_cache_memory`` bytes hold (default: a quarter of
-a CPU machine's memory, reserved and resident only as written; 40% of the free memory on CUDA; never more than
-``max_num_seqs`` full contexts). ``quantization`` (vLLM's name): the weights' scheme, "auto" (a GGUF's 4-bit
-blocks stay 4-bit; HF weights stay float), "int4", "int4-g64", "int4-g128", "int8" or None (float weights); see
-:mod:`nanospec.model.quantization`. ``speculative_config``: see
-:mod:`nanospec.speculative.config`. ``enforce_eager`` (vLLM's name): False runs decode and verify steps from static
-buffers as CUDA graphs (the default on CUDA; on a CPU the same path without graphs). ``tensor_parallel_size`` T > 1
-splits the model over T processes (:mod:`nanospec.worker`); the draft runs on
-``speculative_config["draft_tensor_parallel_size"]`` ranks, 1 or T (the default). ``enable_prefix_caching`` (vLLM's
-name, on by default): full KV blocks outlive their request and a prompt that starts with the same tokens takes them
-instead of computing them again (:mod:`nanospec.cache.block_manager`).
+``model``: an HF directory, a ``.gguf`` file, the embedded SmolLM2 (None) or a ``Checkpoint``. The KV pool holds
+``num_blocks`` blocks, or what ``kv_cache_memory`` bytes hold (default: :func:`nanospec.cache.kv_cache.pool_blocks`).
+``quantization``: "auto", "int4", "int4-g64", "int4-g128", "int8" or None (:mod:`nanospec.model.quantization`).
+``enforce_eager`` False runs decode and verify from static buffers (CUDA graphs on CUDA). The rest: ``docs/``.
 """
 
 from __future__ import annotations
@@ -61,8 +53,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
-        """Every check that needs no weights, before anything loads; ``device``, ``dtype`` and the speculative
-        config come out resolved (``self.speculative``, ``self.draft_tensor_parallel_size``)."""
+        """Every check that needs no weights; ``device``, ``dtype`` and ``speculative`` come out resolved."""
         if self.model is not None and not isinstance(self.model, (str, os.PathLike, Checkpoint)):
             raise ValueError(f"model must be a path or None, got {self.model!r}")
         _check_int("block_size", self.block_size, 1, 4096)
@@ -91,9 +82,8 @@ class EngineArgs:
 
 
 def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
-    """The engine over the model (this rank's shard under tensor parallelism), its KV pool and the proposer; and
-    the tensor-parallel group (None at T = 1), which the caller shuts down. Under torchrun, on a rank > 0 this
-    serves as a worker until the driver shuts down, then exits the process. A failure shuts the group down."""
+    """The engine over the model (this rank's shard) and the tensor-parallel group (None at T = 1), which the caller
+    shuts down. Under torchrun a rank > 0 serves as a worker, then exits."""
     start = time.perf_counter()
     if isinstance(args.model, Checkpoint):
         checkpoint = args.model
@@ -122,8 +112,6 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
 
 def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | None, device: torch.device
            ) -> Engine:
-    """The model, the KV pool, the proposer and the engine; the workers get their setup just before the engine's
-    first forward."""
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
     max_model_len = target_max_len = args.max_model_len or config.max_position_embeddings
     source = args.model if not isinstance(args.model, Checkpoint) else checkpoint

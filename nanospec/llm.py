@@ -26,22 +26,15 @@ Prompt = str | list[int]
 
 
 class LLM:
-    """``LLM(model=None, dtype=None, device=None, **engine_args)``: the engine that
-    :class:`~nanospec.engine_args.EngineArgs` describes (``model``: an HF directory, a ``.gguf`` file, the embedded
-    SmolLM2 when None, or an in-memory checkpoint), built by :func:`~nanospec.engine_args.build_engine`, and the
-    calls that feed it: ``generate``, ``chat``, ``stream``, ``abort``.
-
-    With ``tensor_parallel_size`` T > 1 this process is the driver of T ranks (:mod:`nanospec.worker`); under
-    torchrun, on ranks > 0 the constructor serves as a worker and exits the process when the driver shuts down.
-    ``shutdown()``, leaving a ``with`` block, garbage collection or interpreter exit end the workers.
-    """
+    """``LLM(model=None, dtype=None, device=None, **engine_args)``: the engine :class:`~nanospec.engine_args.EngineArgs`
+    describes, and ``generate``, ``chat``, ``stream``, ``abort``. With ``tensor_parallel_size`` > 1 this process is the
+    driver (:mod:`nanospec.worker`); ``shutdown()`` or leaving a ``with`` block ends the workers."""
 
     def __init__(self, model=None, dtype=None, device=None, **engine_args):
         self._start(EngineArgs(model, dtype, device, **engine_args))
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLM:
-        """The ``LLM`` over the engine ``args`` (already validated) describe."""
         llm = cls.__new__(cls)
         llm._start(args)
         return llm
@@ -56,15 +49,14 @@ class LLM:
 
     @classmethod
     def with_random_weights(cls, shape: dict, dtype=None, device=None, **kwargs) -> LLM:
-        """An ``LLM`` over a random-weight Llama of the given shape (``LlamaConfig`` fields; the embedded
-        SmolLM2's vocabulary and tokenizer), for speed measurements without a model file."""
+        """An ``LLM`` over a random-weight Llama of the given shape (the embedded vocabulary), for speed
+        measurements."""
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         return cls(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **kwargs)
 
     @property
     def model(self):
-        """The target model (under tensor parallelism: the driver's shard)."""
         return self.engine.model
 
     @property
@@ -123,8 +115,7 @@ class LLM:
         return params
 
     def _add_all(self, prompts, params) -> list[tuple[int, int]]:
-        """Encode and validate every prompt first, then queue them, ``n`` requests per prompt (choice ``i`` with
-        ``params.for_choice(i)``): a bad one queues nothing. Returns (request id, choice index) pairs."""
+        """Encode and validate every prompt, then queue ``n`` requests per prompt; a bad one queues nothing."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._params_list(params, len(prompt_list))
         encoded = []
@@ -139,7 +130,6 @@ class LLM:
 
     # ---------------------------------------------------------------- generation
     def _step(self) -> None:
-        """One engine step; each output waits in its request's queue until its owner takes it."""
         outputs = self.engine.step()
         if not outputs and not self.engine.has_unfinished():
             raise RuntimeError("the engine has no work left but a caller is still waiting for a request")
@@ -152,22 +142,19 @@ class LLM:
         return taken
 
     def _release(self, request_id: int) -> None:
-        """The owner of a finished (or abandoned) request is done with it."""
         self._outputs.pop(request_id, None)
         self.engine.pop_finished(request_id)
 
     def abort(self, request_id: int) -> None:
-        """End a running request now and free its KV blocks. Whoever waits on it (a stream, a generate call)
-        gets a last output with ``finish_reason == "abort"``. Unknown or finished requests are ignored."""
+        """End a running request; whoever waits on it gets a last output with ``finish_reason == "abort"``."""
         final = self.engine.abort(request_id)
         if final is not None and request_id in self._outputs:
             self._outputs[request_id].append(final)
 
     def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order (with ``n > 1``, a prompt's ``n`` outputs one
-        after another, ``index`` 0 .. n-1). A request that fails inside a step ends with ``finish_reason ==
-        "error"`` and its ``error``; the others are served as usual."""
+        """Run every prompt to completion; outputs in prompt order (a prompt's ``n`` choices one after another). A
+        request that fails inside a step ends with ``finish_reason == "error"``."""
         ids_and_choices = self._add_all(prompts, params)
         ids = [rid for rid, _ in ids_and_choices]
         for rid in ids:
@@ -197,8 +184,7 @@ class LLM:
         return [finished[i] for i in ids]
 
     def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
-        """A ``RequestStream`` of the request's outputs, one per step that produced tokens (``delta_text`` is
-        the new text). The prompt is checked and queued here, before the first ``next()``."""
+        """A ``RequestStream`` of one request's outputs, one per step that produced tokens."""
         if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
             raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
         if params is not None and isinstance(params, SamplingParams) and params.n != 1:
@@ -208,15 +194,13 @@ class LLM:
         return RequestStream(self, rid)
 
     def _render_chat(self, messages, where: str = "messages") -> list[int]:
-        """The conversation, checked as the server checks it (:func:`nanospec.chat_messages.check_messages`), through
-        the chat template with the assistant's turn opened, as token ids."""
+        """The checked conversation through the chat template, the assistant's turn opened, as token ids."""
         text = self.tokenizer.apply_chat_template(check_messages(messages, where), add_generation_prompt=True)
         return self.tokenizer.encode(text)
 
     def chat(self, messages, params: SamplingParams | None = None) -> list[RequestOutput]:
-        """One conversation (a list of {"role", "content"} dicts) or a list of conversations. A conversation that
-        the server would refuse (empty, an unknown role, a message without content, ...) is refused with the
-        server's message, before any work."""
+        """One conversation (a list of {"role", "content"} dicts) or a list of them, checked as the server checks
+        them."""
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
             return self.generate([self._render_chat(c, f"messages[{i}]") for i, c in enumerate(messages)], params)
         return self.generate([self._render_chat(messages)], params)
@@ -226,8 +210,7 @@ class LLM:
 
     # ---------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
-        """End the tensor-parallel workers and the process group (nothing to do at ``tensor_parallel_size=1``).
-        Also done on leaving a ``with LLM(...)`` block and at interpreter exit. The LLM cannot run afterwards."""
+        """End the tensor-parallel workers and the process group; the LLM cannot run afterwards."""
         parallel = getattr(self, "parallel", None)
         if parallel is None or parallel.closed:
             return
@@ -243,15 +226,13 @@ class LLM:
 
     # ---------------------------------------------------------------- introspection
     def kv_cache_stats(self) -> dict:
-        """``free_blocks``: blocks a request can take, free or holding a cached prefix (``cached_blocks`` of them);
-        when nothing runs, all of them."""
+        """``free_blocks``: blocks a request can take, free or holding a cached prefix (``cached_blocks``)."""
         bm = self.engine.block_manager
         return {"free_blocks": bm.num_free_blocks, "cached_blocks": bm.num_cached_blocks,
                 "total_blocks": bm.num_blocks, "block_size": bm.block_size}
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached prefix (the next prompts are computed whole); only while no request runs. Returns
-        whether it did."""
+        """Forget every cached prefix; only while no request runs. Returns whether it did."""
         return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
@@ -272,9 +253,8 @@ class LLM:
 
 
 class RequestStream:
-    """One request's outputs as an iterator: a ``RequestOutput`` per step that produced tokens for it, the last
-    one finished (``"stop"``, ``"length"``, ``"abort"`` after ``LLM.abort``, or ``"error"``). ``close()``, or
-    dropping the stream, even before its first ``next()``, aborts the request and frees its KV blocks."""
+    """One request's outputs as an iterator, the last finished. ``close()``, or dropping the stream, aborts the
+    request."""
 
     def __init__(self, llm: LLM, request_id: int):
         self.request_id = request_id

@@ -1,12 +1,5 @@
-"""nanospec's messages: the ``nanospec`` logger, one line per start-up phase (loading, the KV pool, speculation,
-the forward-cost measurement, ready), to stderr.
-
-Quiet when asked: ``NANOSPEC_LOG_LEVEL=WARNING`` (read once, at import) or
-``logging.getLogger("nanospec").setLevel(logging.WARNING)``; ``python -m nanospec.chat --quiet`` and
-``python -m nanospec.serve --log-level warning`` do that. The logger has its own stderr handler and does not pass
-records on to the root logger, so an application's logging setup neither doubles nor drops them; give the logger
-handlers of your own (and ``propagate = True``) to send them elsewhere.
-"""
+"""The ``nanospec`` logger: one line per start-up phase, to stderr (its own handler, no propagation);
+``NANOSPEC_LOG_LEVEL=WARNING`` quiets it."""
 
 from __future__ import annotations
 

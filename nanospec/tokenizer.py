@@ -1,8 +1,5 @@
-"""Text <-> token ids: a thin layer over Hugging Face `tokenizers`, plus the chat template.
-
-`Tokenizer` behaves like transformers' fast tokenizer for the same tokenizer.json and tokenizer_config.json: the same
-ids, the same decoded text, the same rendered chat template. Streaming decode is `nanospec.detokenizer`.
-"""
+"""Text <-> token ids over Hugging Face `tokenizers`, and the chat template: the ids, text and template of transformers'
+fast tokenizer."""
 
 from __future__ import annotations
 
@@ -18,11 +15,7 @@ import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` and the settings of its tokenizer_config.json.
-
-    `config` keys used: bos_token, eos_token, add_bos_token, chat_template (others are kept and saved back).
-    `extra_eos_token_ids`: ids that also end generation, e.g. from the model's config.json or generation_config.json.
-    """
+    """A `tokenizers.Tokenizer` and its tokenizer_config.json; `extra_eos_token_ids` also end generation."""
 
     def __init__(self, backend: tokenizers.Tokenizer, config: Mapping | None = None,
                  extra_eos_token_ids: Sequence[int] = ()):
@@ -53,8 +46,7 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`. Special tokens written in the text (e.g. "<|im_start|>") become their single ids.
-        With add_special_tokens, the BOS token is put in front if the tokenizer config asks for it (add_bos_token)."""
+        """Token ids of `text` (special tokens written in it become their ids), BOS in front when the config asks."""
         ids = self.backend.encode(text, add_special_tokens=False).ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             ids = [self.bos_token_id, *ids]

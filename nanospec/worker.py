@@ -1,34 +1,17 @@
 """The processes of tensor parallelism: starting them, the workers' loop, and ending them.
 
-``LLM(..., tensor_parallel_size=T)`` makes this process the **driver**, rank 0 of ``T``: it runs the engine
-(scheduler, proposer, sampling) and its own shard of the model. Ranks 1 .. T-1 are **workers**: each holds its
-shard of the target (and of the draft, when the draft is sharded too) with its own paged KV cache, and runs what
-the driver sends, command by command (:mod:`nanospec.model.commands`), entering the model's collectives together
-with the driver (:mod:`nanospec.model.driver_runner`). Block tables, sampling and every decision stay on the driver.
+The **driver** (rank 0 of T) runs the engine and its own shard; **workers** (ranks 1 .. T-1) hold their shards of the
+target (and of a sharded draft) with their own KV pools, and run the driver's commands (:mod:`nanospec.model.commands`)
+so that every rank enters the model's collectives together. Workers are spawned by ``LLM`` (a ``TCPStore`` on
+127.0.0.1 where each checks in), or under **torchrun** every rank runs the script and ranks > 0 serve until the
+driver shuts down, then exit. Groups, made on every rank in the same order:
 
-The workers start in one of two ways:
+    the world         the target's group: NCCL on CUDA (one GPU per rank), gloo on a CPU
+    control           gloo over every rank: the driver's commands (no timeout while idle)
+    draft             the draft's group: [0] (draft on the driver alone) or every rank
 
-* **spawned** by the ``LLM`` (``torch.multiprocessing``, the spawn method, daemon processes): the driver opens a
-  ``TCPStore`` on 127.0.0.1 at a free port, each worker checks in there (a worker that dies while starting is
-  reported, not waited for), and all join ``init_process_group``;
-* under **torchrun** (``WORLD_SIZE`` / ``RANK`` set by the launcher, ``WORLD_SIZE == T``), every rank runs the
-  same script: on rank 0 ``LLM(...)`` returns the driver's LLM; on the other ranks it serves as a worker until
-  the driver shuts down, then exits the process (``SystemExit(0)``).
-
-Groups, created on every rank in the same order, as ``torch.distributed`` requires:
-
-    the world         the target's tensor-parallel group: NCCL on CUDA (one GPU per rank), gloo on a CPU
-    control           gloo over every rank: the driver's commands (host tensors; no timeout while idle)
-    draft             the draft's own group: [0] (draft TP 1, the draft runs on the driver alone) or every rank
-
-A worker needs nothing but its rank to start: the driver broadcasts what to build (:class:`WorkerSetup`: the
-checkpoint path, or an in-memory checkpoint itself, and the KV pool's and runner's sizes) once it knows them.
-
-Ending: ``shutdown()`` sends ``SHUTDOWN`` and joins the workers (terminating any that do not leave within
-seconds), then destroys the process group. A worker that dies is seen before the next command
-(``process.is_alive``) or by the failed collective (gloo reports a closed connection at once), and raises
-:class:`~nanospec.model.parallel.TensorParallelError` in the caller. When the driver dies, its workers' next
-receive fails the same way and they exit.
+A worker that dies is seen before the next command or by the failed collective, and raises
+:class:`~nanospec.model.parallel.TensorParallelError` in the caller.
 """
 
 from __future__ import annotations
@@ -59,7 +42,7 @@ IDLE = datetime.timedelta(days=365)               # a worker waits for the drive
 
 @dataclass
 class ModelSpec:
-    """What a rank needs to build its shard of one model and the runner around it (the driver's very numbers)."""
+    """What a rank needs to build its shard of one model and its runner (the driver's numbers)."""
     source: str | os.PathLike | Checkpoint | None  # a checkpoint path (None: the embedded model), or the checkpoint
     dtype: torch.dtype
     max_len: int | None  # the RoPE table's length (Llama's max_len)
@@ -84,8 +67,7 @@ def in_torchrun() -> bool:
 
 
 class TensorParallel:
-    """This process's place in the tensor-parallel group: its rank, device, groups; on the driver also the command
-    channel and the spawned workers. ``check`` / ``broken`` are the group's health (``GroupHealth``)."""
+    """This process's place in the group: rank, device, groups; on the driver the spawned workers too."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, draft_size: int | None,
                  processes: list | None = None):
@@ -129,8 +111,7 @@ class TensorParallel:
             time.sleep(0.05)
 
     def shutdown(self) -> None:
-        """End every worker (a SHUTDOWN command, then terminate what is left after seconds) and the process group.
-        Safe to call more than once, and after a failure."""
+        """End every worker (SHUTDOWN, then terminate what is left) and the process group; idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -185,15 +166,14 @@ class TensorParallel:
 
 def build_model(source, dtype: torch.dtype, max_len: int | None, device: torch.device, tp: ParallelGroup | None,
                 checkpoint: Checkpoint | None = None, quantization: str | None = None) -> Llama:
-    """This rank's shard of the model at ``source`` (a path, None: the embedded model, or a checkpoint;
-    ``checkpoint``: already loaded; ``quantization``: as ``load_checkpoint``'s)."""
+    """This rank's shard of the model at ``source`` (a path, None: the embedded model, or a checkpoint)."""
     if checkpoint is None:
         checkpoint = source if isinstance(source, Checkpoint) else load_checkpoint(source, dtype, quantization)
     return Llama(checkpoint.config, checkpoint.tensors, device, dtype, max_len=max_len, tp=tp)
 
 
 def build_runner(model: Llama, spec: ModelSpec) -> ModelRunner:
-    """A model's KV pool (its KV heads, ``spec``'s number of blocks: the driver's) and its runner."""
+    """A model's KV pool (its KV heads, the driver's number of blocks) and its runner."""
     c = model.config
     kv_cache = KVCache(c.num_hidden_layers, spec.num_blocks, spec.block_size, model.num_kv_heads, c.head_dim,
                        spec.dtype, model.device)
@@ -224,8 +204,8 @@ def _threads_per_rank(world_size: int) -> int:
 
 
 def start(world_size: int, draft_size: int | None, device: torch.device) -> TensorParallel:
-    """Join (torchrun) or create (spawn) the group of ``world_size`` ranks; returns this process's place in it.
-    Raises ValueError for a group this machine cannot run, RuntimeError when a worker fails to start."""
+    """Join (torchrun) or create (spawn) the group of ``world_size`` ranks; ValueError for a group this machine cannot
+    run, RuntimeError when a worker fails to start."""
     if in_torchrun():
         return _join_torchrun(world_size, draft_size, device)
     if dist.is_initialized():

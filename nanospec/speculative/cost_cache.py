@@ -1,14 +1,7 @@
-"""The target's measured forward costs, kept between runs: measured once per model, weights, device, thread count
-and measurement, then read back.
-
-The file is ``forward_costs.json`` in ``$NANOSPEC_CACHE_DIR`` (default ``$XDG_CACHE_HOME/nanospec``, i.e.
-``~/.cache/nanospec``); ``NANOSPEC_CACHE_DIR=`` (empty) turns the cache off. An entry is found by the whole of what
-a forward's time depends on (:func:`cost_key`): the model's shape (its config), how its weights are stored (dtype,
-quantization, each linear layer's tensors' types: a quantized or oneDNN-packed layer times differently), the device
-(the CPU's model name and core count, or the GPU's name), torch's thread count and version, the runner (CUDA graphs
-or eager) and what was timed (token counts, tokens per sequence, the KV pool's block size and size). Change any of
-them and the costs are measured anew. The file is JSON (never pickled), written whole to a temporary file and
-renamed, and a file that cannot be read or that holds anything unexpected is ignored (and rewritten).
+"""The target's measured forward costs, kept between runs in ``$NANOSPEC_CACHE_DIR/forward_costs.json`` (default
+``~/.cache/nanospec``; empty: off). An entry's key is everything a forward's time depends on (:func:`cost_key`):
+config, weight storage, device, threads, torch version, runner and what was timed. JSON, written atomically; a file
+that cannot be read is ignored and rewritten.
 """
 
 from __future__ import annotations
