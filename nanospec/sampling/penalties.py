@@ -1,19 +1,12 @@
 """What plain decoding does to a row of logits before it draws: ``min_tokens`` and the penalties.
 
-``min_tokens``: a row whose token would be output token number ``< min_tokens`` cannot end the request, so its stop
-tokens get ``-inf``.
-
-Penalties (vLLM's and OpenAI's), for one row, with ``c_v`` how often token ``v`` occurs in the output so far and
-``seen_v`` whether it occurs in the prompt or the output, in this order:
+A row whose token would be output token number ``< min_tokens`` gets ``-inf`` at its stop tokens. Penalties (vLLM's
+and OpenAI's), with ``c_v`` the count of ``v`` in the output followed by the row's path, ``seen_v`` whether ``v`` is
+in the prompt or that output:
 
     l_v = l_v / r   if seen_v and l_v > 0        (r = repetition_penalty; 1 is off)
     l_v = l_v * r   if seen_v and l_v <= 0
     l_v = l_v - frequency_penalty * c_v - presence_penalty * [c_v > 0]
-
-A row's output is the committed output followed by its path (the package docstring), so the row of a tree node is
-exactly the row plain decoding would have processed had that path been emitted: greedy and matched verification
-stay lossless with penalties on. Plain torch on the device, no host read: the per-sequence counts are one
-scatter-add, each row's path one more.
 """
 
 from __future__ import annotations
@@ -25,8 +18,7 @@ from nanospec.sequence import Sequence
 
 def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]],
                                       depths: list[list[int]]) -> None:
-    """``logits[row, stop token] = -inf`` for every row (of ``seqs[i]``: ``seq_rows[i]``, at ``depths[i]`` past the
-    committed output) whose token would be output token number ``< min_tokens``."""
+    """``logits[row, stop token] = -inf`` for every row whose token would come before ``min_tokens``."""
     rows, cols = [], []
     for seq, seq_row, seq_depths in zip(seqs, seq_rows, depths):
         missing = seq.params.min_tokens - seq.num_output_tokens

@@ -1,11 +1,5 @@
-"""A batch's sampling settings on the device, and the token each row draws.
-
-One entry per logits row: by default one row per sequence, drawn at the position of its next token
-(``num_tokens + offset``); with ``depths``, ``len(depths[i])`` rows for sequence ``i``, the row at depth ``d`` drawn
-at ``num_tokens + d`` (a token tree: the root's row is depth 0). ``seeds`` are the requests' seeds (xor a salt, for
-a stream of their own) and ``offsets`` the positions: the counters of :mod:`nanospec.kernels.random`. A ``top_k``
-too large for int32 keeps every token, as any ``top_k`` at or above the vocabulary does.
-"""
+"""A batch's sampling settings on the device, one entry per logits row (at ``num_tokens + depth``), and the token each
+row draws."""
 
 from __future__ import annotations
 

@@ -29,14 +29,9 @@ def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 
 def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager: BlockManager,
                   token_counts: list[int], *, per_seq: int, device: torch.device, batch_device: torch.device | str,
                   max_len: int, context: int = 64) -> list[float]:
-    """Seconds of one verify-shaped forward (every row's logits) over each of ``token_counts`` new tokens after
-    ``context`` cached ones: one sequence up to ``per_seq`` tokens, a larger count as sequences of ``per_seq``
-    tokens each (a batch of verifies). The counts are timed in ascending order and those up to 16 again in
-    descending order, best of 2 each time, and each keeps its faster pass (above 16 tokens: one timing): the
-    first forwards after loading run slow, and a stall of a shared machine hits one pass, not both; one slow
-    point would otherwise price the counts around it as free. Where the pool cannot hold them all,
-    fewer sequences are timed (and no context if even one does not fit). ``execute`` runs a batch built on
-    ``batch_device``; ``device`` is where it computes (CUDA is synchronised around each timing)."""
+    """Seconds of a verify-shaped forward over each of ``token_counts`` new tokens after ``context`` cached ones (larger
+    counts as sequences of ``per_seq``), best of two passes where the count is small, so one stall does not price a
+    point as free."""
     bm = block_manager
     per_seq = max(1, min(per_seq, max_len - 1))
     if bm.blocks_for(context + per_seq) > bm.num_free_blocks or context + per_seq > max_len:

@@ -1,14 +1,9 @@
 """N-gram (prompt lookup) proposer: speculate by copying what followed an earlier occurrence of the suffix.
 
-For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the last n tokens of the sequence (prompt + output)
-are the pattern; the first n whose pattern also ends at an earlier position e < L wins, and the proposal is
-``tokens[e : min(e + k, L)]`` (it may run into the suffix). Of the earlier occurrences, the most recent: the better
-guess when text is repeated with edits or when generation loops (vLLM takes the earliest).
-
-:class:`NgramIndex` keeps, for every n-gram of the sequence, the positions where it ends: ``extend`` costs
-O(new tokens * number of n) and a lookup O(n_max^2 + k), whatever the sequence length. A tree
-(``max_candidates > 1``) merges the continuations of up to ``max_candidates`` earlier occurrences (most recent
-first) into a token trie of at most ``budget`` nodes.
+For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the first n whose last n tokens also end at an
+earlier position e wins (the most recent e), and the guess is ``tokens[e : e + k]``. :class:`NgramIndex` keeps the
+end positions of every n-gram, so a lookup costs O(n_max^2 + k) whatever the length. With ``max_candidates > 1`` the
+continuations of several occurrences merge into a token trie of at most ``budget`` nodes.
 """
 
 from __future__ import annotations
@@ -29,12 +24,7 @@ OCCURRENCES_SCANNED_PER_CANDIDATE = 8
 
 
 class NgramIndex:
-    """The token sequence of one request plus, for every n-gram in it, the positions where it ends.
-
-    `ends[ngram]` lists, in increasing order, every p with tokens[p - len(ngram):p] == ngram; the
-    continuation of that occurrence starts at tokens[p]. N-grams of different lengths are different
-    tuples, so one dict holds all lengths.
-    """
+    """A request's tokens and, per n-gram, the increasing positions ``p`` with ``tokens[p - n:p] == ngram``."""
 
     def __init__(self, min_n: int, max_n: int, token_ids: Tokens[int] = ()):
         self.min_n = min_n
@@ -61,8 +51,8 @@ class NgramIndex:
                 self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
 
     def match(self) -> tuple[int, list[int]] | None:
-        """The largest n whose suffix n-gram also occurs earlier, with the earlier end positions
-        (increasing; the suffix itself excluded), or None when no n in [min, max] has one."""
+        """The largest n whose suffix n-gram also ends earlier, with those earlier end positions; None when none
+        does."""
         tokens = self._tokens
         length = len(tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
@@ -79,10 +69,8 @@ class NgramState:
 
 
 class NgramProposer(Proposer):
-    """Proposes draft tokens by prompt lookup (see the module docstring for the exact rule), from one
-    incremental index per sequence (in its ``spec_state``). Guesses are free: each step proposes the whole
-    chain (or tree); a chain is ranked by its acceptance estimate and the engine verifies as much of it as pays
-    off, a tree is verified whole."""
+    """Prompt lookup from one incremental index per sequence; a chain is ranked by its acceptance estimate, a tree is
+    verified whole."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  max_candidates: int = 1, tree_budget: int | None = None):
@@ -109,8 +97,7 @@ class NgramProposer(Proposer):
         return NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max, prompt_ids)
 
     def chain(self, index: NgramIndex, k: int | None = None) -> list[int]:
-        """Up to k (default num_speculative_tokens) tokens that followed the most recent earlier
-        occurrence of the longest matching suffix; [] when nothing matches."""
+        """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""
         k = self.num_speculative_tokens if k is None else k
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
@@ -122,12 +109,7 @@ class NgramProposer(Proposer):
         return index.tokens[start : min(start + k, len(index))]
 
     def tree(self, index: NgramIndex, budget: int) -> tuple[list[int], list[int]]:
-        """A trie of candidate continuations, as (tokens, parents) (``parents[i] == -1``: under the root).
-
-        Each path from the root is at most num_speculative_tokens long, there are at most `budget` nodes, and
-        continuations are inserted most recent occurrence first, so when the budget runs out the older ones
-        are cut. With max_candidates == 1 this is the chain of `chain`.
-        """
+        """A trie of continuations, most recent occurrence first, paths at most k long, at most `budget` nodes."""
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
         found = index.match()
