@@ -118,13 +118,19 @@ class Llama:
         return ", ".join(f"{kind} ({count})" for kind, count in kinds.most_common())
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, kv_cache: KVCache) -> torch.Tensor:
-        """Hidden states (after the final norm) of the rows ``batch.logits_indices``: ``[R, hidden]``."""
+    def forward(self, batch: ForwardBatch, kv_cache: KVCache, aux_layers: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Hidden states (after the final norm) of the rows ``batch.logits_indices``: ``[R, hidden]``. With
+        ``aux_layers``, also the residual stream entering each of those layers (layer 0: the embeddings) at every
+        row, concatenated in layer order: ``[T, len(aux_layers) * hidden]`` (an EAGLE-3 head's input)."""
         plan = self.attention.plan(batch, kv_cache.block_size)  # what every layer's attention shares
         hidden = self.embed(batch.input_ids)
         residual = None
         eps, matmul_dtype = self.config.rms_norm_eps, self.matmul_dtype
+        aux = []
         for i, layer in enumerate(self.layers):
+            if i in aux_layers:
+                aux.append(hidden if residual is None else hidden + residual)
             if residual is None:
                 residual = hidden
                 x = rms_norm(hidden, layer.input_norm, eps, out_dtype=matmul_dtype)
@@ -142,7 +148,8 @@ class Llama:
         if residual is None:  # a model with no layers
             residual, hidden = hidden, torch.zeros_like(hidden)
         rows = batch.logits_indices
-        return rms_norm(hidden[rows], self.norm, self.config.rms_norm_eps, residual=residual[rows])[0]
+        out = rms_norm(hidden[rows], self.norm, self.config.rms_norm_eps, residual=residual[rows])[0]
+        return (out, torch.cat(aux, dim=-1)) if aux_layers else out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[R, vocab]`` float32 logits (under tensor parallelism: every rank's slice, gathered on every rank)."""

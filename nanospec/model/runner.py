@@ -6,6 +6,8 @@ wants logits) is laid into **static buffers** padded to a bucket: ``S`` sequence
 ``s*q .. s*q+q-1``: its real tokens, then padding rows that write no K/V (slot -1) and that no real row sees; its
 ``seq_len`` counts the padding, so real row ``j`` still sits at ``context + j``; padding sequences own no blocks.
 The real rows' logits (and final hidden states, for a proposer that reads them) are picked out on the device.
+With ``aux_layers`` set (an EAGLE-3 head's), each forward also keeps those layers' residual-stream states at every
+row of the batch, in the batch's order: ``aux_hidden``, ``[T, len(aux_layers) * hidden]``.
 
 On CUDA (``enforce_eager=False``, the default there) each bucket's forward is captured as a CUDA graph the first
 time it is needed (after a warm-up run that compiles the kernels) and replayed: every per-step value lives in the
@@ -43,6 +45,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph | None   # None on a CPU: the static path runs eagerly
     logits: torch.Tensor | None          # the captured outputs: every row's logits
     hidden: torch.Tensor | None          # and final hidden states
+    aux: torch.Tensor | None = None      # and the auxiliary layers' states (aux_layers)
 
 
 class ModelRunner:
@@ -56,6 +59,8 @@ class ModelRunner:
         self.seq_buckets = buckets(max_num_seqs)
         self.query_buckets = buckets(max_query_len)
         self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.aux_layers: tuple[int, ...] = ()  # set before the first forward (graphs capture what it says)
+        self.aux_hidden: torch.Tensor | None = None  # the last forward's, with aux_layers
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # pinned staging buffers for to_device, used in turn, each with the event of the copy that last read it
         empty = torch.empty(0, dtype=torch.int64)
@@ -83,7 +88,7 @@ class ModelRunner:
         host. The hidden states come from the same forward: asking for them costs one gather on the static path."""
         key = None if self.enforce_eager else self._bucket(batch)
         if key is None:
-            hidden = self.model.forward(self._to_device(batch), self.kv_cache)
+            hidden, self.aux_hidden = self._forward(self._to_device(batch))
             return self.model.compute_logits(hidden), hidden if hidden_states else None
         num_seqs, q, masked = key
         entry = self.graphs.get(key)
@@ -91,12 +96,18 @@ class ModelRunner:
             entry = self.graphs[key] = self._prepare(num_seqs, q, masked)
         rows = self._fill(entry.batch, batch, q)
         if entry.graph is None:
-            hidden = self.model.forward(entry.batch, self.kv_cache)
+            hidden, aux = self._forward(entry.batch)
             logits = self.model.compute_logits(hidden)
         else:
             entry.graph.replay()
-            hidden, logits = entry.hidden, entry.logits
+            hidden, logits, aux = entry.hidden, entry.logits, entry.aux
+        self.aux_hidden = aux[rows] if aux is not None else None
         return logits[rows], hidden[rows] if hidden_states else None
+
+    def _forward(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The model's final hidden states, and the auxiliary layers' states when ``aux_layers`` asks."""
+        out = self.model.forward(batch, self.kv_cache, self.aux_layers)
+        return out if self.aux_layers else (out, None)
 
     def copy_kv_slots(self, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
         """``cache[dst] = old cache[src]`` for K and V of every layer (slot indices, on any device)."""
@@ -194,10 +205,10 @@ class ModelRunner:
         batch.slot_mapping.fill_(-1)
         batch.seq_lens.fill_(q)
         batch.query_start_loc.copy_(torch.arange(0, rows + 1, q, dtype=torch.int32, device=self.device))
-        self.model.compute_logits(self.model.forward(batch, self.kv_cache))
+        self.model.compute_logits(self._forward(batch)[0])
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model.forward(batch, self.kv_cache)
+            hidden, aux = self._forward(batch)
             logits = self.model.compute_logits(hidden)
-        return _Graph(batch, graph, logits, hidden)
+        return _Graph(batch, graph, logits, hidden, aux)

@@ -6,6 +6,7 @@
     {"method": "draft", "model": PATH, "acceptance": "coupled"}     # outputs equal plain seeded sampling
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
     {"method": "mlp_speculator", "model": PATH, "tree_top_k": 4, "prompt_lookup": True}
+    {"method": "eagle3", "model": PATH, "num_speculative_tokens": 4}   # an EAGLE-3 head (vLLM / SGLang format)
 
 ``"adaptive": True`` (the default) verifies only the guesses that pay (:mod:`nanospec.speculative.policy`). The
 keys of each method and their meaning: ``docs/speculative-decoding.md``.
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from nanospec.model.quantization import parse_quantization
 from nanospec.speculative.draft import DraftProposer
+from nanospec.speculative.eagle3 import Eagle3Proposer
 from nanospec.speculative.lookahead import LookaheadProposer
 from nanospec.speculative.mlp import MLPSpeculatorProposer, speculator_path
 from nanospec.speculative.ngram import NgramProposer
@@ -33,6 +35,7 @@ _KEYS = {
     "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
     "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "prompt_lookup",
                        "prompt_lookup_min", "prompt_lookup_max"},
+    "eagle3": {"method", "model", "num_speculative_tokens", "adaptive", "dtype"},
 }
 
 
@@ -123,6 +126,13 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         return SpeculativeConfig(method, k, model=model, dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
                                  prompt_lookup=prompt_lookup, prompt_lookup_min=lo, prompt_lookup_max=hi)
     model = config.get("model")
+    if method == "eagle3":
+        if not model or not isinstance(model, (str, os.PathLike)):
+            raise ValueError(f"speculative_config for method 'eagle3' needs 'model': the directory of an EAGLE-3 "
+                             f"head (config.json + safetensors), got {model!r}")
+        if not Path(model).is_dir():
+            raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head directory does not exist: {model}")
+        return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive)
     if not model or not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"speculative_config for method 'draft' needs 'model': the path of a small Llama, "
                          f"got {model!r}")
@@ -193,5 +203,7 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         path = speculator_path(config.model, target_config)
         return MLPSpeculatorProposer.from_config(with_served_defaults(config, path), path, target_config, device,
                                                  dtype)
+    if config.method == "eagle3":
+        return Eagle3Proposer.from_config(config, target_config, num_blocks, block_size, device, dtype, max_model_len)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
                          parallel, enable_prefix_caching)

@@ -39,6 +39,7 @@ class Speculator:
         self.policy: GoodputPolicy | None = None
         if proposer is None:
             return
+        proposer.bind(runner)
         if block_manager.blocks_for(self.max_tokens_per_step + 2) > block_manager.num_blocks:
             raise ValueError(f"the KV pool ({block_manager.num_blocks} blocks of {self.block_size} tokens) cannot "
                              f"hold one speculative step ({self.max_tokens_per_step + 2} tokens); raise num_blocks "

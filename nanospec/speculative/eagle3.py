@@ -1,0 +1,216 @@
+"""An EAGLE-3 head as a proposer: guesses a chain from three of the target's hidden states, with no extra target pass.
+
+The target's runner is told the head's auxiliary layers (:meth:`Eagle3Proposer.bind`), so every step's one forward
+also keeps the residual stream entering those layers at every row (``ModelRunner.aux_hidden``). After verification,
+on the device and before the step's one read (:meth:`Eagle3Proposer.read_forward`), per speculating sequence:
+
+* **the real rows**: the head runs over exactly the rows the target ran for the sequence (its uncached tokens, then
+  the root and the verified chain), at the same positions, row ``j`` fed the fused states at ``j`` and the token at
+  ``j + 1``: a prompt token, else the step's emitted token at that depth (``Verification.emitted``, on the device).
+  The rows of the accepted path are exact; those of rejected guesses write K/V at positions the next step writes
+  again before anything reads them. The head's output at the last accepted row drafts guess 1.
+* **the chain**: ``k - 1`` one-row steps, each fed the head's own previous prenorm output and its previous guess,
+  one position further (positions, slots and lengths computed on the device from the accepted count).
+
+Guesses are the argmax over the draft vocabulary mapped to target ids (``d + d2t[d]``): one-hot, so verification is
+the matched rule and greedy and seeded output equal plain decoding's whatever the head's weights. They come back
+with the verdicts (``Verdict.ahead``) and are the next step's chain; the goodput policy ranks depth ``j`` by
+``alpha^j`` (the chain's acceptance estimate, as a draft model's).
+
+**The head's K/V**: one layer, its own pool (:class:`~nanospec.cache.block_manager.BlockManager`, twice the target's
+blocks, no prefix caching) and a block table per sequence, covering the positions from ``base`` up to the
+sequence's last committed token but one, as the target's does; K/V past that is scratch (rejected rows, draft
+steps) and is written again before it is read; blocks past it return to the pool after each step, all of them when
+the sequence finishes or is preempted. ``base`` is where the target's forward started when the head first ran for the
+sequence: a prompt served from the target's prefix cache gives the head no hidden states for the cached part, so
+the head attends over the part the target computed (at least the last prompt token). Guesses stay lossless;
+their acceptance may be lower after a long cached prefix. A step the head missed (a failed step) restarts it the
+same way. Not yet: dynamic trees, tensor parallelism (the runner must be a local one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from nanospec.cache.block_manager import BlockManager
+from nanospec.cache.kv_cache import KVCache
+from nanospec.device import resolve_dtype
+from nanospec.kernels.rope import build_rope_cache
+from nanospec.model.attention import Attention
+from nanospec.model.eagle3 import Eagle3Head, load_eagle3_head
+from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
+from nanospec.sequence import Sequence
+from nanospec.speculative.cost import best_seconds
+from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
+from nanospec.speculative.proposal import Proposal, Verdict
+from nanospec.speculative.proposer import Proposer
+
+
+@dataclass
+class Eagle3State:
+    block_table: list[int] = field(default_factory=list)
+    base: int | None = None   # the first position the head holds K/V for (None: none yet)
+    num_cached: int = 0       # the head's K/V is exact for positions base .. num_cached - 1
+    num_tokens: int = 0       # the sequence's length when its guesses were made
+    guesses: list[int] | None = None
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+
+
+class Eagle3Proposer(Proposer):
+    ranked = True
+
+    def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
+                 max_model_len: int, adaptive: bool = True):
+        c = head.config.layer
+        self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
+        self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
+        self.max_tokens_per_step = k
+        self.block_size = block_size
+        self.block_manager = BlockManager(2 * num_blocks, block_size)
+        self.kv_cache = KVCache(1, 2 * num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
+                                self.device)
+        rope = build_rope_cache(c.head_dim, max_model_len + 2 * k + 2, c.rope_theta, c.rope_scaling,
+                                device=self.device)
+        self.attention = Attention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, rope)
+        self.embed = head.embed_tokens  # None: the target's, once bound
+        self.runner = None
+
+    @classmethod
+    def from_config(cls, config, target_config, num_blocks: int, block_size: int, device: torch.device,
+                    dtype: torch.dtype, max_model_len: int | None) -> Eagle3Proposer:
+        if config.dtype is not None:
+            dtype = resolve_dtype(config.dtype, device)
+        head, aux_layers = load_eagle3_head(config.model, target_config, device, dtype)
+        return cls(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
+                   max_model_len or target_config.max_position_embeddings, config.adaptive)
+
+    def bind(self, runner) -> None:
+        if not hasattr(runner, "aux_layers"):
+            raise ValueError("method 'eagle3' needs the target's own runner: it does not run under tensor "
+                             "parallelism yet")
+        runner.aux_layers = self.aux_layers
+        self.runner = runner
+        if self.embed is None:
+            self.embed = runner.model.embed
+
+    # ---------------------------------------------------------------- a sequence's life
+    def start(self, seq: Sequence) -> None:
+        seq.spec_state = Eagle3State()
+
+    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
+        return [chain_ranking(seq.spec_state.acceptance.alpha(), self.k) for seq in seqs]
+
+    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
+        proposals = []
+        for seq, depth in zip(seqs, depths):
+            st: Eagle3State = seq.spec_state
+            current = st.guesses is not None and st.num_tokens == seq.num_tokens
+            proposals.append(Proposal.chain(st.guesses[:depth]) if current else Proposal())
+        return proposals
+
+    def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
+        st: Eagle3State = seq.spec_state
+        st.acceptance.observe_chain(proposal, verdict)
+        st.guesses = [int(t) for t in verdict.ahead[0]] if verdict.ahead else None
+        st.num_tokens = seq.num_tokens
+        st.num_cached = seq.num_tokens - 1
+        self.block_manager.truncate(st.block_table, st.num_cached - st.base)
+
+    def preempt(self, seq: Sequence) -> None:
+        st: Eagle3State = seq.spec_state
+        self.block_manager.free(st.block_table)
+        st.base, st.num_cached, st.guesses = None, 0, None
+
+    def free(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.spec_state.block_table)
+        seq.spec_state = None
+
+    # ---------------------------------------------------------------- drafting, on the device
+    def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
+                     verification) -> list[torch.Tensor]:
+        seqs = verification.seqs
+        out = torch.zeros(len(seqs), self.k, dtype=torch.int64, device=self.device)
+        sizes = [s.num_tokens - s.num_cached_tokens + len(p.fed()[0]) for s, p in zip(seqs, proposals)]
+        active = [b for b, s in enumerate(seqs) if s.spec_state is not None]
+        if not active:
+            return [out]
+        width = verification.emitted.shape[1]
+        tokens, starts, tables, positions, logits_rows, aux_rows, emitted_at, last_rows = [], [], [], [], [], [], [], []
+        row = head_row = 0  # where the sequence's rows start in the target's batch, and in the head's
+        for b, seq in enumerate(seqs):
+            if b in active:
+                st: Eagle3State = seq.spec_state
+                c, n, size = seq.num_cached_tokens, seq.num_tokens, sizes[b]
+                if st.base is None or st.num_cached != c:  # first run, or a step missed: start again at c
+                    self.block_manager.free(st.block_table)
+                    st.base = c
+                self.block_manager.reserve(st.block_table, c + size + self.k - st.base)
+                prompt = seq.token_ids[c + 1:n]  # the next token of each row before the root
+                tokens.append(prompt + [0] * (size - len(prompt)))
+                emitted_at += [-1] * len(prompt) + [b * width + d for d in range(size - len(prompt))]
+                starts.append(c - st.base)
+                tables.append(st.block_table)
+                positions.append(list(range(c, c + size)))
+                logits_rows.append(range(len(prompt), size))
+                aux_rows += range(row, row + size)
+                last_rows.append(head_row + len(prompt))  # the root's row; the last accepted row is past it
+                head_row += size
+            row += sizes[b]
+        batch = build_forward_batch(tokens, starts, tables, self.block_size, logits_rows, self.device,
+                                    positions=positions)
+        emitted_at = torch.tensor(emitted_at, device=self.device)
+        from_emitted = verification.emitted.flatten()[emitted_at.clamp(min=0)].clamp(min=0)
+        batch.input_ids = torch.where(emitted_at >= 0, from_emitted, batch.input_ids)
+        fused = self.head.fuse(self.runner.aux_hidden[torch.tensor(aux_rows, device=self.device)].to(self.dtype))
+        states = self._run(batch, fused)
+        index = torch.tensor(active, device=self.device)
+        accepted = (verification.path[index] >= 0).sum(dim=1)  # per active sequence, on the device
+        state = states[torch.tensor(last_rows, device=self.device) + accepted]
+        guesses = [self._guess(state)]
+        # the last accepted row's position, in the head's storage (its table starts at base)
+        last = torch.tensor([seqs[b].num_tokens - 1 - seqs[b].spec_state.base for b in active],
+                            device=self.device) + accepted
+        offset = torch.tensor([seqs[b].spec_state.base for b in active], device=self.device)
+        for step in range(1, self.k):
+            state = self._run(self._step_batch(batch.block_tables, last + step, offset, guesses[-1]), state)
+            guesses.append(self._guess(state))
+        out[index] = torch.stack(guesses, dim=1)
+        return [out]
+
+    def _step_batch(self, tables: torch.Tensor, storage: torch.Tensor, offset: torch.Tensor,
+                    input_ids: torch.Tensor) -> ForwardBatch:
+        """One row per sequence at storage index ``storage`` (RoPE position ``offset + storage``)."""
+        rows = torch.arange(len(storage), device=self.device)
+        blocks = tables[rows, storage // self.block_size].long()
+        return ForwardBatch(input_ids=input_ids, positions=offset + storage,
+                            slot_mapping=blocks * self.block_size + storage % self.block_size, block_tables=tables,
+                            seq_lens=(storage + 1).to(torch.int32),
+                            query_start_loc=torch.arange(len(storage) + 1, dtype=torch.int32, device=self.device),
+                            max_query_len=1, logits_indices=rows)
+
+    def _run(self, batch: ForwardBatch, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's layer over ``batch`` on its paged K/V: prenorm outputs ``[T, hidden]``."""
+        plan = self.attention.plan(batch, self.block_size)
+        embeds = self.embed(batch.input_ids).to(self.dtype)
+        return self.head(embeds, hidden, lambda qkv: self.attention(qkv, self.kv_cache, 0, batch, plan))
+
+    def _guess(self, state: torch.Tensor) -> torch.Tensor:
+        return self.head.to_target(self.head.logits(state).argmax(dim=-1))
+
+    def measure_cost(self) -> float:
+        """Seconds of one draft step at batch 1 after 64 positions (the real rows' forward is not counted)."""
+        table: list[int] = []
+        self.block_manager.reserve(table, 65)
+        try:
+            tables = torch.tensor([table], dtype=torch.int32, device=self.device)
+            batch = self._step_batch(tables, torch.tensor([64], device=self.device),
+                                     torch.zeros(1, dtype=torch.int64, device=self.device),
+                                     torch.zeros(1, dtype=torch.int64, device=self.device))
+            state = torch.zeros(1, self.head.config.layer.hidden_size, device=self.device, dtype=self.dtype)
+            step = lambda: self._guess(self._run(batch, state)).tolist()  # noqa: E731
+            step()
+            return best_seconds(step, self.device)
+        finally:
+            self.block_manager.free(table)

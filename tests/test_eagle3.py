@@ -1,0 +1,386 @@
+"""EAGLE-3 heads (the format vLLM and SGLang load) and method ``"eagle3"``:
+
+* the target's forward keeps the residual stream entering the auxiliary layers, as transformers'
+  ``hidden_states[i]`` (vLLM's indexing), at every row of the batch;
+* checkpoints written here in each naming style (``midlayer.``, ``model.layers.0.``, ``layers.0.``), with a
+  reduced draft vocabulary and ``d2t`` or the whole one, with an embedding of their own or the target's: the first
+  guesses after a prompt equal the head's formula written out again here in float64;
+* the engine: greedy and seeded output equal plain decoding's, alone and batched, eager and on the static path,
+  under preemption and with a prompt served from the prefix cache; every head K/V block returns to its pool;
+* a head that does not fit the target (hidden size, vocabulary, ``d2t`` length, auxiliary layer ids, head_dim) is
+  refused with an error naming the field.
+
+Besides heads with random weights, a head built by hand guesses the token that most often followed the last one in
+plain decoding (its attention reads the current token's embedding, its ``lm_head`` scores the successors through a
+reduced vocabulary and ``d2t``), so guesses are accepted often but not always: acceptance, the bonus token and
+the head's K/V past rejected guesses all run."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from nanospec import LLM, SamplingParams
+from tiny import assert_no_leak, make_tiny_llama, most_common_successors
+
+HIDDEN, LAYERS, VOCAB = 64, 3, 320
+PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 104, 105, 3], [11, 12],
+           [42]]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+SAMPLED = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=20, seed=11, ignore_eos=True),
+           SamplingParams(temperature=0.5, top_k=20, max_tokens=20, seed=-5, ignore_eos=True)]
+ALL_PARAMS = [GREEDY, *SAMPLED]
+STYLES = {"midlayer": "midlayer.", "model.layers.0": "model.layers.0.", "layers.0": "layers.0."}
+
+
+def head_config(**changes) -> dict:
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": HIDDEN,
+              "intermediate_size": 96, "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 4,
+              "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 256,
+              "vocab_size": VOCAB, "draft_vocab_size": VOCAB, "tie_word_embeddings": False}
+    config.update(changes)
+    return config
+
+
+def random_tensors(config: dict, *, seed: int, embedding: bool, hot: list[int] | None = None) -> dict:
+    """Canonical names (``midlayer.``) -> random tensors of the head's shapes; ``hot``: the draft vocabulary's
+    target ids (then ``d2t`` and ``t2d``)."""
+    g = torch.Generator().manual_seed(seed)
+    H, F = config["hidden_size"], config["intermediate_size"]
+    q, kv = config["num_attention_heads"] * config["head_dim"], config["num_key_value_heads"] * config["head_dim"]
+    draft = len(hot) if hot is not None else config["vocab_size"]
+    target_hidden = config.get("target_hidden_size", H)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g) * shape[-1] ** -0.5
+
+    t = {"fc.weight": rand(H, 3 * target_hidden), "norm.weight": 1 + 0.1 * torch.randn(H, generator=g),
+         "lm_head.weight": rand(draft, H)}
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        t[f"midlayer.{name}.weight"] = 1 + 0.1 * torch.randn(H, generator=g)
+    for name, shape in (("q", (q, 2 * H)), ("k", (kv, 2 * H)), ("v", (kv, 2 * H)), ("o", (H, q))):
+        t[f"midlayer.self_attn.{name}_proj.weight"] = rand(*shape)
+    for name, shape in (("gate", (F, H)), ("up", (F, H)), ("down", (H, F))):
+        t[f"midlayer.mlp.{name}_proj.weight"] = rand(*shape)
+    if embedding:
+        t["embed_tokens.weight"] = rand(config["vocab_size"], H)
+    if hot is not None:
+        t["d2t"] = torch.tensor(hot) - torch.arange(draft)
+        t["t2d"] = torch.zeros(config["vocab_size"], dtype=torch.bool).index_fill_(0, torch.tensor(hot), True)
+    return t
+
+
+def write_head(directory: Path, tensors: dict, config: dict, style: str = "midlayer") -> Path:
+    """The checkpoint as published: ``midlayer.`` renamed to the style's layer prefix, the rest as it is (under
+    ``model.`` too in the ``model.layers.0`` style)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    prefix = STYLES[style]
+    named = {}
+    for name, tensor in tensors.items():
+        if name.startswith("midlayer."):
+            name = prefix + name.removeprefix("midlayer.")
+        elif style == "model.layers.0" and name != "lm_head.weight":
+            name = "model." + name
+        named[name] = tensor.contiguous()
+    save_file(named, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("eagle3_target")
+    model = make_tiny_llama(path, seed=1, tie=True, layers=LAYERS, max_pos=256, hidden=HIDDEN, vocab=VOCAB)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def plain(target, device):
+    return LLM(str(target[0]), num_blocks=256, block_size=4, device=device, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def expected(plain):
+    """Plain decoding's tokens: ``expected[j][i]`` for ``ALL_PARAMS[j]`` and ``PROMPTS[i]``."""
+    return [[o.token_ids for o in plain.generate(PROMPTS, params)] for params in ALL_PARAMS]
+
+
+@pytest.fixture(scope="module")
+def successor_head(tmp_path_factory, target, expected):
+    """A head that guesses the most common successor of the token it is fed: fc = 0, so the layer sees the token
+    alone; q = k = 4 x, v = x on the token's normed embedding (a row attends to itself, or to rows of the same
+    token), o = I, no MLP; lm_head row d is the sum of the normed embeddings of the tokens whose successor is
+    the draft id d's target token."""
+    _, model = target
+    sequences = [prompt + out for outputs in expected for prompt, out in zip(PROMPTS, outputs)]
+    successors = most_common_successors(sequences)
+    hot = sorted(set(successors.values()))
+    config = head_config(draft_vocab_size=len(hot))
+    t = random_tensors(config, seed=3, embedding=False, hot=hot)
+    embed = model.model.embed_tokens.weight.detach().float()
+    normed = embed * torch.rsqrt(embed.pow(2).mean(-1, keepdim=True) + 1e-5)
+    eye = torch.eye(HIDDEN)
+    t["fc.weight"].zero_()
+    for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        t[f"midlayer.{name}.weight"].fill_(1.0)
+    t["norm.weight"].fill_(1.0)
+    t["midlayer.self_attn.q_proj.weight"] = torch.cat([4 * eye, 0 * eye], dim=1)
+    t["midlayer.self_attn.k_proj.weight"] = torch.cat([4 * eye, 0 * eye], dim=1)
+    t["midlayer.self_attn.v_proj.weight"] = torch.cat([eye, 0 * eye], dim=1)
+    t["midlayer.self_attn.o_proj.weight"] = eye.clone()
+    t["midlayer.mlp.down_proj.weight"].zero_()
+    lm_head = torch.zeros(len(hot), HIDDEN)
+    for token, successor in successors.items():
+        lm_head[hot.index(successor)] += normed[token]
+    t["lm_head.weight"] = lm_head
+    return write_head(tmp_path_factory.mktemp("eagle3_successor"), t, config, "layers.0")
+
+
+def eagle_llm(target, head, device, *, k: int = 3, adaptive: bool = False, **kwargs) -> LLM:
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "adaptive": adaptive}
+    kwargs = {"num_blocks": 256, "block_size": 4, "device": device, "dtype": "float32", **kwargs}
+    return LLM(str(target[0]), speculative_config=config, **kwargs)
+
+
+def assert_head_blocks_returned(llm) -> None:
+    assert_no_leak(llm)  # the target's pool, and the head's (the proposer's block_manager)
+    blocks = llm.engine.speculator.proposer.block_manager
+    assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def assert_guesses_accepted_and_rejected(llm) -> None:
+    stats = llm.stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+
+
+# ---------------------------------------------------------------- the target's auxiliary states
+
+def test_forward_keeps_the_residual_stream_entering_the_aux_layers(target, device):
+    """``runner.aux_hidden`` after a prefill: transformers' ``hidden_states[i]`` (the embeddings for 0, else layer
+    i - 1's output) for each id, concatenated in layer order, at every prompt row."""
+    path, model = target
+    head = write_head(path.parent / "eagle3_aux_probe", random_tensors(head_config(), seed=0, embedding=False),
+                      head_config(eagle_aux_hidden_state_layer_ids=[2, 0, 1]))
+    llm = eagle_llm(target, head, device)
+    assert llm.engine.runner.aux_layers == (0, 1, 2)
+    prompt = PROMPTS[1]
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))
+    with torch.no_grad():
+        states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    reference = torch.cat([states[i][0] for i in (0, 1, 2)], dim=-1)
+    # the last forward was the prefill (max_tokens=1: one step)
+    torch.testing.assert_close(llm.engine.runner.aux_hidden.cpu(), reference, rtol=1e-4, atol=1e-4)
+
+
+# ---------------------------------------------------------------- the head's formula
+
+def reference_guesses(tensors: dict, config: dict, model, ids: list[int], aux_ids: list[int], k: int) -> list[int]:
+    """The head over the prompt in float64 with dense causal attention, then k - 1 steps on its own output."""
+    t = {name: v.double() if v.is_floating_point() else v for name, v in tensors.items()}
+    eps, nh, nk, d = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"], \
+        config["head_dim"]
+    embed = t.get("embed_tokens.weight", model.model.embed_tokens.weight.detach().double())
+
+    def norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    inv = 1.0 / (config["rope_theta"] ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+
+    def rope(x, pos):  # x [T, h, d]
+        angles = pos[:, None].double() * inv[None]
+        cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+        return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
+
+    with torch.no_grad():
+        states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    aux = torch.cat([states[i][0].double() for i in sorted(aux_ids)], dim=-1)
+    keys, values = [], []
+
+    def layer(tokens, hidden, positions):
+        x = torch.cat([norm(embed[tokens], t["midlayer.input_layernorm.weight"]),
+                       norm(hidden, t["midlayer.hidden_norm.weight"])], -1)
+        q = rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(-1, nh, d), positions)
+        keys.append(rope((x @ t["midlayer.self_attn.k_proj.weight"].T).view(-1, nk, d), positions))
+        values.append((x @ t["midlayer.self_attn.v_proj.weight"].T).view(-1, nk, d))
+        K, V = torch.cat(keys).repeat_interleave(nh // nk, 1), torch.cat(values).repeat_interleave(nh // nk, 1)
+        scores = torch.einsum("qhd,khd->hqk", q, K) / d ** 0.5
+        past = K.shape[0] - len(tokens)
+        mask = torch.ones(len(tokens), K.shape[0], dtype=torch.bool).tril(past)
+        attn = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), V)
+        h = hidden + attn.reshape(len(tokens), -1) @ t["midlayer.self_attn.o_proj.weight"].T
+        m = norm(h, t["midlayer.post_attention_layernorm.weight"])
+        gate, up = m @ t["midlayer.mlp.gate_proj.weight"].T, m @ t["midlayer.mlp.up_proj.weight"].T
+        return h + (torch.nn.functional.silu(gate) * up) @ t["midlayer.mlp.down_proj.weight"].T
+
+    def guess(out):
+        draft = int((norm(out, t["norm.weight"]) @ t["lm_head.weight"].T).argmax())
+        return draft + int(t["d2t"][draft]) if "d2t" in t else draft
+
+    first = model(torch.tensor([ids])).logits[0, -1].argmax().item()  # the token the prefill emits
+    tokens = ids[1:] + [first]
+    out = layer(torch.tensor(tokens), aux @ t["fc.weight"].T, torch.arange(len(ids)))[-1:]
+    guesses = [guess(out[0])]
+    for step in range(1, k):
+        out = layer(torch.tensor([guesses[-1]]), out, torch.tensor([len(ids) - 1 + step]))
+        guesses.append(guess(out[0]))
+    return guesses
+
+
+@pytest.mark.parametrize("style, embedding, hot", [("midlayer", False, True), ("model.layers.0", True, False),
+                                                   ("layers.0", False, False)])
+def test_first_guesses_follow_the_formula(target, device, tmp_path, style, embedding, hot):
+    _, model = target
+    vocab = list(range(7, VOCAB, 3)) if hot else None
+    config = head_config(draft_vocab_size=len(vocab) if hot else VOCAB, eagle_aux_hidden_state_layer_ids=[1, 0, 2])
+    tensors = random_tensors(config, seed=5, embedding=embedding, hot=vocab)
+    llm = eagle_llm(target, write_head(tmp_path / style, tensors, config, style), device, k=3)
+    engine = llm.engine
+    checked = 0
+    for prompt in PROMPTS[:4]:
+        seq_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        engine.step()  # the prefill: the head runs over the prompt and drafts
+        state = engine.sequences[seq_id].spec_state
+        assert state.guesses == reference_guesses(tensors, config, model, prompt, [0, 1, 2], 3)
+        checked += 1
+        while engine.has_unfinished():
+            engine.step()
+    assert checked == 4
+    assert_head_blocks_returned(llm)
+
+
+# ---------------------------------------------------------------- the engine: lossless
+
+@pytest.mark.parametrize("style", list(STYLES))
+def test_random_heads_in_each_style_equal_plain(target, expected, device, tmp_path, style):
+    config = head_config(draft_vocab_size=100)
+    tensors = random_tensors(config, seed=2, embedding=style == "midlayer", hot=list(range(3, 203, 2)))
+    llm = eagle_llm(target, write_head(tmp_path / style, tensors, config, style), device, k=3, max_num_seqs=8)
+    for j, params in enumerate(ALL_PARAMS):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == expected[0][0]
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_head_blocks_returned(llm)
+
+
+@pytest.mark.parametrize("k, enforce_eager", [(3, True), (2, False)], ids=["k3-eager", "k2-static"])
+def test_greedy_equals_plain(target, successor_head, expected, device, k, enforce_eager):
+    llm = eagle_llm(target, successor_head, device, k=k, enforce_eager=enforce_eager, max_num_seqs=8)
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
+    for i in (0, 5):  # alone, the one-token prompt too
+        assert llm.generate([PROMPTS[i]], GREEDY)[0].token_ids == expected[0][i]
+    assert_guesses_accepted_and_rejected(llm)
+    if not enforce_eager:
+        assert llm.engine.runner.graphs  # the static path did run
+    assert_head_blocks_returned(llm)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["every_guess", "adaptive"])
+def test_seeded_sampling_equals_plain(target, successor_head, expected, device, adaptive):
+    llm = eagle_llm(target, successor_head, device, adaptive=adaptive)
+    for j, params in enumerate(SAMPLED, 1):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert llm.generate([PROMPTS[1]], params)[0].token_ids == expected[j][1], j
+    if not adaptive:
+        assert_guesses_accepted_and_rejected(llm)
+    assert_head_blocks_returned(llm)
+
+
+def test_batch_mixing_speculating_and_plain_requests(target, successor_head, expected, device):
+    import dataclasses
+
+    runs = [(i, j, p) for i in range(len(PROMPTS)) for j in range(len(ALL_PARAMS))
+            for p in (ALL_PARAMS[j], dataclasses.replace(ALL_PARAMS[j], speculate=False))]
+    llm = eagle_llm(target, successor_head, device)
+    outs = llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])
+    assert [o.token_ids for o in outs] == [expected[j][i] for i, j, _ in runs]
+    assert all(o.num_draft_tokens == 0 for o, (_, _, p) in zip(outs, runs) if not p.speculate)
+    assert_guesses_accepted_and_rejected(llm)
+    assert_head_blocks_returned(llm)
+
+
+def test_preemption_keeps_outputs_and_frees_every_block(target, successor_head, expected, device):
+    llm = eagle_llm(target, successor_head, device, num_blocks=24, max_num_seqs=8)
+    for j, params in enumerate(ALL_PARAMS[:2]):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+    assert llm.stats()["num_preemptions"] > 0
+    assert_guesses_accepted_and_rejected(llm)
+    assert_head_blocks_returned(llm)
+
+
+def test_a_prompt_from_the_prefix_cache_still_guesses(target, successor_head, expected, device):
+    """The second run of a prompt is served from the target's prefix cache: the head starts where the target's
+    forward starts, guesses, and the output is plain decoding's."""
+    llm = eagle_llm(target, successor_head, device)
+    prompt = PROMPTS[1]
+    assert llm.generate([prompt], GREEDY)[0].token_ids == expected[0][1]
+    out = llm.generate([prompt], GREEDY)[0]
+    assert out.num_cached_tokens > 0
+    assert out.token_ids == expected[0][1]
+    assert out.num_accepted_tokens > 0
+    assert_head_blocks_returned(llm)
+
+
+# ---------------------------------------------------------------- refused heads
+
+def _bad(config_changes: dict | None = None, tensor_changes: dict | None = None):
+    def make(directory: Path) -> Path:
+        config = head_config(**(config_changes or {}))
+        tensors = random_tensors(head_config(draft_vocab_size=100), seed=0, embedding=False,
+                                 hot=list(range(100)))
+        for name, tensor in (tensor_changes or {}).items():
+            if tensor is None:
+                del tensors[name]
+            else:
+                tensors[name] = tensor
+        if "draft_vocab_size" not in (config_changes or {}):
+            config["draft_vocab_size"] = 100
+        return write_head(directory, tensors, config)
+    return make
+
+
+BAD_HEADS = {
+    "hidden_size": (_bad({"hidden_size": 32, "head_dim": 8}), r"hidden_size = 32 but the target's hidden_size is 64"),
+    "target_hidden_size": (_bad({"target_hidden_size": 48}), r"target_hidden_size = 48 but the target's hidden_size"),
+    "vocab_size": (_bad({"vocab_size": 400}), r"vocab_size = 400 but the target's vocab_size is 320"),
+    "d2t_length": (_bad(tensor_changes={"d2t": torch.zeros(90, dtype=torch.int64)}),
+                   r"'d2t' has shape \[90\], expected \[100\] \(d2t length vs draft_vocab_size"),
+    "d2t_missing": (_bad({"draft_vocab_size": 100}, {"d2t": None}), r"missing tensor 'd2t'"),
+    "d2t_range": (_bad(tensor_changes={"d2t": torch.full((100,), 300, dtype=torch.int64)}),
+                  r"d2t maps a draft id outside the target's vocabulary \[0, 320\)"),
+    "aux_ids": (_bad({"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}),
+                r"eagle_aux_hidden_state_layer_ids = \[0, 1, 3\]: each must be a distinct layer id in \[0, 3\)"),
+    "aux_ids_in_eagle_config": (_bad({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 5, 1]}}),
+                                r"eagle_aux_hidden_state_layer_ids = \[0, 5, 1\]"),
+    "head_dim": (_bad({"head_dim": 32}), r"'midlayer.self_attn.q_proj.weight' has shape \[64, 128\], expected "
+                                         r"\[128, 128\].*head_dim 32"),
+    "layers": (_bad({"num_hidden_layers": 2}), r"num_hidden_layers must be 1"),
+    "architectures": (_bad({"architectures": ["LlamaForCausalLM"]}), r"architectures must be one of"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_HEADS))
+def test_a_head_that_does_not_fit_is_refused_naming_the_field(target, device, tmp_path, case):
+    make, words = BAD_HEADS[case]
+    directory = make(tmp_path / case)
+    with pytest.raises(ValueError, match=words):
+        eagle_llm(target, directory, device)
+
+
+def test_default_aux_layers_out_of_range_name_the_field(tmp_path, device):
+    path = tmp_path / "two_layers"
+    make_tiny_llama(path, seed=1, layers=2, hidden=HIDDEN, vocab=VOCAB)
+    head = write_head(tmp_path / "head", random_tensors(head_config(), seed=0, embedding=False), head_config())
+    with pytest.raises(ValueError, match=r"the default eagle_aux_hidden_state_layer_ids \(2, L // 2, L - 3\) for "
+                                         r"L = 2 = \[2, 1, -1\]"):
+        eagle_llm((path, None), head, device)
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="needs 'model'"):
+        LLM(speculative_config={"method": "eagle3"})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        LLM(speculative_config={"method": "eagle3", "model": str(tmp_path), "tree_top_k": 2})
