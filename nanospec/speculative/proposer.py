@@ -1,9 +1,9 @@
 """What the speculator asks of a proposer (n-gram, lookahead, draft model, MLP speculator).
 
 A proposer returns a token tree per sequence. A **ranked** one tells the goodput policy each node's chance
-(:meth:`Proposer.rank`) before the step, and ``propose`` is asked for the depths that pay. ``bind`` once, before the first step, hands it the target's runner (an EAGLE-3 head reads the
-target's embedding and asks its forward for more hidden states). Per sequence: ``start``,
-``rank`` / ``propose`` each decode step, ``read_forward`` on the device after verification (its values come back as
+(:meth:`Proposer.rank`) before the step, and ``propose`` is asked for the depths that pay. ``bind``, once before
+the first step, hands it the target's runner (an EAGLE-3 head reads the target's embedding and asks its forward for
+more hidden states). Per sequence: ``start``, ``rank`` / ``propose`` each decode step, ``read_forward`` on the device after verification (its values come back as
 ``Verdict.ahead``), ``commit`` after the sequence grew, ``preempt`` when its KV is dropped, ``free`` when it ends.
 """
 
