@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from nanospec.cache.kv_cache import check_pool_memory, kv_bytes_per_block, pool_blocks
-from nanospec.device import resolve_device, resolve_dtype
+from nanospec.device import cpu_has_fast_bfloat16, resolve_device, resolve_dtype
 from nanospec.engine import Engine, EngineConfig, max_query_len
 from nanospec.log import logger
 from nanospec.model.commands import TARGET
@@ -132,8 +132,9 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
         logger.info("speculation: %s%s ...", args.speculative.method,
                     f" with {args.speculative.model}" if args.speculative.model is not None else "")
         speculative = args.speculative
-        if speculative.method == "mlp_speculator" and speculative.dtype is None and model.matmul_dtype != args.dtype:
-            # over a quantized target on a CPU: the speculator's matmuls read bfloat16 too (half the bytes a guess)
+        if speculative.method == "mlp_speculator" and speculative.dtype is None and model.matmul_dtype != args.dtype \
+                and cpu_has_fast_bfloat16():
+            # over a quantized target on a CPU with native bfloat16: the speculator's matmuls read bfloat16 too
             speculative = dataclasses.replace(speculative, dtype=str(model.matmul_dtype).removeprefix("torch."))
         proposer = make_proposer(speculative, config, tokenizer, num_blocks, args.block_size, device,
                                  args.dtype, max_model_len, parallel, args.enable_prefix_caching)
