@@ -3,8 +3,9 @@
 A proposer returns a token tree per sequence. A **ranked** one tells the goodput policy each node's chance
 (:meth:`Proposer.rank`) before the step, and ``propose`` is asked for the depths that pay. ``bind``, once before
 the first step, hands it the target's runner (an EAGLE-3 head reads the target's embedding and asks its forward for
-more hidden states). Per sequence: ``start``, ``rank`` / ``propose`` each decode step, ``read_forward`` on the device after verification (its values come back as
-``Verdict.ahead``), ``commit`` after the sequence grew, ``preempt`` when its KV is dropped, ``free`` when it ends.
+more hidden states). Per sequence: ``start``, ``rank`` / ``propose`` each decode step, ``read_forward`` on the
+device after verification (its values come back as ``Verdict.ahead``), ``commit`` after the sequence grew,
+``preempt`` when its KV is dropped, ``free`` when it ends.
 """
 
 from __future__ import annotations
