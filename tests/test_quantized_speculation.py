@@ -67,7 +67,7 @@ def test_speculation_over_a_quantized_target_equals_its_plain_decoding(paths, pl
         assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain_outputs[j], (method, j)
     stats = llm.stats()
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0, stats
-    if config["method"] == "mlp_speculator":  # bfloat16, as the target's CPU matmuls read, where the CPU has it natively
+    if config["method"] == "mlp_speculator":  # bfloat16 as the target's CPU matmuls, where the CPU has it natively
         expected = torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
         assert llm.engine.speculator.proposer.model.proj[0].weight.dtype == expected
     if config["method"] == "draft":
