@@ -6,10 +6,8 @@
 chat     an 8-turn conversation through the chat template (the questions of prompts.jsonl, greedy, --max-tokens
          answers), each turn streamed by ``LLM.stream_chat`` on an engine with the cache and on one without, in
          turn: time to first token (call -> first output with tokens) per turn, and the prompt tokens the cache
-         held, and whether both engines answered alike (the conversation goes on with the cache-off answer). With
-         float32 weights they do; with the CPU's int4 / int8 kernels (bfloat16 activations, the embedded model's
-         default) K/V computed in a decode step and in a prefill can round apart, and a near tie can go either
-         way.
+         held, and whether both engines answered alike (the conversation goes on with the cache-off answer; on a
+         CPU they do, bit for bit).
 shared   the server (``python -m nanospec.serve``, --enable-prefix-caching / --no-enable-prefix-caching): --clients
          chat requests sent at once, each a ~--system-tokens system prompt that all share and a question of its
          own, streamed with the ``openai`` client, greedy, --shared-max-tokens: throughput (generated tokens over

@@ -277,6 +277,6 @@ def test_plan_reads_consecutive_blocks_as_a_slice(device):
     batch["block_tables"] = tables
     tree = concat_masks([causal_mask(1), causal_mask(7), tree_mask([-1, 0, 0, 1, 2])]).to(device)
     plan = PagedAttentionPlan(tables, batch["seq_lens"], batch["query_start_loc"], block_size, 3, tree)
-    assert all(isinstance(g.kv, slice) for g in plan.groups)
+    assert all(isinstance(s.kv, slice) for s in plan.sequences)
     check("cpu", batch, tree_mask=tree)
     check("cpu", batch)

@@ -8,8 +8,7 @@ holds the batch's plan, shared by every layer:
 * :class:`RopeTables`: ``cos`` and a signed ``sin`` over whole heads, with the softmax scale folded into the query
   heads, so rotating a layer's q and k is three ops;
 * :class:`PagedAttentionPlan`: the cache slots each row attends over (a plain slice when its blocks are consecutive, as
-  a lone request's are): a row that wants logits alone, over exactly the slots it sees (batch-invariant), a prefill
-  chunk as one group with its additive mask (causal, or the tree bitmask unpacked);
+  a lone request's are), every row alone over exactly the slots it sees (batch- and chunk-invariant);
 * where each real (non-padding) token's K/V goes.
 """
 
@@ -51,124 +50,82 @@ class RopeTables:
 
 
 @dataclass
-class _Group:
-    """Query rows of the batch and the cache slots they attend over (see :class:`PagedAttentionPlan`)."""
-    rows: slice                     # a slice of the batch's rows
-    kv: slice | torch.Tensor        # a slice of the flat slot axis, or slot indices
-    q_len: int                      # new tokens of the sequence in this group
-    bias: torch.Tensor | None       # additive mask (0 / -inf), [q_len * group, L]; None: each row sees every slot
+class _Sequence:
+    """One sequence's rows of the batch and what each sees (see :class:`PagedAttentionPlan`)."""
+    rows: slice                        # its rows of the batch, in order
+    kv: slice | torch.Tensor           # its cache slots in position order: a slice of the flat slot axis, or indices
+    seen: list[int | torch.Tensor]     # per row: the first n of those slots, or which of them (a tree's node)
 
 
 class PagedAttentionPlan:
     """Paged attention's per-batch work, done once per forward and shared by every layer.
 
-    **Batch-invariant where it matters.** A row that wants logits (a decode token, every node a step verifies) is
-    attended alone, over exactly the slots it sees, in position order: the context, then its ancestors and itself.
-    That is the very computation (the same ops, shapes and memory layout) plain decoding does for that token once
-    it is committed, so its output does not depend on the batch, on the other guesses, or on the step: a
-    verified token's K/V and logits are bit for bit a decoded token's. (BLAS picks its kernels by shape: one
-    matmul over several rows, or over keys padded and masked, rounds differently. With the CPU's bfloat16 matmul
-    inputs, such a difference can move a value across a rounding step and change a near-tie.)
+    **Every row attends alone**, over exactly the slots it sees, in position order (the context, then the new tokens
+    its mask allows: causally those up to itself; in a tree its ancestors and itself), by one fused op
+    (``scaled_dot_product_attention``, the kv heads as its batch and each kv head's query heads as its query rows).
+    A row's output is so a function of its query and of the K/V it sees, and of nothing else: not of the batch, the
+    other guesses, the step, nor of how a prompt was split into chunks or which part of it came from the prefix
+    cache. With the matmul kernels row-wise too (the CPU's int4 and int8 kernels and oneDNN's float32 one are),
+    a token's K/V and logits are bit for bit the same whether it was prefilled, decoded, verified or found cached.
+    (BLAS picks its kernels by shape: one matmul over several rows, or over keys padded and masked, rounds
+    differently, and with bfloat16 matmul inputs such a difference can move a value across a rounding step and
+    change a near tie.)
 
-    Rows that want no logits (a prefill chunk but its last row) are attended together, one group per sequence with
-    its additive mask (causal, or the tree bitmask unpacked), one row per (new token, query head of a kv head's
-    group), token-major. Each group's slots are a plain slice when its blocks are consecutive, as a lone request's
-    are. :meth:`attend` costs a handful of torch ops per group and layer.
+    Each sequence's slots are a plain slice when its blocks are consecutive, as a lone request's are, and gathered
+    once per layer otherwise. :meth:`attend` costs one op per row and layer, and a few per sequence.
     """
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
-                 block_size: int, group: int, tree_mask: torch.Tensor | None = None,
-                 logits_indices: torch.Tensor | None = None):
+                 block_size: int, group: int, tree_mask: torch.Tensor | None = None):
         device = block_tables.device
         self.group = group
         starts, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
         self.num_tokens = starts[-1] if starts else 0
-        wants_logits = set(logits_indices.tolist()) if logits_indices is not None else set()
-        self.groups: list[_Group] = []
+        self.sequences: list[_Sequence] = []
         for s, seq_len in enumerate(lens):
             start, end = starts[s], starts[s + 1]
             q_len, ctx_len = end - start, seq_len - (end - start)
             if q_len == 0:
                 continue
-            if all(row in wants_logits for row in range(start, end)):
-                self.groups.extend(self._rows_alone(tables[s], start, q_len, ctx_len, block_size, device,
-                                                    tree_mask[start:end] if tree_mask is not None else None))
-                continue
-            visible = None
-            if tree_mask is not None and q_len > 1:
-                visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device)
-                visible[:, ctx_len:] = unpack_mask(tree_mask[start:end], q_len)
-            elif q_len > 1:
-                visible = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(diagonal=ctx_len)
-            bias = None
-            if visible is not None:
-                bias = torch.zeros(visible.shape, device=device).masked_fill_(~visible, float("-inf"))
-                bias = bias.repeat_interleave(group, dim=0)
-            self.groups.append(_Group(slice(start, end), _slots(tables[s], seq_len, block_size, device), q_len, bias))
-        self.one_group_for_all_rows = len(self.groups) == 1 and self.groups[0].rows == slice(0, self.num_tokens)
-
-    @staticmethod
-    def _rows_alone(table: list[int], start: int, q_len: int, ctx_len: int, block_size: int, device,
-                    tree_mask: torch.Tensor | None) -> list[_Group]:
-        """One group per row: the row sees the context and the new tokens its mask allows (causal: those up to
-        itself), in position order."""
-        if tree_mask is None:
-            return [_Group(slice(start + j, start + j + 1), _slots(table, ctx_len + j + 1, block_size, device), 1,
-                           None) for j in range(q_len)]
-        visible = unpack_mask(tree_mask, q_len)  # [q_len, q_len] bool
-        all_slots = None
-        groups = []
-        for j in range(q_len):
-            seen = visible[j].nonzero().squeeze(1)
-            if torch.equal(seen, torch.arange(len(seen), device=device)):  # a prefix: as a chain
-                kv = _slots(table, ctx_len + len(seen), block_size, device)
-            else:
-                if all_slots is None:
-                    all_slots = _slot_indices(table, ctx_len + q_len, block_size, device)
-                kv = torch.cat([all_slots[:ctx_len], all_slots[ctx_len + seen]])
-            groups.append(_Group(slice(start + j, start + j + 1), kv, 1, None))
-        return groups
+            seen = list(range(ctx_len + 1, seq_len + 1))  # causal
+            if tree_mask is not None:
+                visible = unpack_mask(tree_mask[start:end], q_len)  # [q_len, q_len] bool
+                for j in range(q_len):
+                    nodes = visible[j].nonzero().squeeze(1)
+                    if not torch.equal(nodes, torch.arange(len(nodes), device=device)):  # not a prefix: gathered
+                        seen[j] = torch.cat([torch.arange(ctx_len, device=device), ctx_len + nodes])
+                    else:
+                        seen[j] = ctx_len + len(nodes)
+            self.sequences.append(_Sequence(slice(start, end), _slots(tables[s], seq_len, block_size, device), seen))
 
     def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``.
 
         ``k_slots`` / ``v_slots``: the cache with its block axes merged, ``[num_blocks * block_size, Hk, D]``.
         """
-        if self.one_group_for_all_rows:
-            return self._attend_group(self.groups[0], q, k_slots, v_slots)
-        out = q.new_zeros(q.shape)
-        for g in self.groups:
-            out[g.rows] = self._attend_group(g, q[g.rows], k_slots, v_slots)
-        return out
-
-    def _attend_group(self, g: _Group, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads, group = num_heads // self.group, self.group
-        q_in = q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)
-        if g.q_len == 1 and g.bias is None:            # one row over the slots it sees: one fused op
-            result = F.scaled_dot_product_attention(q_in.view(1, num_heads, 1, head_dim),
-                                                    k_slots[g.kv].transpose(0, 1).unsqueeze(0),
-                                                    v_slots[g.kv].transpose(0, 1).unsqueeze(0), scale=1.0,
-                                                    enable_gqa=True).view(1, num_heads, head_dim)
-            return result if result.dtype == q.dtype else result.to(q.dtype)
-        k = k_slots[g.kv].permute(1, 2, 0)             # [Hk, D, L]
-        v = v_slots[g.kv].transpose(0, 1)              # [Hk, L, D]
-        if g.q_len == 1:                               # rows are the heads of each group already
-            q_in = q_in.view(num_kv_heads, group, head_dim)
-        else:                                          # [Hk, q_len * group, D]
-            q_in = q_in.view(g.q_len, num_kv_heads, group, head_dim).transpose(0, 1)
-            q_in = q_in.reshape(num_kv_heads, g.q_len * group, head_dim)
-        if g.bias is None:
-            scores = torch.bmm(q_in, k)
-        else:
-            scores = torch.baddbmm(g.bias if g.bias.dtype == k.dtype else g.bias.to(k.dtype), q_in, k)
-        probs = torch.softmax(scores, dim=-1) if scores.dtype == torch.float32 else \
-            torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        result = torch.bmm(probs, v)
-        if g.q_len > 1:                                # [Hk, q_len * group, D] -> [q_len, Hk, group, D]
-            result = result.view(num_kv_heads, g.q_len, group, head_dim).transpose(0, 1)
-        result = result.reshape(num_tokens, num_heads, head_dim)
+        num_kv_heads = num_heads // self.group
+        rows = (q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)).view(num_tokens, 1, num_kv_heads, self.group,
+                                                                             head_dim)
+        out = []
+        for seq in self.sequences:
+            k_seq, v_seq = k_slots[seq.kv], v_slots[seq.kv]        # [L, Hk, D]
+            k, v = _heads_first(k_seq), _heads_first(v_seq)        # [1, Hk, L, D]
+            for row, seen in zip(rows[seq.rows], seq.seen):
+                if isinstance(seen, int):
+                    k_row, v_row = k[:, :, :seen], v[:, :, :seen]
+                else:
+                    k_row, v_row = _heads_first(k_seq[seen]), _heads_first(v_seq[seen])
+                out.append(F.scaled_dot_product_attention(row, k_row, v_row, scale=1.0))
+        result = torch.cat(out).view(-1, num_heads, head_dim) if out else q.new_zeros(0, num_heads, head_dim)
+        if len(result) < num_tokens:  # padding rows (no sequence's): zeros
+            result = F.pad(result, (0, 0, 0, 0, 0, num_tokens - len(result)))
         return result if result.dtype == q.dtype else result.to(q.dtype)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """``[L, Hk, D]`` -> ``[1, Hk, L, D]``, a view."""
+    return x.transpose(0, 1).unsqueeze(0)
 
 
 def _slot_indices(table: list[int], seq_len: int, block_size: int, device) -> torch.Tensor:
@@ -211,7 +168,7 @@ class CpuAttention:
         self.slot_mapping = batch.slot_mapping if self.real_rows is None else batch.slot_mapping[self.real_rows]
         self.rope = RopeTables(batch.positions, cos_sin_cache, head_scale)  # q's rows carry the softmax scale
         self.attention = PagedAttentionPlan(batch.block_tables, batch.seq_lens, batch.query_start_loc, block_size,
-                                            num_heads // num_kv_heads, batch.tree_mask, batch.logits_indices)
+                                            num_heads // num_kv_heads, batch.tree_mask)
 
     def __call__(self, qkv: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """``qkv [T, (Hq + 2 Hk) * D]`` -> ``[T, Hq * D]``; writes the new K/V into the layer's cache, given with its
