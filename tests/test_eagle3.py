@@ -16,6 +16,8 @@ reduced vocabulary and ``d2t``), so guesses are accepted often but not always: a
 the head's K/V past rejected guesses all run."""
 
 import json
+import math
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -107,16 +109,21 @@ def expected(plain):
     return [[o.token_ids for o in plain.generate(PROMPTS, params)] for params in ALL_PARAMS]
 
 
-@pytest.fixture(scope="module")
-def successor_head(tmp_path_factory, target, expected):
+def build_successor_head(directory: Path, model, sequences: list[list[int]], weighted: bool = False) -> Path:
     """A head that guesses the most common successor of the token it is fed: fc = 0, so the layer sees the token
     alone; q = k = 4 x, v = x on the token's normed embedding (a row attends to itself, or to rows of the same
     token), o = I, no MLP; lm_head row d is the sum of the normed embeddings of the tokens whose successor is
-    the draft id d's target token."""
-    _, model = target
-    sequences = [prompt + out for outputs in expected for prompt, out in zip(PROMPTS, outputs)]
-    successors = most_common_successors(sequences)
-    hot = sorted(set(successors.values()))
+    the draft id d's target token. ``weighted``: every successor seen counts, times how often it followed, so
+    the head's second best token is the second most common successor."""
+    counts: dict[int, Counter] = {}
+    for ids in sequences:
+        for token, successor in zip(ids, ids[1:]):
+            counts.setdefault(token, Counter())[successor] += 1
+    if weighted:
+        pairs = [(token, successor, n) for token, c in counts.items() for successor, n in c.items()]
+    else:
+        pairs = [(token, successor, 1) for token, successor in most_common_successors(sequences).items()]
+    hot = sorted({successor for _, successor, _ in pairs})
     config = head_config(draft_vocab_size=len(hot))
     t = random_tensors(config, seed=3, embedding=False, hot=hot)
     embed = model.model.embed_tokens.weight.detach().float()
@@ -132,14 +139,31 @@ def successor_head(tmp_path_factory, target, expected):
     t["midlayer.self_attn.o_proj.weight"] = eye.clone()
     t["midlayer.mlp.down_proj.weight"].zero_()
     lm_head = torch.zeros(len(hot), HIDDEN)
-    for token, successor in successors.items():
-        lm_head[hot.index(successor)] += normed[token]
+    for token, successor, n in pairs:
+        lm_head[hot.index(successor)] += n * normed[token]
     t["lm_head.weight"] = lm_head
-    return write_head(tmp_path_factory.mktemp("eagle3_successor"), t, config, "layers.0")
+    return write_head(directory, t, config, "layers.0")
 
 
-def eagle_llm(target, head, device, *, k: int = 3, adaptive: bool = False, **kwargs) -> LLM:
-    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "adaptive": adaptive}
+def plain_sequences(expected) -> list[list[int]]:
+    return [prompt + out for outputs in expected for prompt, out in zip(PROMPTS, outputs)]
+
+
+@pytest.fixture(scope="module")
+def successor_head(tmp_path_factory, target, expected):
+    return build_successor_head(tmp_path_factory.mktemp("eagle3_successor"), target[1], plain_sequences(expected))
+
+
+@pytest.fixture(scope="module")
+def weighted_successor_head(tmp_path_factory, target, expected):
+    return build_successor_head(tmp_path_factory.mktemp("eagle3_weighted"), target[1], plain_sequences(expected),
+                                weighted=True)
+
+
+def eagle_llm(target, head, device, *, k: int = 3, adaptive: bool = False, tree: dict | None = None,
+              **kwargs) -> LLM:
+    config = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k, "adaptive": adaptive,
+              **(tree or {})}
     kwargs = {"num_blocks": 256, "block_size": 4, "device": device, "dtype": "float32", **kwargs}
     return LLM(str(target[0]), speculative_config=config, **kwargs)
 
@@ -176,8 +200,10 @@ def test_forward_keeps_the_residual_stream_entering_the_aux_layers(target, devic
 
 # ---------------------------------------------------------------- the head's formula
 
-def reference_guesses(tensors: dict, config: dict, model, ids: list[int], aux_ids: list[int], k: int) -> list[int]:
-    """The head over the prompt in float64 with dense causal attention, then k - 1 steps on its own output."""
+def reference_head(tensors: dict, config: dict, model, ids: list[int], aux_ids: list[int]):
+    """The head in float64 with dense attention: its output at the prompt's last row (after the prompt's rows,
+    causal), the K/V of those rows, ``layer(tokens, hidden, positions, keys, values)`` (appends its K/V),
+    ``log_probs(out)`` over the draft vocabulary and ``to_target(draft id)``."""
     t = {name: v.double() if v.is_floating_point() else v for name, v in tensors.items()}
     eps, nh, nk, d = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"], \
         config["head_dim"]
@@ -196,9 +222,8 @@ def reference_guesses(tensors: dict, config: dict, model, ids: list[int], aux_id
     with torch.no_grad():
         states = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
     aux = torch.cat([states[i][0].double() for i in sorted(aux_ids)], dim=-1)
-    keys, values = [], []
 
-    def layer(tokens, hidden, positions):
+    def layer(tokens, hidden, positions, keys, values):
         x = torch.cat([norm(embed[tokens], t["midlayer.input_layernorm.weight"]),
                        norm(hidden, t["midlayer.hidden_norm.weight"])], -1)
         q = rope((x @ t["midlayer.self_attn.q_proj.weight"].T).view(-1, nh, d), positions)
@@ -214,18 +239,52 @@ def reference_guesses(tensors: dict, config: dict, model, ids: list[int], aux_id
         gate, up = m @ t["midlayer.mlp.gate_proj.weight"].T, m @ t["midlayer.mlp.up_proj.weight"].T
         return h + (torch.nn.functional.silu(gate) * up) @ t["midlayer.mlp.down_proj.weight"].T
 
-    def guess(out):
-        draft = int((norm(out, t["norm.weight"]) @ t["lm_head.weight"].T).argmax())
+    def log_probs(out):
+        return torch.log_softmax(norm(out, t["norm.weight"]) @ t["lm_head.weight"].T, -1)
+
+    def to_target(draft):
         return draft + int(t["d2t"][draft]) if "d2t" in t else draft
 
     first = model(torch.tensor([ids])).logits[0, -1].argmax().item()  # the token the prefill emits
-    tokens = ids[1:] + [first]
-    out = layer(torch.tensor(tokens), aux @ t["fc.weight"].T, torch.arange(len(ids)))[-1:]
-    guesses = [guess(out[0])]
+    keys, values = [], []
+    out = layer(torch.tensor(ids[1:] + [first]), aux @ t["fc.weight"].T, torch.arange(len(ids)), keys, values)[-1:]
+    return out, keys, values, layer, log_probs, to_target
+
+
+def reference_guesses(tensors: dict, config: dict, model, ids: list[int], aux_ids: list[int], k: int) -> list[int]:
+    """The head over the prompt in float64 with dense causal attention, then k - 1 steps on its own output."""
+    out, keys, values, layer, log_probs, to_target = reference_head(tensors, config, model, ids, aux_ids)
+    guesses = [to_target(int(log_probs(out[0]).argmax()))]
     for step in range(1, k):
-        out = layer(torch.tensor([guesses[-1]]), out, torch.tensor([len(ids) - 1 + step]))
-        guesses.append(guess(out[0]))
+        out = layer(torch.tensor([guesses[-1]]), out, torch.tensor([len(ids) - 1 + step]), keys, values)
+        guesses.append(to_target(int(log_probs(out[0]).argmax())))
     return guesses
+
+
+def reference_tree(tensors: dict, config: dict, model, ids: list[int], aux_ids: list[int], width: int, depth: int,
+                   budget: int) -> list[tuple[float, tuple[int, ...]]]:
+    """EAGLE-2 written out in float64, node by node: a node's output is the head fed its path one token a step
+    after the prompt; depth 1 is the root's ``width`` best tokens, each deeper depth the ``width`` best children of
+    each of the last depth's ``width`` best nodes; every node ranked by summed log-probability (shallower first on
+    ties), the best ``budget`` kept. (score, path of target ids) best first."""
+    root, keys, values, layer, log_probs, to_target = reference_head(tensors, config, model, ids, aux_ids)
+
+    def output(path):
+        out, k, v = root, list(keys), list(values)
+        for j, token in enumerate(path, 1):
+            out = layer(torch.tensor([token]), out, torch.tensor([len(ids) - 1 + j]), k, v)
+        return out
+
+    def children(score, path):
+        top = log_probs(output(path)[0]).topk(width)
+        return [(score + float(lp), path + (to_target(int(i)),)) for lp, i in zip(top.values, top.indices)]
+
+    nodes = frontier = children(0.0, ())
+    for _ in range(1, depth):
+        generated = [child for score, path in frontier for child in children(score, path)]
+        nodes = nodes + generated
+        frontier = sorted(generated, key=lambda node: -node[0])[:width]
+    return sorted(nodes, key=lambda node: (-node[0], len(node[1])))[:budget]
 
 
 @pytest.mark.parametrize("style, embedding, hot", [("midlayer", False, True), ("model.layers.0", True, False),
@@ -322,6 +381,102 @@ def test_a_prompt_from_the_prefix_cache_still_guesses(target, successor_head, ex
     assert_head_blocks_returned(llm)
 
 
+# ---------------------------------------------------------------- EAGLE-2 dynamic trees
+
+TREE = {"tree_top_k": 3, "tree_budget": 10}
+
+
+def record_trees(llm) -> list[tuple]:
+    """Every commit's (verified proposal, verdict, the tree drafted behind its new last token)."""
+    proposer, steps = llm.engine.speculator.proposer, []
+    commit = proposer.commit
+
+    def recording(seq, proposal, verdict):
+        commit(seq, proposal, verdict)
+        steps.append((proposal, verdict, seq.spec_state.tree))
+
+    proposer.commit = recording
+    return steps
+
+
+def assert_ranked_tree(tree, k: int, budget: int) -> None:
+    """A tree best first: parents before children, a child's chance never above its parent's, chances
+    non-increasing down the list, distinct siblings, at most ``budget`` nodes ``k`` deep, and a real tree."""
+    assert 0 < len(tree.token_ids) <= budget and max(tree.depths) <= k
+    for i, parent in enumerate(tree.parents):
+        assert -1 <= parent < i
+        assert parent < 0 or tree.chances[i] <= tree.chances[parent]
+    assert tree.chances == sorted(tree.chances, reverse=True) and 0 < tree.chances[-1] <= tree.chances[0] <= 1
+    assert len(set(zip(tree.parents, tree.token_ids))) == len(tree.token_ids)
+    assert tree.first_guesses() and not tree.is_chain
+
+
+def side_branches_accepted(steps) -> int:
+    """Accepted nodes that are not their parent's first (most probable) child: off the head's greedy chain."""
+    count = 0
+    for proposal, verdict, _ in steps:
+        first_child = {}
+        for i, parent in enumerate(proposal.parents):
+            first_child.setdefault(parent, i)
+        count += sum(first_child[proposal.parents[i]] != i for i in verdict.path)
+    return count
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["every_node", "adaptive"])
+def test_trees_equal_plain_and_accept_side_branches(target, weighted_successor_head, expected, device, adaptive):
+    llm = eagle_llm(target, weighted_successor_head, device, adaptive=adaptive, tree=TREE, max_num_seqs=8)
+    steps = record_trees(llm)
+    for j, params in enumerate(ALL_PARAMS):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert llm.generate([PROMPTS[1]], params)[0].token_ids == expected[j][1], j
+    drafted = [tree for _, _, tree in steps if tree is not None]
+    assert len(drafted) > 20
+    for tree in drafted:
+        assert_ranked_tree(tree, 3, TREE["tree_budget"])
+    if not adaptive:
+        assert all(len(tree.token_ids) == TREE["tree_budget"] for tree in drafted)
+        assert_guesses_accepted_and_rejected(llm)
+        assert side_branches_accepted(steps) > 0
+    assert_head_blocks_returned(llm)
+
+
+def test_trees_with_random_heads_and_preemption_equal_plain(target, expected, device, tmp_path):
+    config = head_config(draft_vocab_size=100)
+    tensors = random_tensors(config, seed=2, embedding=False, hot=list(range(3, 203, 2)))
+    head = write_head(tmp_path / "head", tensors, config)
+    llm = eagle_llm(target, head, device, k=4, tree={"tree_top_k": 2}, num_blocks=30, max_num_seqs=8)
+    for j, params in enumerate(ALL_PARAMS[:2]):
+        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+    assert llm.stats()["num_preemptions"] > 0
+    assert llm.engine.speculator.proposer.max_tokens_per_step == 8  # the default budget: k * tree_top_k
+    assert_head_blocks_returned(llm)
+
+
+def test_first_tree_follows_eagle2(target, device, tmp_path):
+    """After a prompt the engine's tree (tokens, shape, order, scores) is EAGLE-2's search written out node by
+    node in float64 (each node fed its own path): depth 3 needs each node to attend to its ancestors only."""
+    _, model = target
+    vocab = list(range(5, VOCAB, 2))
+    config = head_config(draft_vocab_size=len(vocab), eagle_aux_hidden_state_layer_ids=[1, 0, 2])
+    tensors = random_tensors(config, seed=7, embedding=False, hot=vocab)
+    llm = eagle_llm(target, write_head(tmp_path / "head", tensors, config), device, k=3,
+                    tree={"tree_top_k": 3, "tree_budget": 14})
+    engine = llm.engine
+    for prompt in PROMPTS[:4]:
+        seq_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        engine.step()  # the prefill: the head runs over the prompt and drafts its tree
+        state = engine.sequences[seq_id].spec_state
+        reference = reference_tree(tensors, config, model, prompt, [0, 1, 2], 3, 3, 14)
+        paths = [tuple(path) for path in state.tree.paths()]
+        assert paths == [path for _, path in reference]
+        assert max(len(path) for path in paths) == 3
+        got = [math.log(state.tree_paths[path]) for path in paths]
+        assert got == pytest.approx([score for score, _ in reference], abs=1e-4)
+        while engine.has_unfinished():
+            engine.step()
+    assert_head_blocks_returned(llm)
+
+
 # ---------------------------------------------------------------- refused heads
 
 def _bad(config_changes: dict | None = None, tensor_changes: dict | None = None):
@@ -383,4 +538,20 @@ def test_config_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
-        LLM(speculative_config={"method": "eagle3", "model": str(tmp_path), "tree_top_k": 2})
+        LLM(speculative_config={"method": "eagle3", "model": str(tmp_path), "prompt_lookup": True})
+    with pytest.raises(ValueError, match=r"\['tree_top_k'\] must be an integer in \[1, 64\], got 0"):
+        LLM(speculative_config={"method": "eagle3", "model": str(tmp_path), "tree_top_k": 0})
+
+
+@pytest.mark.parametrize("tree, words", [
+    ({"tree_budget": 6}, r"\['tree_budget'\] = 6 needs a tree: set 'tree_top_k' > 1"),
+    ({"tree_top_k": 101}, r"\['tree_top_k'\] = 101 exceeds the head's draft_vocab_size \(100\)"),
+    ({"tree_top_k": 2, "tree_budget": 11}, r"\['tree_budget'\] = 11 exceeds the nodes a tree of tree_top_k 2 and "
+                                           r"num_speculative_tokens 3 generates \(10 = "),
+], ids=["budget_without_tree", "width_over_draft_vocab", "budget_over_tree"])
+def test_tree_config_errors_name_the_key(target, device, tmp_path, tree, words):
+    config = head_config(draft_vocab_size=100)
+    head = write_head(tmp_path / "head", random_tensors(config, seed=0, embedding=False, hot=list(range(100))),
+                      config)
+    with pytest.raises(ValueError, match=words):
+        eagle_llm(target, head, device, tree=tree)

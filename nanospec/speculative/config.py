@@ -7,6 +7,7 @@
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
     {"method": "mlp_speculator", "model": PATH, "tree_top_k": 4, "prompt_lookup": True}
     {"method": "eagle3", "model": PATH, "num_speculative_tokens": 4}   # an EAGLE-3 head (vLLM / SGLang format)
+    {"method": "eagle3", "model": PATH, "tree_top_k": 4, "tree_budget": 24}   # its EAGLE-2 dynamic tree
 
 ``"adaptive": True`` (the default) verifies only the guesses that pay (:mod:`nanospec.speculative.policy`). The
 keys of each method and their meaning: ``docs/speculative-decoding.md``.
@@ -35,7 +36,7 @@ _KEYS = {
     "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
     "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "prompt_lookup",
                        "prompt_lookup_min", "prompt_lookup_max"},
-    "eagle3": {"method", "model", "num_speculative_tokens", "adaptive", "dtype"},
+    "eagle3": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "tree_budget"},
 }
 
 
@@ -132,7 +133,8 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                              f"head (config.json + safetensors), got {model!r}")
         if not Path(model).is_dir():
             raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head directory does not exist: {model}")
-        return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive)
+        return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive,
+                                 tree_top_k=_positive_int(config, "tree_top_k", 1), tree_budget=tree_budget)
     if not model or not isinstance(model, (str, os.PathLike)):
         raise ValueError(f"speculative_config for method 'draft' needs 'model': the path of a small Llama, "
                          f"got {model!r}")

@@ -1,4 +1,5 @@
-"""An EAGLE-3 head as a proposer: guesses a chain from three of the target's hidden states, with no extra target pass.
+"""An EAGLE-3 head as a proposer: guesses a chain or a tree from three of the target's hidden states, with no extra target
+pass.
 
 The target's runner is told the head's auxiliary layers (:meth:`Eagle3Proposer.bind`), so every step's one forward
 also keeps the residual stream entering those layers at every row (``ModelRunner.aux_hidden``). After verification,
@@ -10,12 +11,18 @@ on the device and before the step's one read (:meth:`Eagle3Proposer.read_forward
   The rows of the accepted path are exact; those of rejected guesses write K/V at positions the next step writes
   again before anything reads them. The head's output at the last accepted row drafts guess 1.
 * **the chain**: ``k - 1`` one-row steps, each fed the head's own previous prenorm output and its previous guess,
-  one position further (positions, slots and lengths computed on the device from the accepted count).
+  one position further (positions, slots and lengths computed on the device from the accepted count);
+* or **the tree** (``tree_top_k`` > 1): EAGLE-2's dynamic tree, ``tree_budget`` nodes ranked by path score
+  (:mod:`nanospec.speculative.eagle3_tree`), its rows written as scratch past the last accepted row.
+
+A tree's real rows follow the accepted path: the row at depth ``d`` reads the target's states at the path's node
+at depth ``d``.
 
 Guesses are the argmax over the draft vocabulary mapped to target ids (``d + d2t[d]``): one-hot, so verification is
 the matched rule and greedy and seeded output equal plain decoding's whatever the head's weights. They come back
-with the verdicts (``Verdict.ahead``) and are the next step's chain; the goodput policy ranks depth ``j`` by
-``alpha^j`` (the chain's acceptance estimate, as a draft model's).
+with the verdicts (``Verdict.ahead``) and are the next step's proposal; the goodput policy ranks a chain's depth
+``j`` by ``alpha^j`` (the chain's acceptance estimate, as a draft model's), a tree's node by
+``min(1, c * exp(score))`` (``c`` calibrated per sequence as the MLP speculator's beam).
 
 **The head's K/V**: one layer, its own pool (:class:`~nanospec.cache.block_manager.BlockManager`, twice the target's
 blocks, no prefix caching) and a block table per sequence, covering the positions from ``base`` up to the
@@ -25,11 +32,12 @@ the sequence finishes or is preempted. ``base`` is where the target's forward st
 sequence: a prompt served from the target's prefix cache gives the head no hidden states for the cached part, so
 the head attends over the part the target computed (at least the last prompt token). Guesses stay lossless;
 their acceptance may be lower after a long cached prefix. A step the head missed (a failed step) restarts it the
-same way. Not yet: dynamic trees, tensor parallelism (the runner must be a local one).
+same way. Not yet: tensor parallelism (the runner must be a local one).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -37,12 +45,14 @@ import torch
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
 from nanospec.device import resolve_dtype
+from nanospec.kernels.attention_mask import pack_mask
 from nanospec.kernels.rope import build_rope_cache
 from nanospec.model.attention import Attention
 from nanospec.model.eagle3 import Eagle3Head, load_eagle3_head
 from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
+from nanospec.speculative.eagle3_tree import TreeShape, grow_tree
 from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
@@ -56,23 +66,32 @@ class Eagle3State:
     num_tokens: int = 0       # the sequence's length when its guesses were made
     guesses: list[int] | None = None
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    tree: Proposal | None = None  # trees: the ranked tree drafted then, with each node's chance
+    tree_paths: dict[tuple[int, ...], float] = field(default_factory=dict)  # its paths: exp(score)
+    calibration: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # c
+
+
+CALIBRATION_PRIOR = 0.7  # c before a sequence has verified anything (the MLP speculator's)
+DECAY = 0.8
 
 
 class Eagle3Proposer(Proposer):
     ranked = True
 
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
-                 max_model_len: int, adaptive: bool = True):
+                 max_model_len: int, adaptive: bool = True, tree_top_k: int = 1, tree_budget: int | None = None):
         c = head.config.layer
         self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
-        self.max_tokens_per_step = k
+        self.tree = _tree_shape(k, tree_top_k, tree_budget, head.config.draft_vocab_size)
+        self.max_tokens_per_step = self.tree.num_nodes if self.tree else k
+        self.scratch = self.tree.max_rows if self.tree else k  # head K/V rows past the last accepted one
         self.block_size = block_size
         self.block_manager = BlockManager(2 * num_blocks, block_size)
         self.kv_cache = KVCache(1, 2 * num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                                 self.device)
-        rope = build_rope_cache(c.head_dim, max_model_len + 2 * k + 2, c.rope_theta, c.rope_scaling,
-                                device=self.device)
+        rope = build_rope_cache(c.head_dim, max_model_len + self.max_tokens_per_step + 2 * k + 2, c.rope_theta,
+                                c.rope_scaling, device=self.device)
         self.attention = Attention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, rope)
         self.embed = head.embed_tokens  # None: the target's, once bound
         self.runner = None
@@ -84,7 +103,8 @@ class Eagle3Proposer(Proposer):
             dtype = resolve_dtype(config.dtype, device)
         head, aux_layers = load_eagle3_head(config.model, target_config, device, dtype)
         return cls(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
-                   max_model_len or target_config.max_position_embeddings, config.adaptive)
+                   max_model_len or target_config.max_position_embeddings, config.adaptive, config.tree_top_k or 1,
+                   config.tree_budget)
 
     def bind(self, runner) -> None:
         if not hasattr(runner, "aux_layers"):
@@ -100,28 +120,56 @@ class Eagle3Proposer(Proposer):
         seq.spec_state = Eagle3State()
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        return [chain_ranking(seq.spec_state.acceptance.alpha(), self.k) for seq in seqs]
+        if self.tree is None:
+            return [chain_ranking(seq.spec_state.acceptance.alpha(), self.k) for seq in seqs]
+        return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
+                for p, depth in zip(self.propose(seqs, depths), depths)]
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         proposals = []
         for seq, depth in zip(seqs, depths):
             st: Eagle3State = seq.spec_state
             current = st.guesses is not None and st.num_tokens == seq.num_tokens
-            proposals.append(Proposal.chain(st.guesses[:depth]) if current else Proposal())
+            if self.tree is not None:
+                proposals.append(st.tree if current else Proposal())
+            else:
+                proposals.append(Proposal.chain(st.guesses[:depth]) if current else Proposal())
         return proposals
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         st: Eagle3State = seq.spec_state
-        st.acceptance.observe_chain(proposal, verdict)
-        st.guesses = [int(t) for t in verdict.ahead[0]] if verdict.ahead else None
         st.num_tokens = seq.num_tokens
+        if self.tree is None:
+            st.acceptance.observe_chain(proposal, verdict)
+            st.guesses = [int(t) for t in verdict.ahead[0]] if verdict.ahead else None
+        else:
+            self._commit_tree(st, proposal, verdict)
         st.num_cached = seq.num_tokens - 1
         self.block_manager.truncate(st.block_table, st.num_cached - st.base)
+
+    def _commit_tree(self, st: Eagle3State, proposal: Proposal, verdict: Verdict) -> None:
+        """Calibrate ``c`` on the verified nodes (accepted depth over the sum of their ``exp(score)``); rank the tree
+        drafted behind the new last token: chance ``min(1, c * exp(score))``, in the drafted order."""
+        verified = [tuple(path) for path in proposal.paths()] or [(t,) for t in proposal.unverified_guesses]
+        drafted = [path for path in verified if path in st.tree_paths]
+        if drafted:
+            accepted = max((len(p) for p in drafted if list(p) == verdict.emitted[:len(p)]), default=0)
+            st.calibration.observe_expected(sum(st.tree_paths[p] for p in drafted), accepted, DECAY)
+        if not verdict.ahead:
+            st.guesses, st.tree, st.tree_paths = None, None, {}
+            return
+        tokens, parents, scores = ([int(v) for v in verdict.ahead[0]], [int(v) for v in verdict.ahead[1]],
+                                   verdict.ahead[2])
+        tree = Proposal(tokens, parents)
+        st.tree_paths = {tuple(path): math.exp(s) for path, s in zip(tree.paths(), scores)}
+        c = st.calibration.alpha(CALIBRATION_PRIOR)
+        tree.chances = [min(1.0, c * math.exp(s)) for s in scores]
+        st.guesses, st.tree = tokens, tree
 
     def preempt(self, seq: Sequence) -> None:
         st: Eagle3State = seq.spec_state
         self.block_manager.free(st.block_table)
-        st.base, st.num_cached, st.guesses = None, 0, None
+        st.base, st.num_cached, st.guesses, st.tree = None, 0, None, None
 
     def free(self, seq: Sequence) -> None:
         self.block_manager.free(seq.spec_state.block_table)
@@ -131,13 +179,16 @@ class Eagle3Proposer(Proposer):
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
         seqs = verification.seqs
-        out = torch.zeros(len(seqs), self.k, dtype=torch.int64, device=self.device)
+        num = self.tree.num_nodes if self.tree else self.k
+        out = [torch.zeros(len(seqs), num, dtype=dtype, device=self.device)
+               for dtype in ((torch.int64, torch.int64, torch.float32) if self.tree else (torch.int64,))]
         sizes = [s.num_tokens - s.num_cached_tokens + len(p.fed()[0]) for s, p in zip(seqs, proposals)]
         active = [b for b, s in enumerate(seqs) if s.spec_state is not None]
         if not active:
-            return [out]
+            return out
         width = verification.emitted.shape[1]
         tokens, starts, tables, positions, logits_rows, aux_rows, emitted_at, last_rows = [], [], [], [], [], [], [], []
+        node_rows, node_at, node_roots = [], [], []  # each node row of the head's batch: its path entry, its root row
         row = head_row = 0  # where the sequence's rows start in the target's batch, and in the head's
         for b, seq in enumerate(seqs):
             if b in active:
@@ -146,7 +197,7 @@ class Eagle3Proposer(Proposer):
                 if st.base is None or st.num_cached != c:  # first run, or a step missed: start again at c
                     self.block_manager.free(st.block_table)
                     st.base = c
-                self.block_manager.reserve(st.block_table, c + size + self.k - st.base)
+                self.block_manager.reserve(st.block_table, c + size + self.scratch - st.base)
                 prompt = seq.token_ids[c + 1:n]  # the next token of each row before the root
                 tokens.append(prompt + [0] * (size - len(prompt)))
                 emitted_at += [-1] * len(prompt) + [b * width + d for d in range(size - len(prompt))]
@@ -155,7 +206,11 @@ class Eagle3Proposer(Proposer):
                 positions.append(list(range(c, c + size)))
                 logits_rows.append(range(len(prompt), size))
                 aux_rows += range(row, row + size)
-                last_rows.append(head_row + len(prompt))  # the root's row; the last accepted row is past it
+                root = head_row + len(prompt)
+                last_rows.append(root)  # the root's row; the last accepted row is past it
+                node_rows += range(root + 1, head_row + size)
+                node_at += range(b * width, b * width + size - len(prompt) - 1)
+                node_roots += [row + len(prompt)] * (size - len(prompt) - 1)
                 head_row += size
             row += sizes[b]
         batch = build_forward_batch(tokens, starts, tables, self.block_size, logits_rows, self.device,
@@ -163,21 +218,53 @@ class Eagle3Proposer(Proposer):
         emitted_at = torch.tensor(emitted_at, device=self.device)
         from_emitted = verification.emitted.flatten()[emitted_at.clamp(min=0)].clamp(min=0)
         batch.input_ids = torch.where(emitted_at >= 0, from_emitted, batch.input_ids)
-        fused = self.head.fuse(self.runner.aux_hidden[torch.tensor(aux_rows, device=self.device)].to(self.dtype))
-        states = self._run(batch, fused)
+        aux_rows = torch.tensor(aux_rows, device=self.device)
+        if node_rows:  # depth d's row reads the target's row of the accepted path's node at depth d (a tree's too)
+            node = verification.path.flatten()[torch.tensor(node_at, device=self.device)]
+            node_rows = torch.tensor(node_rows, device=self.device)
+            aux_rows[node_rows] = torch.where(node >= 0, torch.tensor(node_roots, device=self.device) + node,
+                                              aux_rows[node_rows])
+        states = self._run(batch, self.head.fuse(self.runner.aux_hidden[aux_rows].to(self.dtype)))
         index = torch.tensor(active, device=self.device)
         accepted = (verification.path[index] >= 0).sum(dim=1)  # per active sequence, on the device
         state = states[torch.tensor(last_rows, device=self.device) + accepted]
-        guesses = [self._guess(state)]
         # the last accepted row's position, in the head's storage (its table starts at base)
         last = torch.tensor([seqs[b].num_tokens - 1 - seqs[b].spec_state.base for b in active],
                             device=self.device) + accepted
         offset = torch.tensor([seqs[b].spec_state.base for b in active], device=self.device)
+        for t, value in zip(out, self._draft(batch.block_tables, last, offset, state)):
+            t[index] = value.to(t.dtype)
+        return out
+
+    def _draft(self, tables: torch.Tensor, last: torch.Tensor, offset: torch.Tensor,
+               state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """From the head's output at each sequence's last accepted row (storage ``last``): the chain ``(guesses,)``,
+        or the tree ``(token_ids, parents, scores)``."""
+        if self.tree is not None:
+            def feed(input_ids, hidden, depths, ancestors):
+                batch = self._tree_batch(tables, last, offset, input_ids, depths, ancestors)
+                return self._run(batch, hidden.flatten(0, 1)).view(*input_ids.shape, -1)
+            return grow_tree(self.head, state, self.tree, feed)
+        guesses = [self._guess(state)]
         for step in range(1, self.k):
-            state = self._run(self._step_batch(batch.block_tables, last + step, offset, guesses[-1]), state)
+            state = self._run(self._step_batch(tables, last + step, offset, guesses[-1]), state)
             guesses.append(self._guess(state))
-        out[index] = torch.stack(guesses, dim=1)
-        return [out]
+        return (torch.stack(guesses, dim=1),)
+
+    def _tree_batch(self, tables: torch.Tensor, last: torch.Tensor, offset: torch.Tensor, input_ids: torch.Tensor,
+                    depths: list[int], ancestors: torch.Tensor) -> ForwardBatch:
+        """``n`` rows per sequence at storage ``last + 1 ..`` (scratch), RoPE position ``offset + last + depth``, each
+        seeing the context up to ``last`` and its ancestors among the rows."""
+        A, n = input_ids.shape
+        storage = last[:, None] + 1 + torch.arange(n, device=self.device)
+        blocks = tables.gather(1, storage // self.block_size).long()
+        depth = torch.tensor(depths, device=self.device)
+        return ForwardBatch(input_ids=input_ids.flatten(), positions=((offset + last)[:, None] + depth).flatten(),
+                            slot_mapping=(blocks * self.block_size + storage % self.block_size).flatten(),
+                            block_tables=tables, seq_lens=(last + 1 + n).to(torch.int32),
+                            query_start_loc=torch.arange(0, A * n + 1, n, dtype=torch.int32, device=self.device),
+                            max_query_len=n, logits_indices=torch.zeros(0, dtype=torch.int64, device=self.device),
+                            tree_mask=pack_mask(ancestors.flatten(0, 1)))
 
     def _step_batch(self, tables: torch.Tensor, storage: torch.Tensor, offset: torch.Tensor,
                     input_ids: torch.Tensor) -> ForwardBatch:
@@ -200,17 +287,37 @@ class Eagle3Proposer(Proposer):
         return self.head.to_target(self.head.logits(state).argmax(dim=-1))
 
     def measure_cost(self) -> float:
-        """Seconds of one draft step at batch 1 after 64 positions (the real rows' forward is not counted)."""
+        """Seconds of one draft depth at batch 1 after 64 positions (the real rows' forward is not counted): one
+        chain step, or a whole tree over its depth."""
         table: list[int] = []
-        self.block_manager.reserve(table, 65)
+        self.block_manager.reserve(table, 65 + self.scratch)
         try:
             tables = torch.tensor([table], dtype=torch.int32, device=self.device)
-            batch = self._step_batch(tables, torch.tensor([64], device=self.device),
-                                     torch.zeros(1, dtype=torch.int64, device=self.device),
-                                     torch.zeros(1, dtype=torch.int64, device=self.device))
+            zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             state = torch.zeros(1, self.head.config.layer.hidden_size, device=self.device, dtype=self.dtype)
-            step = lambda: self._guess(self._run(batch, state)).tolist()  # noqa: E731
+            if self.tree is not None:
+                step = lambda: [t.tolist() for t in self._draft(tables, zero + 64, zero, state)]  # noqa: E731
+            else:
+                batch = self._step_batch(tables, zero + 64, zero, zero)
+                step = lambda: self._guess(self._run(batch, state)).tolist()  # noqa: E731
             step()
-            return best_seconds(step, self.device)
+            return best_seconds(step, self.device) / (self.k if self.tree is not None else 1)
         finally:
             self.block_manager.free(table)
+
+
+def _tree_shape(k: int, width: int, budget: int | None, draft_vocab_size: int) -> TreeShape | None:
+    """The tree of ``tree_top_k`` > 1 (None: a chain), checked (ValueError naming the key)."""
+    if width == 1:
+        if budget is not None:
+            raise ValueError(f"speculative_config['tree_budget'] = {budget} needs a tree: set 'tree_top_k' > 1 "
+                             f"(method 'eagle3' with tree_top_k 1 drafts a chain of num_speculative_tokens)")
+        return None
+    if width > draft_vocab_size:
+        raise ValueError(f"speculative_config['tree_top_k'] = {width} exceeds the head's draft_vocab_size "
+                         f"({draft_vocab_size})")
+    shape = TreeShape(width, k, budget if budget is not None else k * width)
+    if shape.budget > shape.num_generated:
+        raise ValueError(f"speculative_config['tree_budget'] = {budget} exceeds the nodes a tree of tree_top_k "
+                         f"{width} and num_speculative_tokens {k} generates ({shape.num_generated} = w + (k - 1) w^2)")
+    return shape
