@@ -545,13 +545,13 @@ def test_config_errors(tmp_path):
 
 @pytest.mark.parametrize("tree, words", [
     ({"tree_budget": 6}, r"\['tree_budget'\] = 6 needs a tree: set 'tree_top_k' > 1"),
-    ({"tree_top_k": 101}, r"\['tree_top_k'\] = 101 exceeds the head's draft_vocab_size \(100\)"),
+    ({"tree_top_k": 41}, r"\['tree_top_k'\] = 41 exceeds the head's draft_vocab_size \(40\)"),
     ({"tree_top_k": 2, "tree_budget": 11}, r"\['tree_budget'\] = 11 exceeds the nodes a tree of tree_top_k 2 and "
                                            r"num_speculative_tokens 3 generates \(10 = "),
 ], ids=["budget_without_tree", "width_over_draft_vocab", "budget_over_tree"])
 def test_tree_config_errors_name_the_key(target, device, tmp_path, tree, words):
-    config = head_config(draft_vocab_size=100)
-    head = write_head(tmp_path / "head", random_tensors(config, seed=0, embedding=False, hot=list(range(100))),
+    config = head_config(draft_vocab_size=40)
+    head = write_head(tmp_path / "head", random_tensors(config, seed=0, embedding=False, hot=list(range(40))),
                       config)
     with pytest.raises(ValueError, match=words):
         eagle_llm(target, head, device, tree=tree)
