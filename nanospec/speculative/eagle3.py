@@ -1,5 +1,5 @@
-"""An EAGLE-3 head as a proposer: guesses a chain or a tree from three of the target's hidden states, with no extra target
-pass.
+"""An EAGLE-3 head as a proposer: guesses a chain or a tree from three of the target's hidden states, with no extra
+target pass.
 
 The target's runner is told the head's auxiliary layers (:meth:`Eagle3Proposer.bind`), so every step's one forward
 also keeps the residual stream entering those layers at every row (``ModelRunner.aux_hidden``). After verification,
