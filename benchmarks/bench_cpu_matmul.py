@@ -13,25 +13,18 @@ for a machine. Weights are random: the kernels' speed does not depend on the val
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_tp import median_ms  # noqa: E402
+
 SHAPES = {"q/k/v": (960, 576), "o": (576, 576), "gate/up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
 GROUP = 32
-
-
-def micros(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e6
 
 
 def kernels(out_features: int, in_features: int, rows: int) -> dict:
@@ -68,7 +61,7 @@ def main() -> None:
     for rows in args.rows:
         for matrix, (n, k) in SHAPES.items():
             with torch.inference_mode():
-                us = {name: micros(fn, args.repeats if matrix != "head" else max(args.repeats // 10, 5))
+                us = {name: 1e3 * median_ms(fn, args.repeats if matrix != "head" else max(args.repeats // 10, 5))
                       for name, fn in kernels(n, k, rows).items()}
             if matrix != "head":
                 for name, value in us.items():
