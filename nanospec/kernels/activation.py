@@ -33,8 +33,8 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
     ffn_size = x.shape[-1] // 2
     if x.dtype == torch.float32:
         return F.silu(x.narrow(-1, 0, ffn_size)).mul_(x.narrow(-1, ffn_size, ffn_size))
-    gate, up = x[..., :ffn_size].float(), x[..., ffn_size:].float()
-    return (F.silu(gate) * up).to(x.dtype)
+    x32 = x.float()
+    return F.silu(x32.narrow(-1, 0, ffn_size)).mul_(x32.narrow(-1, ffn_size, ffn_size)).to(x.dtype)
 
 
 def silu_and_mul_triton(x: torch.Tensor) -> torch.Tensor:

@@ -111,15 +111,19 @@ class PagedAttentionPlan:
         for seq in self.sequences:
             k_seq, v_seq = k_slots[seq.kv], v_slots[seq.kv]        # [L, Hk, D]
             k, v = _heads_first(k_seq), _heads_first(v_seq)        # [1, Hk, L, D]
-            for row, seen in zip(rows[seq.rows], seq.seen):
+            for j, seen in enumerate(seq.seen):
                 if isinstance(seen, int):
-                    k_row, v_row = k[:, :, :seen], v[:, :, :seen]
+                    k_row, v_row = k.narrow(2, 0, seen), v.narrow(2, 0, seen)
                 else:
                     k_row, v_row = _heads_first(k_seq[seen]), _heads_first(v_seq[seen])
-                out.append(F.scaled_dot_product_attention(row, k_row, v_row, scale=1.0))
-        result = torch.cat(out).view(-1, num_heads, head_dim) if out else q.new_zeros(0, num_heads, head_dim)
-        if len(result) < num_tokens:  # padding rows (no sequence's): zeros
-            result = F.pad(result, (0, 0, 0, 0, 0, num_tokens - len(result)))
+                out.append(F.scaled_dot_product_attention(rows[seq.rows.start + j], k_row, v_row, scale=1.0))
+        if out and len(out) == num_tokens:  # every row is a sequence's (no padding)
+            result = out[0] if num_tokens == 1 else torch.cat(out)
+        else:  # padding rows (no sequence's), or none: zeros
+            result = rows.new_zeros(num_tokens, num_kv_heads, self.group, head_dim)
+            if out:
+                result[: len(out)] = torch.cat(out)
+        result = result.reshape(num_tokens, num_heads, head_dim)
         return result if result.dtype == q.dtype else result.to(q.dtype)
 
 
@@ -175,11 +179,11 @@ class CpuAttention:
         block axes merged (``[num_blocks * block_size, Hk, D]``)."""
         T = qkv.shape[0]
         H, Hk, D = self.num_heads, self.num_kv_heads, self.head_dim
-        v = qkv.narrow(1, (H + Hk) * D, Hk * D).view(T, Hk, D)
-        qk = self.rope.rotate(qkv.narrow(1, 0, (H + Hk) * D).view(T, H + Hk, D))  # q heads come out scaled
-        k = qk.narrow(1, H, Hk)
+        heads = qkv.reshape(T, H + 2 * Hk, D)
+        qk = self.rope.rotate(heads[:, : H + Hk])  # q heads come out scaled
+        k, v = qk[:, H:], heads[:, H + Hk:]
         if self.real_rows is not None:
             k, v = k[self.real_rows], v[self.real_rows]
         k_slots.index_copy_(0, self.slot_mapping, k if k.dtype == k_slots.dtype else k.to(k_slots.dtype))
         v_slots.index_copy_(0, self.slot_mapping, v if v.dtype == v_slots.dtype else v.to(v_slots.dtype))
-        return self.attention.attend(qk.narrow(1, 0, H), k_slots, v_slots).reshape(T, H * D)
+        return self.attention.attend(qk[:, :H], k_slots, v_slots).reshape(T, H * D)
