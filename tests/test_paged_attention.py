@@ -280,3 +280,20 @@ def test_plan_reads_consecutive_blocks_as_a_slice(device):
     assert all(isinstance(s.kv, slice) for s in plan.sequences)
     check("cpu", batch, tree_mask=tree)
     check("cpu", batch)
+
+
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_cpu_attention_is_the_same_at_every_thread_count(group):
+    """The engine changes its thread count with the machine's load, so a row's attention must not depend on it:
+    a decode and a short verify over a long context, bit for bit at one thread and at two (or more)."""
+    batch = make_batch([1, 4], [700, 300], num_q_heads=3 * group, num_kv_heads=3, head_dim=64, block_size=16,
+                       device="cpu")
+    threads = torch.get_num_threads()
+    try:
+        outs = []
+        for n in (1, max(threads, 2)):
+            torch.set_num_threads(n)
+            outs.append(run("cpu", batch))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])

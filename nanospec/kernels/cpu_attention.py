@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from nanospec.kernels.attention_mask import unpack_mask
 
@@ -61,18 +60,23 @@ class PagedAttentionPlan:
     """Paged attention's per-batch work, done once per forward and shared by every layer.
 
     **Every row attends alone**, over exactly the slots it sees, in position order (the context, then the new tokens
-    its mask allows: causally those up to itself; in a tree its ancestors and itself), by one fused op
-    (``scaled_dot_product_attention``, the kv heads as its batch and each kv head's query heads as its query rows).
+    its mask allows: causally those up to itself; in a tree its ancestors and itself), the kv heads as the batch and
+    each kv head's query heads as its query rows:
+
+        out = softmax(q K^T) V        (two matmuls and a softmax, none of them split across threads)
+
     A row's output is so a function of its query and of the K/V it sees, and of nothing else: not of the batch, the
     other guesses, the step, nor of how a prompt was split into chunks or which part of it came from the prefix
-    cache. With the matmul kernels row-wise too (the CPU's int4 and int8 kernels and oneDNN's float32 one are),
-    a token's K/V and logits are bit for bit the same whether it was prefilled, decoded, verified or found cached.
-    (BLAS picks its kernels by shape: one matmul over several rows, or over keys padded and masked, rounds
-    differently, and with bfloat16 matmul inputs such a difference can move a value across a rounding step and
-    change a near tie.)
+    cache, nor of how many threads run it. With the matmul kernels row-wise too (the CPU's int4 and int8 kernels and
+    oneDNN's float32 one are), a token's K/V and logits are bit for bit the same whether it was prefilled, decoded,
+    verified or found cached, at any thread count (the engine changes it with the machine's load). (BLAS picks its
+    kernels by shape: one matmul over several rows, or over keys padded and masked, rounds differently, and with
+    bfloat16 matmul inputs such a difference can move a value across a rounding step and change a near tie. The
+    fused ``scaled_dot_product_attention`` splits a long context across threads when it has few rows, and so
+    rounds differently with each thread count.)
 
     Each sequence's slots are a plain slice when its blocks are consecutive, as a lone request's are, and gathered
-    once per layer otherwise. :meth:`attend` costs one op per row and layer, and a few per sequence.
+    once per layer otherwise. :meth:`attend` costs three ops per row and layer, and a few per sequence.
     """
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -110,13 +114,14 @@ class PagedAttentionPlan:
         out = []
         for seq in self.sequences:
             k_seq, v_seq = k_slots[seq.kv], v_slots[seq.kv]        # [L, Hk, D]
-            k, v = _heads_first(k_seq), _heads_first(v_seq)        # [1, Hk, L, D]
+            k_t, v = _heads_first(k_seq).transpose(-1, -2), _heads_first(v_seq)  # [1, Hk, D, L], [1, Hk, L, D]
             for j, seen in enumerate(seq.seen):
                 if isinstance(seen, int):
-                    k_row, v_row = k.narrow(2, 0, seen), v.narrow(2, 0, seen)
+                    k_row, v_row = k_t.narrow(3, 0, seen), v.narrow(2, 0, seen)
                 else:
-                    k_row, v_row = _heads_first(k_seq[seen]), _heads_first(v_seq[seen])
-                out.append(F.scaled_dot_product_attention(rows[seq.rows.start + j], k_row, v_row, scale=1.0))
+                    k_row, v_row = _heads_first(k_seq[seen]).transpose(-1, -2), _heads_first(v_seq[seen])
+                scores = torch.matmul(rows[seq.rows.start + j], k_row)   # [1, Hk, group, L]
+                out.append(torch.matmul(torch.softmax(scores, dim=-1), v_row))
         if out and len(out) == num_tokens:  # every row is a sequence's (no padding)
             result = out[0] if num_tokens == 1 else torch.cat(out)
         else:  # padding rows (no sequence's), or none: zeros
