@@ -61,7 +61,7 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = bm.cached_prefix(seq.token_ids)
             seq.num_cached_tokens = len(prefix) * bm.block_size
-            # a sequence with one uncached token (a one-token prompt, a cached prompt) may guess at once
+            # a one-token prompt guesses at once (Speculator.num_lookahead_slots)
             num_new = seq.num_tokens - seq.num_cached_tokens + self.num_lookahead_slots(seq)
             need = seq.num_tokens + self.num_lookahead_slots(seq)
             if (num_new > budget and scheduled) or not bm.can_allocate(prefix, need):

@@ -87,8 +87,13 @@ class Speculator:
             self.proposer.start(seq)
 
     def num_lookahead_slots(self, seq: Sequence) -> int:
-        """KV slots a sequence needs this step beyond its own tokens: room for a proposal when it is in decode."""
-        in_decode = seq.num_tokens - seq.num_cached_tokens == 1
+        """KV slots a sequence needs this step beyond its own tokens: room for a proposal when it is in decode.
+
+        A sequence is in decode from its first output token on (a one-token prompt at once), not before: a prompt
+        whose blocks the prefix cache holds but for its last token is computed in a step without guesses, as it is
+        with the cache off, so that the steps a sequence guesses at, and seeded tokens that depend on the guesses (a
+        draft chain's rejection sampling), do not depend on the cache."""
+        in_decode = seq.num_tokens - seq.num_cached_tokens == 1 and (seq.num_output_tokens > 0 or seq.num_tokens == 1)
         return self.max_tokens_per_step if in_decode and self.speculates(seq) else 0
 
     def preempt(self, seq: Sequence) -> None:
