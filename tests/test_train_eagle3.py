@@ -1,0 +1,107 @@
+"""python -m nanospec.train --kind eagle3 on a tiny random Llama: the loss goes down, a run is reproducible for a
+seed, the output loads as ``{"method": "eagle3", "model": DIR}`` with greedy output equal to plain decoding's, and
+the training-time unroll computes exactly the guesses the proposer drafts at run time."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from nanospec import LLM, SamplingParams
+from nanospec.model.eagle3 import load_eagle3_head
+from nanospec.model.loader import load_checkpoint
+from nanospec.train.__main__ import main
+from nanospec.train.data import IGNORE
+from nanospec.train.eagle3 import Batch, Unroller
+from tiny import make_tiny_llama
+
+PROMPTS = ["Say hi.", "Add 2 and 3.", "Name a colour.", "Translate: cat", "Count to three.", "List two fruits."]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    path = tmp_path_factory.mktemp("target")
+    return path, make_tiny_llama(path, seed=3, tie=True, layers=3, max_pos=512)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"category": "test", "prompt": p}) + "\n" for p in PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+def run(target, prompts, cache, out) -> int:
+    return main(["--kind", "eagle3", "--model", str(target[0]), "--out", str(out), "--prompts", str(prompts),
+                 "--cache", str(cache), "--max-tokens", "24", "--record-batch", "4", "--hot-vocab", "96",
+                 "--n-predict", "3", "--inner-dim", "48", "--epochs-greedy", "12", "--batch-size", "96", "--lr",
+                 "1e-2", "--warmup", "2", "--val-every", "3", "--save-every", "1000"])
+
+
+@pytest.fixture(scope="module")
+def trained(target, prompts, cache, tmp_path_factory):
+    out = tmp_path_factory.mktemp("trained")
+    assert run(target, prompts, cache, out) == 0
+    return out
+
+
+def test_loss_goes_down_and_the_summary_reports_each_depth(trained):
+    log = [json.loads(line) for line in (trained / "training_log.jsonl").read_text().splitlines()]
+    train = [r for r in log if r["kind"] == "train"]
+    assert len(train) >= 2 and all(last < first for first, last in zip(train[0]["loss"], train[-1]["loss"]))
+    summary = json.loads((trained / "training_summary.json").read_text())
+    assert summary["kind"] == "eagle3" and "train_s" in summary["timings"]
+    assert len(summary["held_out"]["acc"]) == 3 and summary["held_out"]["tau"] >= 1
+    assert set(summary["held_out_by_category"]) == {"test"}
+    tensors = load_file(trained / "model.safetensors")
+    assert tensors["d2t"].dtype == torch.int64 and tensors["lm_head.weight"].shape == (96, 64)
+    assert all(v.dtype == torch.float16 for k, v in tensors.items() if k not in ("d2t", "t2d"))
+
+
+def test_same_seed_same_weights(trained, target, prompts, cache, tmp_path):
+    assert run(target, prompts, cache, tmp_path) == 0
+    ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(trained / "model.safetensors")
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_loads_as_eagle3_and_greedy_equals_plain(trained, target, device):
+    ids = [[5, 9, 33, 5, 9, 33, 5], list(range(40, 60)), [11, 12]]
+    plain = LLM(str(target[0]), num_blocks=128, block_size=4, device=device, dtype="float32")
+    expected = [o.token_ids for o in plain.generate(ids, GREEDY)]
+    for spec in ({"method": "eagle3", "model": str(trained), "num_speculative_tokens": 3},
+                 {"method": "eagle3", "model": str(trained), "num_speculative_tokens": 3, "tree_top_k": 4}):
+        llm = LLM(str(target[0]), num_blocks=128, block_size=4, device=device, dtype="float32",
+                  speculative_config=spec)
+        assert [o.token_ids for o in llm.generate(ids, GREEDY)] == expected
+
+
+def test_the_unroll_drafts_what_the_proposer_drafts(trained, target, device):
+    """After a prompt's prefill the engine's chain equals the unroll's argmax at the prompt's last row, its tokens
+    teacher-forced with the engine's own guesses."""
+    path, model = target
+    head, aux_layers = load_eagle3_head(trained, load_checkpoint(str(path), torch.float32).config, "cpu", torch.float32)
+    unroller = Unroller(head, model.model.embed_tokens.weight.detach().float(), 3, 64)
+    llm = LLM(str(path), num_blocks=128, block_size=4, device=device, dtype="float32",
+              speculative_config={"method": "eagle3", "model": str(trained), "num_speculative_tokens": 3,
+                                  "adaptive": False})
+    for prompt in ([5, 9, 33, 5, 9, 33, 5], list(range(40, 60))):
+        seq_id = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+        llm.engine.step()
+        guesses = llm.engine.sequences[seq_id].spec_state.guesses
+        with torch.no_grad():
+            states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+            first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+            aux = torch.cat([states[i][0] for i in aux_layers], dim=-1)[None]
+            tokens = torch.tensor([prompt[1:] + [first] + guesses + [IGNORE]])
+            outs = unroller(Batch(aux, tokens, torch.zeros_like(tokens), torch.ones(1, len(prompt), dtype=torch.bool)))
+            drafted = [int(head.to_target(head.logits(out[0, -1]).argmax())) for out in outs]
+        assert drafted == guesses
+        while llm.engine.has_unfinished():
+            llm.engine.step()
