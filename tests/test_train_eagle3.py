@@ -105,3 +105,35 @@ def test_the_unroll_drafts_what_the_proposer_drafts(trained, target, device):
         assert drafted == guesses
         while llm.engine.has_unfinished():
             llm.engine.step()
+
+
+def test_recorded_aux_states_are_the_layers_the_head_reads(trained, target, cache):
+    """Every recorded row (from position 0) holds the residual stream entering the head's layers, as transformers'
+    ``hidden_states[i]``, and the final hidden state at the same position."""
+    from safetensors import safe_open
+
+    path, model = target
+    with safe_open(str(cache / "greedy-aux.safetensors"), framework="pt") as f:
+        rec = {k: f.get_tensor(k) for k in f.keys()}
+    config = json.loads((trained / "config.json").read_text())
+    layers = sorted(config["eagle_aux_hidden_state_layer_ids"])
+    assert layers == [0, 1, 2]  # (2, L // 2, L - 3) for L = 3
+    checked = 0
+    for s in range(len(rec["offsets"]) - 1):
+        begin, end = int(rec["offsets"][s]), int(rec["offsets"][s + 1])
+        with torch.no_grad():
+            prompt_index = int(rec["prompt_index"][s])
+            prompt = encode_prompt(path, prompt_index)
+            full = prompt + rec["tokens"][begin + len(prompt) - 1:end].tolist()
+            states = model(torch.tensor([full]), output_hidden_states=True).hidden_states
+        n = end - begin
+        aux = torch.cat([states[i][0, :n] for i in layers], dim=-1)
+        torch.testing.assert_close(rec["aux"][begin:end].float(), aux, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(rec["hidden"][begin:end].float(), states[-1][0, :n], atol=2e-2, rtol=2e-2)
+        checked += 1
+    assert checked == len(PROMPTS)
+
+
+def encode_prompt(path, index: int) -> list[int]:
+    from nanospec.train.data import encode_chat
+    return encode_chat(load_checkpoint(str(path), torch.float32).tokenizer, PROMPTS[index])

@@ -63,7 +63,7 @@ from nanospec.train.record import Recording, record
 KIND_DEFAULTS = {
     "mlp": {"sampled_runs": 1, "n_predict": 3, "inner_dim": 0, "hot_vocab": 4096, "epochs_greedy": 6,
             "batch_size": 256, "lr": 3e-3, "warmup": 100},
-    "eagle3": {"sampled_runs": 0, "n_predict": 4, "inner_dim": 768, "hot_vocab": 6144, "epochs_greedy": 6,
+    "eagle3": {"sampled_runs": 0, "n_predict": 4, "inner_dim": 768, "hot_vocab": 4096, "epochs_greedy": 6,
                "batch_size": 2048, "lr": 2e-3, "warmup": 30},
 }
 
@@ -92,7 +92,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(eagle3 768; 0: the target's)")
     p.add_argument("--hot-vocab", type=int, default=None,
                    help="score only the K most frequent tokens (0: all; mlp 4096), or an EAGLE-3 head's draft "
-                        "vocabulary (eagle3 6144)")
+                        "vocabulary (eagle3 4096)")
     p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="share emb/head/ln across stages")
     p.add_argument("--scale-input", action=argparse.BooleanOptionalAction, default=True,
