@@ -137,3 +137,21 @@ def test_recorded_aux_states_are_the_layers_the_head_reads(trained, target, cach
 def encode_prompt(path, index: int) -> list[int]:
     from nanospec.train.data import encode_chat
     return encode_chat(load_checkpoint(str(path), torch.float32).tokenizer, PROMPTS[index])
+
+
+def test_the_head_directory_says_how_it_is_served(trained, tmp_path):
+    """``speculative_config.json`` beside the head gives k, tree_top_k and tree_budget where the caller sets none."""
+    import shutil
+
+    from nanospec.speculative.config import parse_speculative_config
+
+    head = shutil.copytree(trained, tmp_path / "head")
+    assert parse_speculative_config({"method": "eagle3", "model": str(head)}).num_speculative_tokens == 4
+    (head / "speculative_config.json").write_text('{"num_speculative_tokens": 5, "tree_top_k": 4, "tree_budget": 12}')
+    served = parse_speculative_config({"method": "eagle3", "model": str(head)})
+    assert (served.num_speculative_tokens, served.tree_top_k, served.tree_budget) == (5, 4, 12)
+    mine = parse_speculative_config({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
+    assert (mine.num_speculative_tokens, mine.tree_top_k, mine.tree_budget) == (3, 1, None)
+    (head / "speculative_config.json").write_text('{"prompt_lookup": true}')
+    with pytest.raises(ValueError, match="unknown keys"):
+        parse_speculative_config({"method": "eagle3", "model": str(head)})

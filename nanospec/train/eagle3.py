@@ -79,8 +79,10 @@ def head_config(target: LlamaConfig, draft_vocab_size: int, aux_layers: tuple[in
             "torch_dtype": "float16"}
 
 
-def save_head(head: Eagle3Head, config: dict, out: Path, metadata: dict | None = None) -> None:
-    """The published format (``midlayer.`` names, ``d2t`` and ``t2d``), float16, and its ``config.json``."""
+def save_head(head: Eagle3Head, config: dict, out: Path, metadata: dict | None = None,
+              scale: torch.Tensor | None = None) -> None:
+    """The published format (``midlayer.`` names, ``d2t`` and ``t2d``), float16, and its ``config.json``;
+    ``scale``: the :class:`Unroller`'s, folded into ``fc``."""
     out.mkdir(parents=True, exist_ok=True)
     q, kv = head.q_size, head.kv_size
     qkv, (gate, up) = head.qkv_proj.weight, head.gate_up_proj.weight.chunk(2)
@@ -90,7 +92,8 @@ def save_head(head: Eagle3Head, config: dict, out: Path, metadata: dict | None =
              "self_attn.v_proj.weight": qkv[q + kv:], "self_attn.o_proj.weight": head.o_proj.weight,
              "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up, "mlp.down_proj.weight": head.down_proj.weight}
     tensors = {f"midlayer.{name}": value for name, value in layer.items()}
-    tensors |= {"fc.weight": head.fc.weight, "norm.weight": head.norm, "lm_head.weight": head.lm_head.weight}
+    fc = head.fc.weight if scale is None else head.fc.weight / scale
+    tensors |= {"fc.weight": fc, "norm.weight": head.norm, "lm_head.weight": head.lm_head.weight}
     tensors = {name: value.detach().to(torch.float16).contiguous() for name, value in tensors.items()}
     draft_ids = torch.arange(head.config.draft_vocab_size) + head.d2t.cpu()
     tensors["d2t"] = head.d2t.detach().cpu().clone()
@@ -99,19 +102,32 @@ def save_head(head: Eagle3Head, config: dict, out: Path, metadata: dict | None =
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-class Unroller:
-    """The head unrolled ``steps`` times over a :class:`Batch` with dense attention (the K/V each step may read)."""
+def aux_scale(aux: torch.Tensor, rows: int = 65536) -> torch.Tensor:
+    """``[3H]``: each auxiliary feature's root mean square over (up to ``rows`` evenly spaced) recorded rows, leaving
+    out the 1% of rows with the largest norm (attention sinks, whose few massive features reach 10^4)."""
+    x = aux[::max(1, len(aux) // rows)].float()
+    norms = x.pow(2).mean(-1)
+    keep = norms <= norms.quantile(0.99)
+    return x[keep].pow(2).mean(0).sqrt().clamp(min=1e-3)
 
-    def __init__(self, head: Eagle3Head, embedding: torch.Tensor, steps: int, max_rows: int):
+
+class Unroller:
+    """The head unrolled ``steps`` times over a :class:`Batch` with dense attention (the K/V each step may read).
+
+    ``scale``: the auxiliary states are divided by it before ``fc`` (a reparametrization that keeps a few massive
+    features from swamping the others while training; :func:`save_head` folds it into ``fc``)."""
+
+    def __init__(self, head: Eagle3Head, embedding: torch.Tensor, steps: int, max_rows: int,
+                 scale: torch.Tensor | None = None):
         c = head.config.layer
-        self.head, self.embedding, self.steps = head, embedding, steps
+        self.head, self.embedding, self.steps, self.scale = head, embedding, steps, scale
         self.heads, self.kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         self.rope = build_rope_cache(c.head_dim, max_rows + steps + 1, c.rope_theta, c.rope_scaling)
 
     def __call__(self, batch: Batch) -> list[torch.Tensor]:
         """Step ``k``'s prenorm outputs ``[B, L, hidden]``, for ``k = 0 .. steps - 1``."""
         B, L = batch.scored.shape
-        hidden = self.head.fuse(batch.aux)
+        hidden = self.head.fuse(batch.aux if self.scale is None else batch.aux / self.scale)
         keys, values, outs = [], [], []
         for k in range(self.steps):
             embeds = F.embedding(batch.tokens[:, k:k + L].clamp(min=0), self.embedding)

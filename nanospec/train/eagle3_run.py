@@ -23,8 +23,8 @@ import torch
 from nanospec.model.eagle3 import default_aux_layers
 from nanospec.model.llama import Llama
 from nanospec.train.data import IGNORE, held_out_prompts, hot_vocabulary, sequences_of
-from nanospec.train.eagle3 import (Batch, Unroller, draft_vocabulary_index, head_config, new_head, save_head,
-                                   step_losses, total_loss)
+from nanospec.train.eagle3 import (Batch, Unroller, aux_scale, draft_vocabulary_index, head_config, new_head,
+                                   save_head, step_losses, total_loss)
 from nanospec.train.loop import Trainer, lr_at, plot, target_head
 from nanospec.train.record import Recording
 
@@ -136,7 +136,7 @@ def train_eagle3(args, target: Llama, prompt_rows: list[dict], prompt_ids: list[
     intermediate = args.inner_dim or config.intermediate_size
     head = new_head(config, draft_ids, aux_layers, intermediate, target.norm.float().cpu(), lm_head, args.seed)
     unroller = Unroller(head, target.embed(torch.arange(config.vocab_size)).float().cpu(), args.n_predict,
-                        int((recording.offsets[1:] - recording.offsets[:-1]).max()))
+                        int((recording.offsets[1:] - recording.offsets[:-1]).max()), aux_scale(recording.aux))
     draft_index = draft_vocabulary_index(draft_ids, config.vocab_size)
     teacher = (recording.hidden, lm_head[draft_ids], args.distill) if args.distill else None
     shared = common_head(prompt_ids)
@@ -188,7 +188,7 @@ def write_outputs(args, command: list[str], trainer: Eagle3Trainer, config: dict
                 "data": f"{Path(args.prompts).name}: {len(prompt_rows)} prompts ({len(held_out)} held out), "
                         f"{recording.num_generated} greedy tokens, max {args.max_tokens} per continuation",
                 "held_out": final and {k: final[k] for k in ("loss", "acc", "tau", "positions")}}
-    save_head(trainer.model, config, out, {k: json.dumps(v) for k, v in metadata.items()})
+    save_head(trainer.model, config, out, {k: json.dumps(v) for k, v in metadata.items()}, trainer.unroller.scale)
     by_category = {}
     for category in sorted({prompt_rows[i].get("category") for i in held_out} - {None, ""}):
         prompts = [i for i in held_out if prompt_rows[i].get("category") == category]
