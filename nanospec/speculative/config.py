@@ -133,12 +133,9 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                              f"head (config.json + safetensors), got {model!r}")
         if not Path(model).is_dir():
             raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head directory does not exist: {model}")
-        shape = ("num_speculative_tokens", "tree_top_k", "tree_budget")
-        if not set(shape) & set(config):  # the head directory's speculative_config.json, if any, says how to serve it
-            served = _served(Path(model) / "speculative_config.json", set(shape))
-            config = {**config, **served}
-            k = _positive_int(served, "num_speculative_tokens", 4, source=str(Path(model) / "speculative_config.json"))
-            tree_budget = _positive_int(served, "tree_budget", 1) if "tree_budget" in served else None
+        config = _eagle3_served(config, Path(model))
+        k = _positive_int(config, "num_speculative_tokens", 4)
+        tree_budget = _positive_int(config, "tree_budget", 1) if "tree_budget" in config else None
         return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive,
                                  tree_top_k=_positive_int(config, "tree_top_k", 1), tree_budget=tree_budget)
     if not model or not isinstance(model, (str, os.PathLike)):
@@ -178,6 +175,13 @@ def _served(file: Path, keys: set[str]) -> dict:
     if unknown:
         raise ValueError(f"{file}: unknown keys {sorted(unknown)} (it may set {', '.join(map(repr, sorted(keys)))})")
     return served
+
+
+def _eagle3_served(config: dict, head: Path) -> dict:
+    """``config``, or where it sets none of ``num_speculative_tokens``, ``tree_top_k`` and ``tree_budget``, those of
+    the head directory's ``speculative_config.json`` (if any)."""
+    shape = {"num_speculative_tokens", "tree_top_k", "tree_budget"}
+    return config if shape & set(config) else {**config, **_served(head / "speculative_config.json", shape)}
 
 
 def with_served_defaults(config: SpeculativeConfig, speculator: Path) -> SpeculativeConfig:

@@ -63,8 +63,8 @@ from nanospec.train.record import Recording, record
 KIND_DEFAULTS = {
     "mlp": {"sampled_runs": 1, "n_predict": 3, "inner_dim": 0, "hot_vocab": 4096, "epochs_greedy": 6,
             "batch_size": 256, "lr": 3e-3, "warmup": 100},
-    "eagle3": {"sampled_runs": 0, "n_predict": 4, "inner_dim": 768, "hot_vocab": 4096, "epochs_greedy": 6,
-               "batch_size": 2048, "lr": 2e-3, "warmup": 30},
+    "eagle3": {"sampled_runs": 0, "n_predict": 4, "inner_dim": 768, "hot_vocab": 4096, "epochs_greedy": 4,
+               "batch_size": 512, "lr": 3e-3, "warmup": 50},
 }
 
 
@@ -102,16 +102,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompt-text", action=argparse.BooleanOptionalAction, default=True,
                    help="phase 1 also learns the prompts' own text (its hidden states come free with the prefill)")
     p.add_argument("--epochs-greedy", type=int, default=None,
-                   help="phase 1: epochs over the greedy continuations (mlp 6, eagle3 6)")
+                   help="phase 1: epochs over the greedy continuations (mlp 6, eagle3 4)")
     p.add_argument("--epochs-mixed", type=int, default=1, help="phase 2: epochs over greedy + sampled")
     p.add_argument("--distill", type=float, default=0.5,
                    help="weight w of the target's own next-token distribution in the loss: (1 - w) * CE(token) + "
                         "w * CE(target's distribution), both over the scored set (0: the tokens alone)")
     p.add_argument("--batch-size", type=int, default=None,
-                   help="examples per step (mlp 256), or padded rows per step, whole sequences (eagle3 2048)")
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (mlp 3e-3, eagle3 2e-3)")
+                   help="examples per step (mlp 256), or padded rows per step, whole sequences (eagle3 512)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (mlp 3e-3, eagle3 3e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (mlp 100, eagle3 30)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (mlp 100, eagle3 50)")
     p.add_argument("--val-every", type=int, default=10,
                    help="every N-th prompt of each category is held out (0: none)")
     p.add_argument("--seed", type=int, default=0)
