@@ -162,15 +162,16 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
         if args.mlp_speculator:
             config["model"] = args.mlp_speculator
         return config
+    if method == "eagle3":  # served as the head directory's speculative_config.json says
+        return {"method": "eagle3", "model": args.eagle3, "adaptive": not args.no_adaptive}
     if method in EAGLE3_METHODS:
         config = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.k["eagle3"],
                   "adaptive": not args.no_adaptive}
-        served = Path(args.eagle3) / "speculative_config.json"
-        tree = json.loads(served.read_text()) if method == "eagle3" and served.is_file() else {}
         if method == "eagle3_tree":
-            tree = {"tree_top_k": args.eagle3_tree_width} | ({"tree_budget": args.eagle3_tree_budget}
-                                                             if args.eagle3_tree_budget else {})
-        return config | tree
+            config["tree_top_k"] = args.eagle3_tree_width
+            if args.eagle3_tree_budget:
+                config["tree_budget"] = args.eagle3_tree_budget
+        return config
     return None
 
 
