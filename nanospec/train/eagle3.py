@@ -114,8 +114,8 @@ def aux_scale(aux: torch.Tensor, rows: int = 65536) -> torch.Tensor:
 class Unroller:
     """The head unrolled ``steps`` times over a :class:`Batch` with dense attention (the K/V each step may read).
 
-    ``scale``: the auxiliary states are divided by it before ``fc`` (a reparametrization that keeps a few massive
-    features from swamping the others while training; :func:`save_head` folds it into ``fc``)."""
+    ``scale``: the auxiliary states are divided by it before ``fc`` (a reparametrization: every input feature of
+    ``fc`` trains at unit scale, the few massive ones too; :func:`save_head` folds it into ``fc``)."""
 
     def __init__(self, head: Eagle3Head, embedding: torch.Tensor, steps: int, max_rows: int,
                  scale: torch.Tensor | None = None):
