@@ -42,6 +42,10 @@ early, so it agrees with the target rarely: it exercises the draft path, a train
 the n-gram chain merged in); ``mlp_chain`` the same speculator's chain of stages; ``mlp_tree`` its beam of
 --mlp-tree-width candidates per depth; ``mlp_tree_lookup`` that beam with the n-gram chain merged in. With the
 policy on (the default) tau is what it chose to verify; --no-adaptive verifies every guess.
+
+``eagle3`` drafts with an EAGLE-3 head (--eagle3 PATH; default the one shipped for the embedded SmolLM2), k=5 by
+default, served as its directory's ``speculative_config.json`` says; ``eagle3_chain`` its chain of k;
+``eagle3_tree`` its EAGLE-2 tree of --eagle3-tree-width candidates per depth and --eagle3-tree-budget nodes.
 """
 
 from __future__ import annotations
@@ -66,10 +70,12 @@ from nanospec.model.embedded import embedded_model_path  # noqa: E402
 HERE = Path(__file__).resolve().parent
 # the first three have a transformers counterpart; the others are nanospec only
 METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead", "draft_coupled", "mlp_speculator",
-           "mlp_chain", "mlp_tree", "mlp_tree_lookup")
+           "mlp_chain", "mlp_tree", "mlp_tree_lookup", "eagle3", "eagle3_chain", "eagle3_tree")
 MLP_METHODS = ("mlp_speculator", "mlp_chain", "mlp_tree", "mlp_tree_lookup")
+EAGLE3_METHODS = ("eagle3", "eagle3_chain", "eagle3_tree")
+SHIPPED_EAGLE3 = HERE.parent / "nanospec" / "speculators" / "smollm2-135m-instruct-eagle3"
 HF_LABELS = {"plain": "plain", "ngram": "prompt-lookup", "draft": "assisted"}
-DEFAULT_K = {"ngram": 5, "draft": 4, "mlp_speculator": 3}
+DEFAULT_K = {"ngram": 5, "draft": 4, "mlp_speculator": 3, "eagle3": 5}
 
 
 @dataclass
@@ -155,6 +161,16 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
                           prompt_lookup=method == "mlp_tree_lookup", prompt_lookup_max=args.prompt_lookup_max)
         if args.mlp_speculator:
             config["model"] = args.mlp_speculator
+        return config
+    if method == "eagle3":  # served as the head directory's speculative_config.json says
+        return {"method": "eagle3", "model": args.eagle3, "adaptive": not args.no_adaptive}
+    if method in EAGLE3_METHODS:
+        config = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.k["eagle3"],
+                  "adaptive": not args.no_adaptive}
+        if method == "eagle3_tree":
+            config["tree_top_k"] = args.eagle3_tree_width
+            if args.eagle3_tree_budget:
+                config["tree_budget"] = args.eagle3_tree_budget
         return config
     return None
 
@@ -328,6 +344,10 @@ def main():
     p.add_argument("--mlp-speculator", default=None, metavar="PATH",
                    help="MLP speculator directory for mlp_speculator (default: the one shipped for the embedded model)")
     p.add_argument("--mlp-tree-width", type=int, default=4, help="candidates per depth for mlp_tree(_lookup)")
+    p.add_argument("--eagle3", default=str(SHIPPED_EAGLE3), metavar="PATH", help="EAGLE-3 head for the eagle3 methods")
+    p.add_argument("--eagle3-tree-width", type=int, default=8, help="candidates per depth for eagle3_tree")
+    p.add_argument("--eagle3-tree-budget", type=int, default=None,
+                   help="nodes of eagle3_tree (default: k x width)")
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help=f"k for every method (default: {DEFAULT_K})")
     p.add_argument("--prompt-lookup-max", type=int, default=4, help="longest n-gram the ngram methods match")

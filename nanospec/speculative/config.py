@@ -133,6 +133,9 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                              f"head (config.json + safetensors), got {model!r}")
         if not Path(model).is_dir():
             raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head directory does not exist: {model}")
+        config = _eagle3_served(config, Path(model))
+        k = _positive_int(config, "num_speculative_tokens", 4)
+        tree_budget = _positive_int(config, "tree_budget", 1) if "tree_budget" in config else None
         return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive,
                                  tree_top_k=_positive_int(config, "tree_top_k", 1), tree_budget=tree_budget)
     if not model or not isinstance(model, (str, os.PathLike)):
@@ -158,21 +161,34 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                              draft_tensor_parallel_size=draft_tp, quantization=quantization)
 
 
+def _served(file: Path, keys: set[str]) -> dict:
+    """A speculator directory's ``speculative_config.json`` (``{}`` when there is none), holding only ``keys``."""
+    if not file.is_file():
+        return {}
+    try:
+        served = json.loads(file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file}: not valid JSON ({error})") from None
+    if not isinstance(served, dict):
+        raise ValueError(f"{file}: must hold a JSON object, got {type(served).__name__}")
+    unknown = set(served) - keys
+    if unknown:
+        raise ValueError(f"{file}: unknown keys {sorted(unknown)} (it may set {', '.join(map(repr, sorted(keys)))})")
+    return served
+
+
+def _eagle3_served(config: dict, head: Path) -> dict:
+    """``config``, or where it sets none of ``num_speculative_tokens``, ``tree_top_k`` and ``tree_budget``, those of
+    the head directory's ``speculative_config.json`` (if any)."""
+    shape = {"num_speculative_tokens", "tree_top_k", "tree_budget"}
+    return config if shape & set(config) else {**config, **_served(head / "speculative_config.json", shape)}
+
+
 def with_served_defaults(config: SpeculativeConfig, speculator: Path) -> SpeculativeConfig:
     """``tree_top_k`` and ``prompt_lookup`` where the caller left them out: from the speculator directory's
     ``speculative_config.json``, else a chain without lookup."""
     file = Path(speculator) / "speculative_config.json"
-    served: dict = {}
-    if file.is_file():
-        try:
-            served = json.loads(file.read_text())
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise ValueError(f"{file}: not valid JSON ({error})") from None
-        if not isinstance(served, dict):
-            raise ValueError(f"{file}: must hold a JSON object, got {type(served).__name__}")
-        unknown = set(served) - {"tree_top_k", "prompt_lookup"}
-        if unknown:
-            raise ValueError(f"{file}: unknown keys {sorted(unknown)} (it may set 'tree_top_k' and 'prompt_lookup')")
+    served = _served(file, {"tree_top_k", "prompt_lookup"})
     return replace(config,
                    tree_top_k=config.tree_top_k or _positive_int(served, "tree_top_k", 1, source=str(file)),
                    prompt_lookup=config.prompt_lookup if config.prompt_lookup is not None

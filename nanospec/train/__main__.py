@@ -1,6 +1,8 @@
-"""Train an MLP speculator (:mod:`nanospec.model.mlp_speculator`) for a target model, on the target's own outputs.
+"""Train an MLP speculator (:mod:`nanospec.model.mlp_speculator`) or an EAGLE-3 head
+(:mod:`nanospec.model.eagle3`) for a target model, on the target's own outputs.
 
     python -m nanospec.train --out DIR                 # the embedded SmolLM2, the shipped settings
+    python -m nanospec.train --kind eagle3 --out DIR   # an EAGLE-3 head (see nanospec.train.eagle3_run)
     python -m nanospec.train --model M --out DIR --hot-vocab 4096 --seed 0
     python -m nanospec.train --out DIR --resume        # go on from DIR's last checkpoint
 
@@ -53,13 +55,24 @@ from nanospec.model.loader import load_checkpoint
 from nanospec.model.mlp_speculator import save_mlp_speculator
 from nanospec.train.data import (PROMPT_SET, concat_examples, encode_chat, held_out_prompts, hot_vocabulary,
                                  load_prompt_set, make_examples)
+from nanospec.train.eagle3_run import train_eagle3
 from nanospec.train.loop import Trainer, evaluate, new_speculator, plot, target_head
 from nanospec.train.record import Recording, record
+
+
+KIND_DEFAULTS = {
+    "mlp": {"sampled_runs": 1, "n_predict": 3, "inner_dim": 0, "hot_vocab": 4096, "epochs_greedy": 6,
+            "batch_size": 256, "lr": 3e-3, "warmup": 100},
+    "eagle3": {"sampled_runs": 0, "n_predict": 4, "inner_dim": 768, "hot_vocab": 4096, "epochs_greedy": 4,
+               "batch_size": 512, "lr": 3e-3, "warmup": 50},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m nanospec.train", description=__doc__.split("\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--kind", choices=sorted(KIND_DEFAULTS), default="mlp",
+                   help="what to train: an MLP speculator or an EAGLE-3 head (nanospec.train.eagle3_run)")
     p.add_argument("--model", default=None, help="target: HF directory or .gguf file (default: the embedded SmolLM2)")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--prompts", default=str(PROMPT_SET), help="JSONL prompt set ({'prompt': ...} per line)")
@@ -67,13 +80,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--cache", default=None, help="where recordings are kept (default OUT/cache)")
     p.add_argument("--max-tokens", type=int, default=96, help="longest recorded continuation")
     p.add_argument("--record-batch", type=int, default=64, help="sequences generated at once")
-    p.add_argument("--sampled-runs", type=int, default=1, help="sampled continuations per prompt (0: greedy only)")
+    p.add_argument("--sampled-runs", type=int, default=None,
+                   help="sampled continuations per prompt (0: greedy only; mlp 1, eagle3 0: it trains on greedy)")
     p.add_argument("--sampled-every", type=int, default=8,
                    help="sampled continuations for every N-th prompt only (1: all of them)")
     p.add_argument("--temperature", type=float, default=0.8, help="temperature of the sampled continuations")
-    p.add_argument("--n-predict", type=int, default=3, help="stages (tokens guessed per step)")
-    p.add_argument("--inner-dim", type=int, default=0, help="stage width (0: the target's hidden size)")
-    p.add_argument("--hot-vocab", type=int, default=4096, help="score only the K most frequent tokens (0: all)")
+    p.add_argument("--n-predict", type=int, default=None,
+                   help="stages (tokens guessed per step; mlp 3), or an EAGLE-3 head's unrolled steps (eagle3 4)")
+    p.add_argument("--inner-dim", type=int, default=None,
+                   help="stage width (mlp 0: the target's hidden size), or an EAGLE-3 head's intermediate_size "
+                        "(eagle3 768; 0: the target's)")
+    p.add_argument("--hot-vocab", type=int, default=None,
+                   help="score only the K most frequent tokens (0: all; mlp 4096), or an EAGLE-3 head's draft "
+                        "vocabulary (eagle3 4096)")
     p.add_argument("--tie-weights", action=argparse.BooleanOptionalAction, default=True,
                    help="share emb/head/ln across stages")
     p.add_argument("--scale-input", action=argparse.BooleanOptionalAction, default=True,
@@ -82,15 +101,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="start emb and head from the target's embeddings (needs inner-dim = hidden size)")
     p.add_argument("--prompt-text", action=argparse.BooleanOptionalAction, default=True,
                    help="phase 1 also learns the prompts' own text (its hidden states come free with the prefill)")
-    p.add_argument("--epochs-greedy", type=int, default=6, help="phase 1: epochs over the greedy continuations")
+    p.add_argument("--epochs-greedy", type=int, default=None,
+                   help="phase 1: epochs over the greedy continuations (mlp 6, eagle3 4)")
     p.add_argument("--epochs-mixed", type=int, default=1, help="phase 2: epochs over greedy + sampled")
     p.add_argument("--distill", type=float, default=0.5,
                    help="weight w of the target's own next-token distribution in the loss: (1 - w) * CE(token) + "
                         "w * CE(target's distribution), both over the scored set (0: the tokens alone)")
-    p.add_argument("--batch-size", type=int, default=256)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="examples per step (mlp 256), or padded rows per step, whole sequences (eagle3 512)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (mlp 3e-3, eagle3 3e-3)")
     p.add_argument("--weight-decay", type=float, default=0.0)
-    p.add_argument("--warmup", type=int, default=100, help="warm-up steps")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (mlp 100, eagle3 50)")
     p.add_argument("--val-every", type=int, default=10,
                    help="every N-th prompt of each category is held out (0: none)")
     p.add_argument("--seed", type=int, default=0)
@@ -101,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--stop-after", type=int, default=None,
                    help="stop (with a checkpoint) after this many steps, as if interrupted; --resume goes on")
     args = p.parse_args(argv)
+    for name, value in KIND_DEFAULTS[args.kind].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     return args
 
 
@@ -129,38 +153,9 @@ def check_args(args, vocab_size: int | None = None) -> None:
         raise ValueError(f"--distill must be in [0, 1], got {args.distill}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
-    if args.tie_weights and args.n_predict < 2:
-        raise ValueError("--tie-weights needs --n-predict >= 2 (or pass --no-tie-weights)")
-    if vocab_size is not None and args.hot_vocab > vocab_size:
-        raise ValueError(f"--hot-vocab {args.hot_vocab} is larger than the target's vocabulary ({vocab_size})")
-
-
-def check_args(args, vocab_size: int | None = None) -> None:
-    def positive(name, value, low=1):
-        if value is None or value < low:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least {low}, got {value}")
-    positive("n_predict", args.n_predict)
-    positive("max_tokens", args.max_tokens, 2)
-    positive("record_batch", args.record_batch)
-    positive("batch_size", args.batch_size)
-    positive("save_every", args.save_every)
-    positive("sampled_every", args.sampled_every)
-    for name in ("threads", "sampled_runs", "hot_vocab", "inner_dim", "epochs_greedy", "epochs_mixed", "warmup",
-                 "val_every"):
-        positive(name, getattr(args, name), 0)
-    if args.limit is not None:
-        positive("limit", args.limit)
-    if args.stop_after is not None:
-        positive("stop_after", args.stop_after)
-    if args.epochs_greedy + args.epochs_mixed < 1:
-        raise ValueError("nothing to train: --epochs-greedy and --epochs-mixed are both 0")
-    if args.sampled_runs and not args.temperature > 0:
-        raise ValueError(f"--temperature must be > 0 for sampled runs, got {args.temperature}")
-    if not 0 <= args.distill <= 1:
-        raise ValueError(f"--distill must be in [0, 1], got {args.distill}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
-    if args.tie_weights and args.n_predict < 2:
+    if args.kind == "eagle3" and args.sampled_runs:
+        raise ValueError("--kind eagle3 trains on the greedy continuations only: pass --sampled-runs 0")
+    if args.kind == "mlp" and args.tie_weights and args.n_predict < 2:
         raise ValueError("--tie-weights needs --n-predict >= 2 (or pass --no-tie-weights)")
     if vocab_size is not None and args.hot_vocab > vocab_size:
         raise ValueError(f"--hot-vocab {args.hot_vocab} is larger than the target's vocabulary ({vocab_size})")
@@ -191,13 +186,18 @@ def train(args, command: list[str]) -> int:
     checkpoint = load_checkpoint(args.model, torch.float32)
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
     check_args(args, config.vocab_size)
-    if args.inner_dim and args.init_from_target and args.inner_dim != config.hidden_size:
+    if args.kind == "mlp" and args.inner_dim and args.init_from_target and args.inner_dim != config.hidden_size:
         print(f"--init-from-target needs --inner-dim {config.hidden_size} (the target's hidden size): random init")
     prompt_ids = [encode_chat(tokenizer, row["prompt"]) for row in prompt_rows]
     target = Llama(config, checkpoint.tensors, "cpu", torch.float32,
                    max_len=max(map(len, prompt_ids)) + args.max_tokens)
     del checkpoint
-    runs, recordings, timings = record_runs(args, target, prompt_ids, list(tokenizer.eos_token_ids))
+    eos_ids = list(tokenizer.eos_token_ids)
+    if args.kind == "eagle3":
+        def record_aux(args, target, prompt_ids, aux_layers):
+            return record_runs(args, target, prompt_ids, eos_ids, aux_layers)
+        return train_eagle3(args, target, prompt_rows, prompt_ids, record_aux, command, started)
+    runs, recordings, timings = record_runs(args, target, prompt_ids, eos_ids)
     phases, validation, held_out, hot_ids = training_data(args, prompt_rows, recordings, config.vocab_size)
     model = new_speculator(args, config.hidden_size, config.vocab_size, hot_ids, target, args.seed)
     teacher_head = target_head(target)[model.hot_token_ids].float() if args.distill else None
@@ -221,9 +221,10 @@ def train(args, command: list[str]) -> int:
     return 0
 
 
-def record_runs(args, target: Llama, prompt_ids: list[list[int]], eos_ids: list[int]):
+def record_runs(args, target: Llama, prompt_ids: list[list[int]], eos_ids: list[int], aux_layers: tuple = ()):
     """The greedy recording of every prompt and the sampled ones of every ``sampled_every``-th, each from the cache
-    when it holds one made with the same settings. Returns (runs, recordings, timings)."""
+    when it holds one made with the same settings. Returns (runs, recordings, timings). With ``aux_layers`` (an
+    EAGLE-3 head's), the greedy one keeps every prompt row from position 0 and the auxiliary states too."""
     cache = Path(args.cache) if args.cache else Path(args.out) / "cache"
     digest = hashlib.sha256(json.dumps([args.model and str(Path(args.model).resolve()), prompt_ids]).encode())
     runs = [("greedy", 0.0, args.seed)] + [(f"sampled{r}", args.temperature, args.seed + 1 + r)
@@ -238,15 +239,17 @@ def record_runs(args, target: Llama, prompt_ids: list[list[int]], eos_ids: list[
             list(range(0, len(prompt_ids), args.sampled_every))
         meta = {"prompts": digest.hexdigest(), "max_tokens": args.max_tokens, "temperature": temperature,
                 "seed": seed, "batch": args.record_batch, "chosen": len(chosen),
-                "prompt_rows_from": shared if name == "greedy" else None}
-        path = cache / f"{name}.safetensors"
+                "prompt_rows_from": (0 if aux_layers else shared) if name == "greedy" else None}
+        if aux_layers:
+            meta["aux_layers"] = list(aux_layers)
+        path = cache / f"{name}{'-aux' if aux_layers else ''}.safetensors"
         recording = Recording.load(path, meta)
         if recording is None:
             t0 = time.time()
             recording = record(target, [prompt_ids[i] for i in chosen], eos_ids, prompt_index=chosen,
                                max_tokens=args.max_tokens, temperature=temperature, seed=seed,
                                batch=args.record_batch, desc=f"recording {name}",
-                               prompt_rows_from=meta["prompt_rows_from"])
+                               prompt_rows_from=meta["prompt_rows_from"], aux_layers=aux_layers)
             seconds = time.time() - t0
             recording.save(path, meta)
             timings[f"record_{name}_s"] = round(seconds, 1)

@@ -138,7 +138,7 @@ def save_checkpoint(directory: Path, model: MLPSpeculator, optimizer: torch.opti
     directory.mkdir(parents=True, exist_ok=True)
     names = [name for name, _ in model.named_parameters()]
     tensors = {f"model.{name}": p.detach().clone() for name, p in model.named_parameters()}
-    tensors["model.hot_token_ids"] = model.hot_token_ids.clone()
+    tensors |= {f"buffer.{name}": b.detach().clone() for name, b in _buffers(model).items()}
     opt = optimizer.state_dict()
     for index, name in enumerate(names):
         for key, value in opt["state"].get(index, {}).items():
@@ -151,6 +151,14 @@ def save_checkpoint(directory: Path, model: MLPSpeculator, optimizer: torch.opti
     os.replace(directory / "state.json.tmp", directory / "state.json")
 
 
+def _buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a checkpoint keeps besides the parameters: the MLP speculator's hot vocabulary, any other module's
+    buffers."""
+    if isinstance(model, MLPSpeculator):
+        return {"hot_token_ids": model.hot_token_ids}
+    return dict(model.named_buffers())
+
+
 def load_checkpoint_into(directory: Path, model: MLPSpeculator, optimizer: torch.optim.Optimizer) -> dict:
     tensors = load_file(str(directory / "checkpoint.safetensors"))
     state = json.loads((directory / "state.json").read_text())
@@ -158,7 +166,11 @@ def load_checkpoint_into(directory: Path, model: MLPSpeculator, optimizer: torch
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(tensors[f"model.{name}"])
-        model.set_hot_vocabulary(tensors["model.hot_token_ids"])
+        if isinstance(model, MLPSpeculator):
+            model.set_hot_vocabulary(tensors["buffer.hot_token_ids"])
+        else:
+            for name, b in _buffers(model).items():
+                b.copy_(tensors[f"buffer.{name}"])
     opt = optimizer.state_dict()
     for index, name in enumerate(names):
         entry = {}
@@ -176,7 +188,7 @@ def load_checkpoint_into(directory: Path, model: MLPSpeculator, optimizer: torch
 class Trainer:
     """One run's model, optimizer, step and log; :meth:`run` goes through the phases from wherever the step is."""
 
-    def __init__(self, model: MLPSpeculator, args, teacher_head: torch.Tensor | None, total_steps: int, out: Path,
+    def __init__(self, model: torch.nn.Module, args, teacher_head: torch.Tensor | None, total_steps: int, out: Path,
                  timings: dict, settings: dict):
         self.model, self.args, self.teacher_head, self.total_steps = model, args, teacher_head, total_steps
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
@@ -265,7 +277,7 @@ class Trainer:
         return losses, hits, counts, lr
 
     def _log_window(self, phase: str, epoch: int, lr: float, bar) -> None:
-        window, n = self._window, self.model.config.n_predict
+        window, n = self._window, self.args.n_predict
         self.log.append({"kind": "train", "step": self.step, "phase": phase, "epoch": epoch, "lr": lr,
                          "loss": [sum(w[0][i] for w in window) / len(window) for i in range(n)],
                          "acc": [sum(w[1][i] for w in window) / len(window) for i in range(n)]})
@@ -273,14 +285,17 @@ class Trainer:
         bar.set_postfix(loss=" ".join(f"{x:.2f}" for x in self.log[-1]["loss"]),
                         acc=" ".join(f"{x:.2f}" for x in self.log[-1]["acc"]), refresh=False)
 
+    def evaluate(self, data: Examples) -> dict:
+        return evaluate(self.model, data)
+
     def _evaluate(self, phase: str, epoch: int, epochs: int, validation: Examples) -> None:
         if not len(validation):
             return
-        result = evaluate(self.model, validation)
+        result = self.evaluate(validation)
         self.log.append({"kind": "eval", "step": self.step, "phase": phase, "epoch": epoch, **result})
         tqdm.write(f"{phase} epoch {epoch + 1}/{epochs} (step {self.step}): held-out loss "
                    f"{' '.join(f'{x:.3f}' for x in result['loss'])}, top-1 accuracy "
-                   f"{' '.join(f'{x:.3f}' for x in result['acc'])}, tau@{self.model.config.n_predict} ~ "
+                   f"{' '.join(f'{x:.3f}' for x in result['acc'])}, tau@{self.args.n_predict} ~ "
                    f"{result['tau']:.3f}")
 
 

@@ -3,8 +3,9 @@ from (what a decode or verify step hands the speculator at run time).
 
 Generation runs many prompts at once (continuous batching over a paged KV cache, straight on the model layer);
 the prefill computes the prompt's hidden states too, and past the prompts' common head (chat template, system
-prompt) they are kept as well. Hidden states are stored as float16; a recording is cached as safetensors with the
-settings that made it.
+prompt) they are kept as well. With ``aux_layers`` (an EAGLE-3 head's), every kept row also keeps the residual stream
+entering those layers (``Llama.forward``'s ``aux_layers``, what the head fuses at run time). Hidden states are stored
+as float16; a recording is cached as safetensors with the settings that made it.
 """
 
 from __future__ import annotations
@@ -31,18 +32,21 @@ BLOCK_SIZE = 16
 class Recording:
     """Continuations of prompts: ``tokens[offsets[s]:offsets[s+1]]`` are sequence ``s``'s tokens and ``hidden``
     the same rows' final hidden states (row ``j``: the state whose logits gave, or predict, token ``j``); its
-    first ``generated_from[s]`` rows are prompt text, the rest the target's continuation."""
+    first ``generated_from[s]`` rows are prompt text, the rest the target's continuation. ``aux``: the same rows'
+    auxiliary states ``[N, len(aux_layers) * emb_dim]`` (float16), when recorded with ``aux_layers``."""
     prompt_index: torch.Tensor  # [S] int64: which prompt of the set
     offsets: torch.Tensor       # [S+1] int64
     tokens: torch.Tensor        # [N] int64
     hidden: torch.Tensor        # [N, emb_dim] float16
     generated_from: torch.Tensor  # [S] int64: rows before it are the prompt's own text (its hidden states)
+    aux: torch.Tensor | None = None  # [N, 3 * emb_dim] float16
 
     def save(self, path: Path, metadata: dict) -> None:
         tmp = path.with_suffix(".tmp")
+        aux = {} if self.aux is None else {"aux": self.aux.contiguous()}
         save_file({"prompt_index": self.prompt_index, "offsets": self.offsets, "tokens": self.tokens,
-                   "hidden": self.hidden.contiguous(),
-                   "generated_from": self.generated_from}, str(tmp), metadata={"info": json.dumps(metadata)})
+                   "hidden": self.hidden.contiguous(), "generated_from": self.generated_from, **aux}, str(tmp),
+                  metadata={"info": json.dumps(metadata)})
         os.replace(tmp, path)
 
     @classmethod
@@ -57,7 +61,7 @@ class Recording:
                 return None
             tensors = load_file(str(path))
             return cls(tensors["prompt_index"], tensors["offsets"], tensors["tokens"], tensors["hidden"],
-                       tensors["generated_from"])
+                       tensors["generated_from"], tensors.get("aux"))
         except Exception:  # a cut or foreign file: record again
             return None
 
@@ -107,7 +111,7 @@ class _Lanes:
 @torch.inference_mode()
 def generate_with_hidden(model: Llama, prompts: list[list[int]], *, max_tokens: int, eos_ids: list[int],
                          temperature: float = 0.0, seed: int = 0, batch: int = 32, max_prefill_tokens: int = 4096,
-                         prompt_rows_from: int | None = None, desc: str = "recording",
+                         prompt_rows_from: int | None = None, desc: str = "recording", aux_layers: tuple[int, ...] = (),
                          ) -> tuple[list[list[int]], list[torch.Tensor], list[torch.Tensor]]:
     """Continue every prompt (greedy at ``temperature`` 0, else sampled from ``softmax(logits / temperature)``
     with a generator seeded by ``seed``) for at most ``max_tokens`` tokens or until an eos token (kept), up to
@@ -115,7 +119,8 @@ def generate_with_hidden(model: Llama, prompts: list[list[int]], *, max_tokens: 
     tokens and their hidden states ``[n, hidden]`` (float16): row ``j`` is the final hidden state at the
     position whose logits gave token ``j`` (the last prompt token's for token 0); and, with ``prompt_rows_from``
     ``q``, the hidden states of the prompt's positions ``q .. len - 2`` (empty otherwise): computed by the prefill
-    anyway, they cost only their final norm."""
+    anyway, they cost only their final norm. With ``aux_layers``, each row holds the final hidden state followed by
+    the auxiliary states at the same position (``[n, (1 + len(aux_layers)) * hidden]``)."""
     c = model.config
     blocks_per_lane = -(-(max(len(p) for p in prompts) + max_tokens) // BLOCK_SIZE)
     lanes = min(batch, len(prompts))
@@ -126,14 +131,19 @@ def generate_with_hidden(model: Llama, prompts: list[list[int]], *, max_tokens: 
     generator = torch.Generator(device=model.device).manual_seed(seed)
     eos = torch.tensor(sorted(set(eos_ids)), dtype=torch.int64)
     out_hidden: list[list[torch.Tensor]] = [[] for _ in prompts]
-    prompt_hidden = [torch.zeros(0, c.hidden_size, dtype=torch.float16) for _ in prompts]
+    prompt_hidden = [torch.zeros(0, (1 + len(aux_layers)) * c.hidden_size, dtype=torch.float16) for _ in prompts]
     bar = tqdm(total=len(prompts), desc=desc, unit="seq", dynamic_ncols=True, mininterval=2)
     generated = 0
     while state.waiting or state.running:
         token_lists, starts, tables, rows, order, extra = state.next_step(max_prefill_tokens, prompt_rows_from)
-        hidden = model.forward(build_forward_batch(token_lists, starts, tables, BLOCK_SIZE, rows, model.device), kv)
+        batch = build_forward_batch(token_lists, starts, tables, BLOCK_SIZE, rows, model.device)
+        if aux_layers:
+            hidden, aux = model.forward(batch, kv, aux_layers)
+            hidden = torch.cat([hidden, aux[batch.logits_indices].to(hidden.dtype)], dim=-1)
+        else:
+            hidden = model.forward(batch, kv)
         hidden = _keep_prompt_rows(hidden, order, extra, prompt_hidden)
-        logits = model.compute_logits(hidden)
+        logits = model.compute_logits(hidden[:, :c.hidden_size])
         if temperature > 0:
             probs = torch.softmax(logits / temperature, dim=-1)
             next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
@@ -168,18 +178,21 @@ def _keep_prompt_rows(hidden: torch.Tensor, order: list, extra: list[int], promp
 
 def record(model: Llama, prompt_ids: list[list[int]], eos_ids: list[int], *, prompt_index: list[int] | None = None,
            max_tokens: int, temperature: float, seed: int, batch: int, desc: str,
-           prompt_rows_from: int | None = None) -> Recording:
-    """Record continuations (and, from ``prompt_rows_from``, the prompts' own text as leading rows)."""
+           prompt_rows_from: int | None = None, aux_layers: tuple[int, ...] = ()) -> Recording:
+    """Record continuations (and, from ``prompt_rows_from``, the prompts' own text as leading rows; with
+    ``aux_layers``, the auxiliary states too)."""
     tokens, hidden, prompt_hidden = generate_with_hidden(
         model, prompt_ids, max_tokens=max_tokens, eos_ids=eos_ids, temperature=temperature, seed=seed, batch=batch,
-        desc=desc, prompt_rows_from=prompt_rows_from)
+        desc=desc, prompt_rows_from=prompt_rows_from, aux_layers=aux_layers)
     firsts = [len(h) for h in prompt_hidden]  # prompt-text rows at the front of each sequence
     tokens = [ids[len(ids) - f:] + t if f else t for ids, t, f in zip(prompt_ids, tokens, firsts)]
     hidden = [torch.cat([p, h]) for p, h in zip(prompt_hidden, hidden)]
     lengths = torch.tensor([0] + [len(t) for t in tokens])
     index = torch.tensor(prompt_index if prompt_index is not None else range(len(tokens)), dtype=torch.int64)
-    return Recording(index, lengths.cumsum(0), torch.tensor([t for ts in tokens for t in ts]), torch.cat(hidden),
-                     torch.tensor(firsts, dtype=torch.int64))
+    hidden, H = torch.cat(hidden), model.config.hidden_size
+    return Recording(index, lengths.cumsum(0), torch.tensor([t for ts in tokens for t in ts]),
+                     hidden[:, :H].contiguous(), torch.tensor(firsts, dtype=torch.int64),
+                     hidden[:, H:].contiguous() if aux_layers else None)
 
 
 @torch.inference_mode()
