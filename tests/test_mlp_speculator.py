@@ -438,7 +438,7 @@ def test_a_stopped_sequence_has_its_whole_first_depth_checked(target, speculator
     llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True, adaptive=True)
     spec = llm.engine.speculator
     seq_id, seq = sequence_as_if_prefilled(llm, device)
-    seq.num_cached_tokens = seq.num_tokens - 1  # in decode
+    seq.num_cached_tokens, seq.num_prompt_tokens = seq.num_tokens - 1, seq.num_tokens - 1  # in decode: 9 was output
     monkeypatch.setattr(spec.policy, "choose_nodes", lambda chances, *_: [0] * len(chances))
     proposal = spec.propose([seq])[0]
     assert not proposal.token_ids
