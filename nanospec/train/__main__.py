@@ -204,19 +204,9 @@ def train(args, command: list[str]) -> int:
     del target
     total_steps = sum(-(-len(data) // args.batch_size) * epochs for _, data, epochs in phases)
     trainer = Trainer(model, args, teacher_head, total_steps, out, timings, settings_of(args))
-    if args.resume:
-        trainer.resume()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        finished = trainer.run(phases, validation)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted at step {trainer.step}: checkpoint saved, --resume goes on from it")
-        return 130
-    if not finished:
-        print(f"stopped at step {trainer.step} of {total_steps} (--stop-after): --resume goes on")
-        return 0
-    trainer.timings["train_s"] = round(trainer.train_seconds, 1)
-    trainer.timings["this_run_s"] = round(time.time() - started, 1)
+    exit_code = trainer.run_to_end(phases, validation, args.resume, started)
+    if exit_code is not None:
+        return exit_code
     write_outputs(args, command, trainer, prompt_rows, runs, recordings, held_out)
     return 0
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import time
 from argparse import Namespace
 from pathlib import Path
 
@@ -152,19 +151,9 @@ def train_eagle3(args, target: Llama, prompt_rows: list[dict], prompt_ids: list[
     print(f"training: {len(train)} batches of up to {args.batch_size} rows ({train.rows} rows), "
           f"{len(validation)} held-out batches; {args.epochs_greedy} epochs = {total_steps} steps")
     trainer = Eagle3Trainer(unroller, args, draft_index, teacher, total_steps, out, timings, settings_of(args))
-    if args.resume:
-        trainer.resume()
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        finished = trainer.run([("greedy", train, args.epochs_greedy)], validation)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted at step {trainer.step}: checkpoint saved, --resume goes on from it")
-        return 130
-    if not finished:
-        print(f"stopped at step {trainer.step} of {total_steps} (--stop-after): --resume goes on")
-        return 0
-    trainer.timings["train_s"] = round(trainer.train_seconds, 1)
-    trainer.timings["this_run_s"] = round(time.time() - started, 1)
+    exit_code = trainer.run_to_end([("greedy", train, args.epochs_greedy)], validation, args.resume, started)
+    if exit_code is not None:
+        return exit_code
     config_dict = head_config(config, len(draft_ids), aux_layers, intermediate)
     write_outputs(args, command, trainer, config_dict, prompt_rows, recording, held_out)
     return 0

@@ -215,6 +215,26 @@ class Trainer:
             "timings": self.timings})
         self.log_path.write_text("".join(json.dumps(r) + "\n" for r in self.log))
 
+    def run_to_end(self, phases: list[tuple[str, Examples, int]], validation: Examples, resume: bool,
+                   started: float) -> int | None:
+        """From the last checkpoint if ``resume``, :meth:`run`: None when every step is done (``timings`` then holds
+        the training's and this run's seconds, this run from ``started``), else the exit code: 130 after Ctrl-C, 0
+        when ``stop_after`` stopped it (a checkpoint is saved either way, and ``--resume`` goes on from it)."""
+        if resume:
+            self.resume()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            finished = self.run(phases, validation)
+        except KeyboardInterrupt:
+            print(f"\ninterrupted at step {self.step}: checkpoint saved, --resume goes on from it")
+            return 130
+        if not finished:
+            print(f"stopped at step {self.step} of {self.total_steps} (--stop-after): --resume goes on")
+            return 0
+        self.timings["train_s"] = round(self.train_seconds, 1)
+        self.timings["this_run_s"] = round(time.time() - started, 1)
+        return None
+
     def run(self, phases: list[tuple[str, Examples, int]], validation: Examples) -> bool:
         """Every epoch of every phase not yet done (a checkpoint and an evaluation after each); False when
         ``stop_after`` stopped it first. Ctrl-C propagates after a checkpoint."""
