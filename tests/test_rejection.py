@@ -8,7 +8,6 @@ hours): the Triton kernel draws the same tokens bit for bit on either device (te
 
 import math
 
-import pytest
 import torch
 
 from nanospec.kernels.tree_rejection import tree_rejection_sample_ref
@@ -35,9 +34,9 @@ def _tv_bound(n, vocab_size):
     return math.sqrt((vocab_size * math.log(2) + math.log(1 / DELTA)) / (2 * n))
 
 
-def _sample(num_rows, k, with_draft_probs, seed):
+def _sample(num_rows, k, seed):
     """num_rows verification steps of a chain with target p at every position and drafts drawn from q.
-    Returns ``[num_rows, k + 1]`` emitted tokens (-1 padded) and the drafts.
+    Returns ``[num_rows, k + 1]`` emitted tokens (-1 padded).
 
     The target rows are scaled by 0.5 and the draft rows by 3 (not normalised): the kernel normalises. Node 0 is
     the root, node i the draft d_i; node i's draft row (what proposed it) is q."""
@@ -45,15 +44,13 @@ def _sample(num_rows, k, with_draft_probs, seed):
     gen = torch.Generator().manual_seed(seed)
     drafts = torch.multinomial(Q, num_rows * k, replacement=True, generator=gen).reshape(num_rows, k)
     target = (0.5 * P).expand(num_rows, k + 1, vocab_size)
-    draft_probs = None
-    if with_draft_probs:
-        draft_probs = torch.cat([torch.zeros(num_rows, 1, vocab_size), (3.0 * Q).expand(num_rows, k, vocab_size)], 1)
+    draft_probs = torch.cat([torch.zeros(num_rows, 1, vocab_size), (3.0 * Q).expand(num_rows, k, vocab_size)], 1)
     node_tokens = torch.cat([torch.full((num_rows, 1), -1), drafts], 1)
     parents = torch.arange(-1, k).expand(num_rows, k + 1)
     seeds = seed * 1_000_003 + torch.arange(num_rows)
     _, emitted = tree_rejection_sample_ref(target, node_tokens, parents, torch.full((num_rows,), k + 1), draft_probs,
                                            seeds=seeds, offsets=torch.zeros(num_rows, dtype=torch.int64))
-    return emitted, drafts
+    return emitted
 
 
 def _emitted_distributions(out, vocab_size):
@@ -65,14 +62,13 @@ def _emitted_distributions(out, vocab_size):
     return dists
 
 
-@pytest.mark.parametrize("with_draft_probs", [True, False])
-def test_emitted_tokens_converge_to_p(with_draft_probs):
+def test_emitted_tokens_converge_to_p():
     k, vocab_size = 3, P.numel()
     p, q = P.double(), Q.double()
     assert _tv(p, q) > 0.45  # q is deliberately far from p
     first_token_tv = {}
     for num_rows in (10_000, 300_000):
-        out, drafts = _sample(num_rows, k, with_draft_probs, seed=num_rows)
+        out = _sample(num_rows, k, seed=num_rows)
         # Every position, the bonus (j = k) included, conditioned on the row reaching it: the bound is
         # taken at the number of rows that reached it (all of them at j = 0, fewer further on).
         dists = _emitted_distributions(out, vocab_size)
@@ -84,9 +80,8 @@ def test_emitted_tokens_converge_to_p(with_draft_probs):
         assert count == num_rows
         first_token_tv[num_rows] = _tv(emitted, p)
 
-        # First draft: accepted with probability sum_x min(p, q) (a draft model) or sum_x q p (one-hot),
-        # within 5 binomial standard deviations.
-        acceptance = (p.minimum(q) if with_draft_probs else p * q).sum().item()
+        # First draft: accepted with probability sum_x min(p, q), within 5 binomial standard deviations.
+        acceptance = p.minimum(q).sum().item()
         accepted = (out[:, 1] >= 0).double().mean().item()
         assert abs(accepted - acceptance) < 5 * math.sqrt(acceptance * (1 - acceptance) / num_rows)
     # Converges: 30x the rows, a TV about sqrt(30) ~ 5.5x smaller, under a bound (0.0057) that is itself
@@ -95,17 +90,12 @@ def test_emitted_tokens_converge_to_p(with_draft_probs):
     assert first_token_tv[300_000] < _tv_bound(300_000, vocab_size) < _tv_bound(10_000, vocab_size) / 5
 
 
-@pytest.mark.parametrize("with_draft_probs", [True, False])
-def test_recovered_token_comes_from_the_residual(with_draft_probs):
-    """After a rejection at position j the token is drawn from max(p - q, 0): never where p <= q
-    (one-hot: never the rejected draft itself)."""
+def test_recovered_token_comes_from_the_residual():
+    """After a rejection at position j the token is drawn from max(p - q, 0): never where p <= q."""
     k = 3
-    out, drafts = _sample(20_000, k, with_draft_probs, seed=7)
+    out = _sample(20_000, k, seed=7)
     for position in range(k):
         rejected = (out[:, position] >= 0) & (out[:, position + 1] < 0)
         recovered = out[rejected, position]
         assert recovered.numel() > 50
-        if with_draft_probs:
-            assert (P[recovered] > Q[recovered]).all()
-        else:
-            assert (recovered != drafts[rejected, position]).all()
+        assert (P[recovered] > Q[recovered]).all()

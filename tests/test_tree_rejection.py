@@ -15,14 +15,10 @@ from nanospec.kernels.exponential_race import exponentials_ref
 from nanospec.kernels.tree_rejection import tree_rejection_sample, tree_rejection_sample_ref, tree_rejection_sample_triton
 from nanospec.kernels.tree_verify import greedy_tree_verify, greedy_tree_verify_ref, greedy_tree_verify_triton
 
-BOTH_MODES = pytest.mark.parametrize("with_draft_probs", [True, False], ids=["draft", "one-hot"])
-
-
-def _random_tree_problem(batch, num_nodes, vocab_size, with_draft_probs, generator_seed, scale=3.0):
+def _random_tree_problem(batch, num_nodes, vocab_size, generator_seed, scale=3.0):
     """Random trees (parents[i] uniform in [0, i)), peaked target rows near the draft rows, so that paths go
     deep and some candidates are rejected. Node i's draft distribution Q[i] proposes its children, i.i.d.;
-    with draft probabilities, child c's row is Q[parent(c)]. In one-hot mode every third node copies its
-    previous sibling's token (duplicates)."""
+    child c's draft row is Q[parent(c)]."""
     gen = torch.Generator().manual_seed(generator_seed)
     parents = torch.full((batch, num_nodes), -1, dtype=torch.int64)
     for i in range(1, num_nodes):
@@ -33,18 +29,12 @@ def _random_tree_problem(batch, num_nodes, vocab_size, with_draft_probs, generat
     rows = torch.arange(batch)[:, None]
     parent_rows = q_after[rows, parents.clamp(min=0)]
     tokens = torch.multinomial(parent_rows.reshape(-1, vocab_size), 1, generator=gen).reshape(batch, num_nodes)
-    if not with_draft_probs:
-        for i in range(3, num_nodes, 3):
-            previous_sibling = (parents[:, :i] == parents[:, i : i + 1]).long().cumsum(-1).argmax(-1)
-            has_sibling = (parents[:, 1:i] == parents[:, i : i + 1]).any(-1)
-            tokens[:, i] = torch.where(has_sibling, tokens[rows[:, 0], previous_sibling], tokens[:, i])
     tokens[:, 0] = -1
-    draft_probs = 3.0 * parent_rows if with_draft_probs else None
-    return target, tokens, parents, draft_probs
+    return target, tokens, parents, 3.0 * parent_rows
 
 
 def _to(device, *tensors):
-    return [t.to(device) if t is not None else None for t in tensors]
+    return [t.to(device) for t in tensors]
 
 
 def _assert_same(got, expected):
@@ -55,11 +45,10 @@ def _assert_same(got, expected):
 # Triton == reference, token for token
 
 
-@BOTH_MODES
-def test_triton_matches_ref_random_trees(device, with_draft_probs):
+def test_triton_matches_ref_random_trees(device):
     accepted_later_sibling = rejected_all = reached_depth_2 = False
     for problem in range(4):
-        target, tokens, parents, draft_probs = _random_tree_problem(3, 8, 37, with_draft_probs, problem)
+        target, tokens, parents, draft_probs = _random_tree_problem(3, 8, 37, problem)
         target, tokens, parents, draft_probs = _to(device, target, tokens, parents, draft_probs)
         num_nodes = torch.tensor([8, 1 + problem, 6], device=device)
         seeds = torch.tensor([problem, 1000 + problem, 77], device=device)
@@ -83,10 +72,9 @@ def test_triton_matches_ref_random_trees(device, with_draft_probs):
     assert accepted_later_sibling and rejected_all and reached_depth_2  # the walks took every branch
 
 
-@BOTH_MODES
-def test_triton_matches_ref_across_vocab_tiles_and_bf16(device, with_draft_probs):
+def test_triton_matches_ref_across_vocab_tiles_and_bf16(device):
     """V larger than one BLOCK_V tile (2048), and not a multiple of it; bf16 inputs are upcast."""
-    target, tokens, parents, draft_probs = _random_tree_problem(2, 4, 2500, with_draft_probs, 5, scale=4.0)
+    target, tokens, parents, draft_probs = _random_tree_problem(2, 4, 2500, 5, scale=4.0)
     args = _to(device, target, tokens, parents, torch.tensor([4, 3]), draft_probs)
     seeds, offsets = torch.tensor([3, 4], device=device), torch.tensor([0, 9], device=device)
     _assert_same(tree_rejection_sample_triton(*args, seeds=seeds, offsets=offsets),
@@ -96,10 +84,9 @@ def test_triton_matches_ref_across_vocab_tiles_and_bf16(device, with_draft_probs
                  tree_rejection_sample_ref(*args, seeds=seeds, offsets=offsets))
 
 
-@BOTH_MODES
-def test_no_candidates_and_empty_batch(device, with_draft_probs):
+def test_no_candidates_and_empty_batch(device):
     """num_nodes = 1: the token is drawn from the root's target row, with the root's (depth 0) stream."""
-    target, tokens, parents, draft_probs = _random_tree_problem(3, 5, 19, with_draft_probs, 6)
+    target, tokens, parents, draft_probs = _random_tree_problem(3, 5, 19, 6)
     args = _to(device, target, tokens, parents, torch.ones(3, dtype=torch.int64), draft_probs)
     seeds, offsets = torch.tensor([1, 2, 3], device=device), torch.tensor([4, 5, 6], device=device)
     expected = tree_rejection_sample_ref(*args, seeds=seeds, offsets=offsets)
@@ -108,31 +95,10 @@ def test_no_candidates_and_empty_batch(device, with_draft_probs):
     race = (target[:, 0].to(device) / exponentials_ref(seeds, offsets, 19)).argmax(-1)  # argmax p_v / E_v
     assert torch.equal(expected[1][:, 0], race)
 
-    empty = [t[:0] if t is not None else None for t in args]
+    empty = [t[:0] for t in args]
     for verify in (tree_rejection_sample_ref, tree_rejection_sample_triton):
         path, emitted = verify(*empty, seeds=seeds[:0], offsets=offsets[:0])
         assert path.shape == emitted.shape == (0, 5)
-
-
-def test_one_hot_duplicate_is_always_rejected(device):
-    """Root children [a, a, b]: without draft probabilities the second a (node 2) has p = 0 after the first
-    is rejected, so it is never accepted; b is, sometimes, and after it the residual excludes a."""
-    batch, vocab_size = 400, 6
-    p = torch.tensor([0.4, 0.3, 0.1, 0.1, 0.05, 0.05])
-    target = p.expand(batch, 4, vocab_size).contiguous()
-    tokens = torch.tensor([-1, 0, 0, 1]).expand(batch, 4)
-    parents = torch.tensor([-1, 0, 0, 0]).expand(batch, 4)
-    num_nodes = torch.full((batch,), 4)
-    seeds, offsets = torch.arange(batch) + 5, torch.zeros(batch, dtype=torch.int64)
-    path, emitted = tree_rejection_sample_ref(target, tokens, parents, num_nodes, seeds=seeds, offsets=offsets)
-    first = path[:, 0]
-    assert (first != 2).all() and (first == 1).any() and (first == 3).any() and (first == -1).any()
-    recovered = emitted[first == -1, 0]
-    assert ((recovered != 0) & (recovered != 1)).all()
-    few = torch.stack([(first == node).nonzero()[0, 0] for node in (1, 3, -1)])  # each outcome once
-    args = _to(device, target[few], tokens[few], parents[few], num_nodes[few])
-    got = tree_rejection_sample_triton(*args, seeds=seeds[few].to(device), offsets=offsets[few].to(device))
-    _assert_same(got, _to(device, path[few], emitted[few]))
 
 
 def test_zero_mass_residual_falls_back_to_target(device):
@@ -154,7 +120,7 @@ def test_zero_mass_residual_falls_back_to_target(device):
 
 
 def test_dispatcher(device, triton_backend):
-    target, tokens, parents, draft_probs = _random_tree_problem(2, 6, 10, True, 7)
+    target, tokens, parents, draft_probs = _random_tree_problem(2, 6, 10, 7)
     args = _to(device, target, tokens, parents, torch.tensor([6, 4]), draft_probs)
     seeds, offsets = torch.tensor([8, 9], device=device), torch.tensor([1, 2], device=device)
     expected = tree_rejection_sample_ref(*args, seeds=seeds, offsets=offsets)
@@ -186,9 +152,6 @@ Q1 = torch.stack([Q0.roll(t) for t in range(VOCAB)])
 P2 = P0.roll(5)
 TREE_PARENTS = torch.tensor([-1, 0, 0, 0, 0, 1, 1, 1, 2, 2, 3])
 DEPTH_1, DEPTH_2 = slice(1, 5), slice(5, 11)
-# One-hot candidates chosen without sampling: the top tokens of the draft, a duplicate at the root
-# (token 3 twice) and under node 1 (token 6 twice).
-FIXED_TOKENS = torch.tensor([-1, 3, 4, 3, 5, 6, 7, 6, 7, 0, 6])
 DELTA = 1e-6
 
 
@@ -200,35 +163,28 @@ def _tv_bound(n):
     return math.sqrt((VOCAB * math.log(2) + math.log(1 / DELTA)) / (2 * n))
 
 
-def _tree_sample(num_rows, candidates, with_draft_probs, seed):
-    """num_rows verifications of the tree above. Candidates "fixed" (FIXED_TOKENS) or "sampled": every
-    node's children i.i.d. from the node's draft distribution. Rows scaled (target 0.5, draft 3): the
-    kernel normalises."""
+def _tree_sample(num_rows, seed):
+    """num_rows verifications of the tree above, every node's children i.i.d. from the node's draft
+    distribution. Rows scaled (target 0.5, draft 3): the kernel normalises."""
     gen = torch.Generator().manual_seed(seed)
     num_nodes = TREE_PARENTS.numel()
     rows = torch.arange(num_rows)
-    if candidates == "fixed":
-        tokens = FIXED_TOKENS.expand(num_rows, num_nodes).clone()
-    else:
-        # Q1[t] is Q0 rolled by t: a draw from it is a draw from Q0 plus t (mod V).
-        draws = torch.multinomial(Q0, num_rows * (num_nodes - 1), replacement=True, generator=gen)
-        tokens = torch.cat([torch.full((num_rows, 1), -1), draws.view(num_rows, num_nodes - 1)], 1)
-        tokens[:, DEPTH_2] = (tokens[:, DEPTH_2] + tokens[:, TREE_PARENTS[DEPTH_2]]) % VOCAB
+    # Q1[t] is Q0 rolled by t: a draw from it is a draw from Q0 plus t (mod V).
+    draws = torch.multinomial(Q0, num_rows * (num_nodes - 1), replacement=True, generator=gen)
+    tokens = torch.cat([torch.full((num_rows, 1), -1), draws.view(num_rows, num_nodes - 1)], 1)
+    tokens[:, DEPTH_2] = (tokens[:, DEPTH_2] + tokens[:, TREE_PARENTS[DEPTH_2]]) % VOCAB
     target = torch.empty(num_rows, num_nodes, VOCAB)
     target[:, 0] = P0
     target[:, DEPTH_1] = P1[tokens[:, DEPTH_1]]
     target[:, DEPTH_2] = P2
-    draft_probs = None
-    if with_draft_probs:  # child c's row: the distribution its parent's candidates were drawn from
-        draft_probs = torch.zeros(num_rows, num_nodes, VOCAB)
-        draft_probs[:, DEPTH_1] = Q0
-        draft_probs[:, DEPTH_2] = Q1[tokens[rows[:, None], TREE_PARENTS[DEPTH_2]]]
-        draft_probs = 3.0 * draft_probs
+    draft_probs = torch.zeros(num_rows, num_nodes, VOCAB)  # child c's row: what its parent's candidates came from
+    draft_probs[:, DEPTH_1] = Q0
+    draft_probs[:, DEPTH_2] = Q1[tokens[rows[:, None], TREE_PARENTS[DEPTH_2]]]
     parents = TREE_PARENTS.expand(num_rows, num_nodes)
     seeds = torch.randint(0, 2**62, (num_rows,), generator=gen)
     offsets = torch.randint(0, 2**20, (num_rows,), generator=gen)
     path, emitted = tree_rejection_sample_ref(0.5 * target, tokens, parents, torch.full((num_rows,), num_nodes),
-                                              draft_probs, seeds=seeds, offsets=offsets)
+                                              3.0 * draft_probs, seeds=seeds, offsets=offsets)
     return tokens, path, emitted
 
 
@@ -236,17 +192,12 @@ def _distribution(tokens):
     return torch.bincount(tokens, minlength=VOCAB).double() / tokens.numel()
 
 
-@pytest.mark.parametrize(
-    "candidates, with_draft_probs",
-    [("fixed", False), ("sampled", False), ("sampled", True)],
-    ids=["one-hot-fixed", "one-hot-sampled", "draft-sampled"],
-)
-def test_emitted_tokens_converge_to_target(candidates, with_draft_probs):
+def test_emitted_tokens_converge_to_target():
     p0, q0 = P0.double(), Q0.double()
     assert _tv(p0, q0) > 0.49 and min(_tv(P1[t], Q1[t]) for t in range(VOCAB)) > 0.49
     first_token_tv = {}
     for num_rows in (10_000, 100_000):
-        tokens, path, emitted = _tree_sample(num_rows, candidates, with_draft_probs, seed=num_rows)
+        tokens, path, emitted = _tree_sample(num_rows, seed=num_rows)
 
         # First token (every row): P0, far from Q0.
         first = _distribution(emitted[:, 0])
@@ -275,8 +226,8 @@ def test_emitted_tokens_converge_to_target(candidates, with_draft_probs):
         assert siblings_accepted.float().mean() > 0.05 and (path[:, 0] == -1).float().mean() > 0.05
         duplicates = (tokens[:, DEPTH_1, None] == tokens[:, None, DEPTH_1]).sum((1, 2)) > 4
         assert duplicates.float().mean() > 0.2
-        # A token rejected once is never accepted again at that node: one-hot, it is zeroed; with a draft,
-        # it was rejected only if p(t) < q(t), and then the residual max(p - c q, 0) is zero there.
+        # A token rejected once is never accepted again at that node: it was rejected only if p(t) < q(t),
+        # and then the residual max(p - c q, 0) is zero there.
         accepted_token = tokens.gather(1, path[:, :1].clamp(min=1))
         earlier_copy = (tokens[:, DEPTH_1] == accepted_token) & (torch.arange(1, 5) < path[:, :1])
         assert not earlier_copy.any()
@@ -332,8 +283,7 @@ def test_greedy_tree_verify_triton_matches_ref_random(device, triton_backend):
 
 
 @pytest.mark.parametrize("verify", [tree_rejection_sample_ref, tree_rejection_sample_triton])
-@BOTH_MODES
-def test_one_hot_target_reduces_to_greedy(device, verify, with_draft_probs):
+def test_one_hot_target_reduces_to_greedy(device, verify):
     gen = torch.Generator().manual_seed(1)
     batch, num_nodes, vocab_size = 3, 7, 5
     parents = torch.full((batch, num_nodes), -1)
@@ -343,7 +293,7 @@ def test_one_hot_target_reduces_to_greedy(device, verify, with_draft_probs):
     target_argmax = torch.randint(0, 3, (batch, num_nodes), generator=gen)
     sizes = torch.tensor([7, 5, 1])
     target = torch.nn.functional.one_hot(target_argmax, vocab_size).float()
-    draft_probs = torch.rand(batch, num_nodes, vocab_size, generator=gen) if with_draft_probs else None
+    draft_probs = torch.rand(batch, num_nodes, vocab_size, generator=gen)
     args = _to(device, target, tokens, parents, sizes, draft_probs)
     expected = greedy_tree_verify_ref(*_to(device, target_argmax, tokens, parents, sizes))
     assert (expected[0][0] >= 0).sum() >= 1
@@ -352,11 +302,10 @@ def test_one_hot_target_reduces_to_greedy(device, verify, with_draft_probs):
         _assert_same(verify(*args, seeds=seeds, offsets=torch.zeros_like(seeds)), expected)
 
 
-@BOTH_MODES
-def test_out_of_vocabulary_candidates_are_rejected_without_reading_outside(device, with_draft_probs):
+def test_out_of_vocabulary_candidates_are_rejected_without_reading_outside(device):
     """Guesses outside [0, V) (negative, V, far beyond) are never accepted, and every load is masked: the
     kernel (interpreted on CPU) and the reference agree, with no out-of-bounds read."""
-    target, tokens, parents, draft_probs = _random_tree_problem(8, 7, 13, with_draft_probs, 11)
+    target, tokens, parents, draft_probs = _random_tree_problem(8, 7, 13, 11)
     tokens[:, 1::2] = torch.tensor([13, -1, 10**9])  # odd nodes: outside the vocabulary
     args = _to(device, target, tokens, parents, torch.full((8,), 7), draft_probs)
     seeds, offsets = torch.arange(8, device=device), torch.zeros(8, dtype=torch.int64, device=device)

@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python benchmarks/kernels/bench_tree_rejection.py
 
-tree_rejection_sample (candidates drawn from a draft distribution, and one-hot candidates) and
+tree_rejection_sample (candidates drawn from a draft distribution) and
 greedy_tree_verify at the SmolLM2-135M (V = 49152) and Llama-3.2-1B (V = 128256) vocabularies, batch 1
 to 64, on two trees: a chain of 5 candidates, and a tree of 17 nodes (4 candidates after the root, 3
 after each of them). The target and draft rows are softmaxes of random logits shifted towards each
@@ -65,8 +65,6 @@ def main():
                 cases = {
                     "rejection (q)": (tree_rejection_sample_triton, tree_rejection_sample_ref,
                                       (*tree_args, draft_probs), sampling),
-                    "rejection one-hot": (tree_rejection_sample_triton, tree_rejection_sample_ref,
-                                          (*tree_args, None), sampling),
                     "greedy": (greedy_tree_verify_triton, greedy_tree_verify_ref,
                                (target_probs.argmax(-1), node_tokens, parents, num_nodes), {}),
                 }

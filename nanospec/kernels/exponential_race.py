@@ -1,4 +1,4 @@
-"""One token from a (residual) distribution by an exponential race, shared by the sampler and the verifiers:
+"""One token from a distribution by an exponential race, shared by the sampler and the verifiers:
 
     token = argmax_v  w_v / E_v,   E_v = -log(uniform(seed, offset, v))
 
@@ -29,49 +29,6 @@ def race(p_ptr, seed, offset, V, BLOCK_V: tl.constexpr):
         best_token = tl.where(tile_best > best_score, start + tl.argmax(score, axis=0), best_token)
         best_score = tl.maximum(tile_best, best_score)
     return best_token
-
-
-@triton.jit
-def draw_token(
-    p_ptr, q_ptr, p_sum, q_sum, coef, rejected_tokens, num_rejected, seed, offset, V,
-    HAS_DRAFT_PROBS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """The race over the residual when ``num_rejected > 0`` and it has mass, else over p. Residual: ``norm(max(p - coef
-    * q, 0))`` with draft probabilities, else p with ``rejected_tokens`` zeroed."""
-    use_residual = num_rejected > 0
-    slots = tl.arange(0, BLOCK_N)
-    best_p_score = tl.full((), 0.0, tl.float32)
-    best_p_token = tl.full((), 0, tl.int32)
-    best_residual_score = tl.full((), 0.0, tl.float32)
-    best_residual_token = tl.full((), 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        vocab = start + tl.arange(0, BLOCK_V)
-        mask = vocab < V
-        p = tl.load(p_ptr + vocab, mask=mask, other=0.0).to(tl.float32)
-        exponential = (-tl.log(uniform(seed, offset, vocab).to(tl.float64))).to(tl.float32)
-
-        p_score = tl.math.div_rn(p, exponential)
-        tile_best = tl.max(p_score, axis=0)  # a later tile wins only if strictly better: ties go to the lowest id
-        best_p_token = tl.where(tile_best > best_p_score, start + tl.argmax(p_score, axis=0), best_p_token)
-        best_p_score = tl.maximum(tile_best, best_p_score)
-
-        if HAS_DRAFT_PROBS:
-            q = tl.load(q_ptr + vocab, mask=vocab < tl.where(use_residual, V, 0), other=0.0).to(tl.float32)
-            residual = tl.maximum(tl.math.div_rn(p, p_sum) - coef * tl.math.div_rn(q, q_sum), 0.0)
-        else:
-            residual = tl.math.div_rn(p, p_sum)
-            for slot in range(num_rejected):
-                token = tl.sum(tl.where(slots == slot, rejected_tokens, 0), axis=0)
-                residual = tl.where(vocab == token, 0.0, residual)
-        residual_score = tl.math.div_rn(residual, exponential)
-        tile_best = tl.max(residual_score, axis=0)
-        best_residual_token = tl.where(
-            tile_best > best_residual_score, start + tl.argmax(residual_score, axis=0), best_residual_token
-        )
-        best_residual_score = tl.maximum(tile_best, best_residual_score)
-
-    return tl.where(use_residual & (best_residual_score > 0.0), best_residual_token, best_p_token)
-
 
 
 def exponentials_ref(seeds: torch.Tensor, offsets: torch.Tensor, vocab_size: int) -> torch.Tensor:
