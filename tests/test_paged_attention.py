@@ -12,7 +12,7 @@ import torch
 
 from nanospec.kernels.attention_mask import causal_mask, concat_masks, pack_mask, unpack_mask
 from nanospec.kernels.backend import backend
-from nanospec.kernels.cpu_attention import PagedAttentionPlan, paged_attention_cpu
+from nanospec.kernels.cpu_attention import PagedAttentionPlan
 from nanospec.kernels.paged_attention import paged_attention, paged_attention_ref
 from nanospec.speculative.proposal import tree_depths, tree_mask
 
@@ -144,8 +144,11 @@ def run(impl, batch, tree_mask=None):
     as given."""
     if impl == "ref":
         return paged_attention_ref(**batch, tree_mask=tree_mask)
-    if impl == "cpu":
-        return paged_attention_cpu(**batch, tree_mask=tree_mask)
+    if impl == "cpu":  # the CPU backend through a one-layer plan
+        q, k_cache, v_cache = batch["q"], batch["k_cache"], batch["v_cache"]
+        plan = PagedAttentionPlan(batch["block_tables"], batch["seq_lens"], batch["query_start_loc"],
+                                  k_cache.shape[1], q.shape[1] // k_cache.shape[2], tree_mask)
+        return plan.attend(q * batch["scale"], k_cache.flatten(0, 1), v_cache.flatten(0, 1))
     with backend("triton"):
         return paged_attention(**batch, tree_mask=tree_mask)
 

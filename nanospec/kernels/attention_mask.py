@@ -40,8 +40,7 @@ def causal_mask(q_len: int) -> torch.Tensor:
 
 def concat_masks(masks: list[torch.Tensor]) -> torch.Tensor:
     """Per-sequence masks ``[q_i, W_i]`` -> one ``[sum q_i, max W_i]`` (rows in order, zero-padded words)."""
-    width = max((m.shape[1] for m in masks), default=0)
-    padded = [torch.nn.functional.pad(m.to(torch.int64), (0, width - m.shape[1])) for m in masks]
-    if not padded:
-        return torch.zeros(0, width, dtype=torch.int64)
-    return torch.cat(padded)
+    if not masks:
+        return torch.zeros(0, 0, dtype=torch.int64)
+    width = max(m.shape[1] for m in masks)
+    return torch.cat([torch.nn.functional.pad(m.to(torch.int64), (0, width - m.shape[1])) for m in masks])

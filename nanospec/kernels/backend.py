@@ -23,11 +23,6 @@ if _backend not in _VALID:
     raise ValueError(f"NANOSPEC_BACKEND={_backend!r} is not one of {_VALID}")
 
 
-def interpreter_enabled() -> bool:
-    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def set_backend(name: str) -> None:
     global _backend
     name = name.lower()
@@ -52,7 +47,7 @@ def use_triton(t: torch.Tensor) -> bool:
     if _backend == "torch":
         return False
     if _backend == "triton":
-        if not t.is_cuda and not interpreter_enabled():
+        if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
             raise RuntimeError(
                 "the triton backend on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported"
             )

@@ -1,15 +1,7 @@
-"""The CPU backend of attention: RoPE, the KV write and paged attention in torch, with what depends only on the batch
-worked out once per forward instead of once per layer.
-
-Same math as the Triton path (:mod:`nanospec.kernels.rope_store_kv`, :mod:`nanospec.kernels.paged_attention`); on a
-CPU the matrix-vector products are the real work and per-op overhead is what is left to cut. :class:`CpuAttention`
-holds the batch's plan, shared by every layer:
-
-* :class:`RopeTables`: ``cos`` and a signed ``sin`` over whole heads, with the softmax scale folded into the query
-  heads, so rotating a layer's q and k is three ops;
-* :class:`PagedAttentionPlan`: the cache slots each row attends over (a plain slice when its blocks are consecutive, as
-  a lone request's are), every row alone over exactly the slots it sees (batch- and chunk-invariant);
-* where each real (non-padding) token's K/V goes.
+"""The CPU backend of attention: RoPE, the KV write and paged attention in torch, with the same math as the Triton
+path (:mod:`nanospec.kernels.rope_store_kv`, :mod:`nanospec.kernels.paged_attention`). On a CPU per-op overhead is
+what is left to cut, so what depends only on the batch (:class:`RopeTables`, :class:`PagedAttentionPlan`, where each
+real token's K/V goes) is worked out once per forward and shared by every layer.
 """
 
 from __future__ import annotations
@@ -26,19 +18,16 @@ class RopeTables:
 
         cos = [c | c],   sin = [-s | s],   rope(x) = x * cos + [x2 | x1] * sin
 
-    (the two halves of the rotation in three ops). ``head_scale`` ``[H]`` optionally multiplies head ``h``'s rows by
-    ``head_scale[h]``: the softmax scale is folded into the query heads this way.
+    (the two halves of the rotation in three ops), head ``h``'s rows multiplied by ``head_scale[h]`` (``[H]``): the
+    softmax scale is folded into the query heads this way.
     """
 
-    def __init__(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_scale: torch.Tensor | None = None):
+    def __init__(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_scale: torch.Tensor):
         half_dim = cos_sin_cache.shape[-1] // 2
         cos_sin = cos_sin_cache.index_select(0, positions)
         cos, sin = cos_sin[:, :half_dim], cos_sin[:, half_dim:]
-        self.cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)  # [T, 1, D]
-        self.sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1)
-        if head_scale is not None:  # [T, H, D]
-            self.cos = self.cos * head_scale[:, None]
-            self.sin = self.sin * head_scale[:, None]
+        self.cos = torch.cat((cos, cos), dim=-1).unsqueeze(1) * head_scale[:, None]  # [T, H, D]
+        self.sin = torch.cat((-sin, sin), dim=-1).unsqueeze(1) * head_scale[:, None]
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """``x [T, H, D]`` rotated (fp32 math, stored in x's dtype), out of place."""
@@ -75,8 +64,7 @@ class PagedAttentionPlan:
     fused ``scaled_dot_product_attention`` splits a long context across threads when it has few rows, and so
     rounds differently with each thread count.)
 
-    Each sequence's slots are a plain slice when its blocks are consecutive, as a lone request's are, and gathered
-    once per layer otherwise. :meth:`attend` costs three ops per row and layer, and a few per sequence.
+    Each sequence's slots are a plain slice when its blocks are consecutive, as a lone request's are.
     """
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -84,7 +72,6 @@ class PagedAttentionPlan:
         device = block_tables.device
         self.group = group
         starts, lens, tables = query_start_loc.tolist(), seq_lens.tolist(), block_tables.tolist()
-        self.num_tokens = starts[-1] if starts else 0
         self.sequences: list[_Sequence] = []
         for s, seq_len in enumerate(lens):
             start, end = starts[s], starts[s + 1]
@@ -137,34 +124,14 @@ def _heads_first(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(0, 1).unsqueeze(0)
 
 
-def _slot_indices(table: list[int], seq_len: int, block_size: int, device) -> torch.Tensor:
-    blocks = torch.tensor(table[: (seq_len + block_size - 1) // block_size], dtype=torch.int64, device=device)
-    return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:seq_len]
-
-
 def _slots(table: list[int], seq_len: int, block_size: int, device) -> slice | torch.Tensor:
     """The flat cache slots of storage indices ``0 .. seq_len-1``: a slice when the blocks are consecutive."""
     num_blocks = (seq_len + block_size - 1) // block_size
     if all(table[i + 1] == table[i] + 1 for i in range(num_blocks - 1)):
         first = table[0] * block_size if num_blocks else 0
         return slice(first, first + seq_len)
-    return _slot_indices(table, seq_len, block_size, device)
-
-
-def real_token_rows(slot_mapping: torch.Tensor) -> torch.Tensor | None:
-    """Rows of the tokens that write K/V (slot >= 0; padding tokens have slot -1), or None when all do."""
-    if not bool((slot_mapping < 0).any()):  # most batches have no padding
-        return None
-    return (slot_mapping >= 0).nonzero().squeeze(1)
-
-
-def paged_attention_cpu(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                        seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, max_query_len: int,
-                        tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`nanospec.kernels.paged_attention.paged_attention` through a one-layer plan."""
-    plan = PagedAttentionPlan(block_tables, seq_lens, query_start_loc, k_cache.shape[1],
-                              q.shape[1] // k_cache.shape[2], tree_mask)
-    return plan.attend(q * scale, k_cache.flatten(0, 1), v_cache.flatten(0, 1))
+    blocks = torch.tensor(table[:num_blocks], dtype=torch.int64, device=device)
+    return (blocks[:, None] * block_size + torch.arange(block_size, device=device)).flatten()[:seq_len]
 
 
 class CpuAttention:
@@ -173,8 +140,10 @@ class CpuAttention:
     def __init__(self, batch, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int,
                  cos_sin_cache: torch.Tensor, head_scale: torch.Tensor):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.real_rows = real_token_rows(batch.slot_mapping)  # which rows are real tokens; None when all are
-        self.slot_mapping = batch.slot_mapping if self.real_rows is None else batch.slot_mapping[self.real_rows]
+        # The rows of the tokens that write K/V (padding tokens have slot -1); None when all do, as in most batches.
+        padded = bool((batch.slot_mapping < 0).any())
+        self.real_rows = (batch.slot_mapping >= 0).nonzero().squeeze(1) if padded else None
+        self.slot_mapping = batch.slot_mapping[self.real_rows] if padded else batch.slot_mapping
         self.rope = RopeTables(batch.positions, cos_sin_cache, head_scale)  # q's rows carry the softmax scale
         self.attention = PagedAttentionPlan(batch.block_tables, batch.seq_lens, batch.query_start_loc, block_size,
                                             num_heads // num_kv_heads, batch.tree_mask)

@@ -1,23 +1,13 @@
-"""Rotary position embedding, HF Llama ("rotate_half" / neox) layout.
+"""Rotary position embedding, HF Llama ("rotate_half" / neox) layout. For a head vector x of size D at position p:
 
-Inverse frequencies, for i in [0, D/2):
-
-    inv_freq[i] = theta ** (-2i / D)
-
-optionally rescaled (HF ``rope_scaling``): ``linear`` divides every frequency by ``factor``; ``llama3``
-divides the low frequencies (wavelength 2*pi/inv_freq above original_max / low_freq_factor) by
-``factor``, keeps the high ones (wavelength below original_max / high_freq_factor) and interpolates
-smoothly in between.
-
-The cache holds, for every position p, ``[cos(p * inv_freq) | sin(p * inv_freq)]`` (fp32, ``[P, D]``).
-Rotating one head vector x of size D at position p, for i < D/2 (c, s = cos, sin of p * inv_freq[i]):
-
-    out[i]       = x[i] * c - x[i + D/2] * s
+    inv_freq[i]  = theta ** (-2i / D),  i in [0, D/2)    (rescaled as HF ``rope_scaling`` asks: linear or llama3)
+    out[i]       = x[i] * c - x[i + D/2] * s              c, s = cos, sin of p * inv_freq[i]
     out[i + D/2] = x[i + D/2] * c + x[i] * s
 
-computed in fp32, stored in the input dtype, out of place. The engine applies it fused with the KV write
-(:mod:`nanospec.kernels.rope_store_kv`, whose kernel uses the Triton helpers here) or in its CPU backend
-(:mod:`nanospec.kernels.cpu_attention`); :func:`apply_rope_ref` is the formula itself.
+computed in fp32, stored in the input dtype, out of place. The cache holds ``[cos(p * inv_freq) | sin(p * inv_freq)]``
+for every position (fp32 ``[P, D]``). The engine rotates fused with the KV write (:mod:`nanospec.kernels.rope_store_kv`,
+whose kernel uses the Triton helpers here) or in its CPU backend (:mod:`nanospec.kernels.cpu_attention`);
+:func:`apply_rope_ref` is the formula itself.
 """
 
 from __future__ import annotations
@@ -29,15 +19,13 @@ import triton
 import triton.language as tl
 
 
-
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None, device=None) -> torch.Tensor:
-    """``[head_dim // 2]`` fp32 inverse frequencies, rescaled as ``rope_scaling`` asks."""
+    """``[head_dim // 2]`` fp32 inverse frequencies. ``linear`` scaling divides each by ``factor``; ``llama3`` divides
+    the low frequencies by ``factor``, keeps the high ones and interpolates smoothly in between."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
-    rope_type = "default"
-    if rope_scaling is not None:
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-
+    scaling = rope_scaling or {}
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":

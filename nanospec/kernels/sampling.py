@@ -139,10 +139,6 @@ def _sample_from_probs_kernel(probs_ptr, seeds_ptr, offsets_ptr, samples_ptr, pr
     tl.store(samples_ptr + row, token)
 
 
-# ---------------------------------------------------------------------------------------------------
-# torch reference
-
-
 def _order_key_ref(x: torch.Tensor) -> torch.Tensor:
     bits = x.contiguous().view(torch.int32)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
@@ -196,8 +192,6 @@ def probs_from_logits_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k
 
 def sample_from_probs_ref(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` (unnormalised is fine), a pure function of (probs, seed, offset)."""
-    if probs.shape[0] == 0:
-        return torch.empty(0, dtype=torch.int64, device=probs.device)
     return race_ref(probs, seeds, offsets)
 
 
@@ -206,17 +200,9 @@ def sample_ref(logits, temperature, top_k, top_p, seeds, offsets) -> torch.Tenso
     return sample_from_probs_ref(probs_from_logits_ref(logits, temperature, top_k, top_p), seeds, offsets)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Triton launchers
-
-
-def _rows_with_unit_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def probs_from_logits_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                              top_p: torch.Tensor) -> torch.Tensor:
-    logits = _rows_with_unit_stride(logits)
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab_size = logits.shape
     probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
     if num_rows > 0:
@@ -227,7 +213,8 @@ def probs_from_logits_triton(logits: torch.Tensor, temperature: torch.Tensor, to
 
 
 def sample_from_probs_triton(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    probs = _rows_with_unit_stride(probs.float())
+    probs = probs.float()
+    probs = probs if probs.stride(-1) == 1 else probs.contiguous()
     num_rows, vocab_size = probs.shape
     samples = torch.empty(num_rows, dtype=torch.int64, device=probs.device)
     if num_rows > 0:

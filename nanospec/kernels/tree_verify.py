@@ -16,16 +16,8 @@ from nanospec.kernels.backend import dispatch
 
 
 @triton.jit
-def _greedy_tree_verify_kernel(
-    target_argmax_ptr,  # [B, N] int64
-    node_tokens_ptr,  # [B, N] int64
-    parents_ptr,  # [B, N] int64
-    num_nodes_ptr,  # [B] int64
-    path_nodes_ptr,  # [B, N] int64 out
-    emitted_ptr,  # [B, N] int64 out
-    N,
-    BLOCK_N: tl.constexpr,
-):
+def _greedy_tree_verify_kernel(target_argmax_ptr, node_tokens_ptr, parents_ptr, num_nodes_ptr, path_nodes_ptr,
+                               emitted_ptr, N, BLOCK_N: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     num_nodes = tl.load(num_nodes_ptr + row).to(tl.int32)
     nodes = tl.arange(0, BLOCK_N)
@@ -49,8 +41,6 @@ def _greedy_tree_verify_kernel(
         depth += moved.to(tl.int32)
     tl.store(path_nodes_ptr + row * N + nodes, path, mask=nodes < N)
     tl.store(emitted_ptr + row * N + nodes, emitted, mask=nodes < N)
-
-
 
 
 def greedy_tree_verify_ref(target_argmax: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
