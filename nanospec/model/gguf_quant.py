@@ -63,19 +63,11 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def dequantize_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    """Any kind ``gguf`` reads, as float32 of ``shape``."""
+    """Any kind ``gguf`` reads (and F64), as float32 of ``shape``."""
     rows = data.reshape(*shape[:-1], -1)
-    if kind == Q.F32:
-        weight = torch.from_numpy(rows.view(np.float32).copy())
-    elif kind == Q.F16:
-        weight = torch.from_numpy(rows.view(np.float16)).float()
-    elif kind == Q.BF16:
-        weight = torch.from_numpy(rows.view(np.int16).copy()).view(torch.bfloat16).float()
-    elif kind == Q.F64:
-        weight = torch.from_numpy(rows.view(np.float64)).float()
-    else:
-        weight = torch.from_numpy(quants.dequantize(rows, kind))
-    return weight.reshape(shape)
+    if kind == Q.F64:
+        return torch.from_numpy(rows.view(np.float64)).float().reshape(shape)
+    return torch.from_numpy(quants.dequantize(rows, kind)).reshape(shape)
 
 
 def gguf_weight(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], quantization: str | None,

@@ -1,18 +1,11 @@
 """Runs a model on a step's batch: eagerly, or from static buffers through a captured CUDA graph.
 
-A batch's integer tensors reach the device in one copy from pinned memory. A decode or verify batch (every row
-wants logits) is laid into **static buffers** padded to a bucket: ``S`` sequences (1, 2, 4, ... up to
-``max_num_seqs``) times ``q`` rows each (1, 2, 4, ... up to the most a step feeds). Sequence ``s`` owns rows
-``s*q .. s*q+q-1``: its real tokens, then padding rows that write no K/V (slot -1) and that no real row sees; its
-``seq_len`` counts the padding, so real row ``j`` still sits at ``context + j``; padding sequences own no blocks.
-The real rows' logits (and final hidden states, for a proposer that reads them) are picked out on the device.
-With ``aux_layers`` set (an EAGLE-3 head's), each forward also keeps those layers' residual-stream states at every
-row of the batch, in the batch's order: ``aux_hidden``, ``[T, len(aux_layers) * hidden]``.
-
-On CUDA (``enforce_eager=False``, the default there) each bucket's forward is captured as a CUDA graph the first
-time it is needed (after a warm-up run that compiles the kernels) and replayed: every per-step value lives in the
-static buffers, nothing that changes between steps is baked in. Prefills and mixed batches run eagerly. On a CPU
-``enforce_eager=False`` runs the same static-buffer path without graphs, so the padding is tested there.
+A decode or verify batch (every row wants logits) is laid into static buffers padded to a bucket: ``S`` sequences
+(1, 2, 4, ... up to ``max_num_seqs``) times ``q`` rows each. Sequence ``s`` owns rows ``s*q .. s*q+q-1``: its real
+tokens, then padding rows that write no K/V (slot -1) and that no real row sees; its ``seq_len`` counts the padding,
+so real row ``j`` still sits at ``context + j``. On CUDA each bucket's forward is captured as a graph the first time
+it is needed (after a warm-up run that compiles the kernels); on a CPU (``enforce_eager=False``) the same static path
+runs without graphs, so the padding is tested there. Prefills and mixed batches run eagerly.
 """
 
 from __future__ import annotations
