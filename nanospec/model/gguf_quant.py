@@ -1,14 +1,10 @@
 """GGUF tensors as nanospec weights: the 4-bit blocks kept as int4 groups of 32, the rest rounded or dequantized.
-
 The 4-bit kinds map exactly onto ``w = (q - 8) * scale + zero`` per 32 inputs (:mod:`nanospec.model.quantization`):
 
     Q4_0   w = d (q - 8)                           scale = d,       zero = 0
     Q4_1   w = d q + m                             scale = d,       zero = m + 8 d
     Q4_K   w = d sc_j q - dmin mn_j   (8 groups of 32 in a block of 256)
                                                    scale = d sc_j,  zero = 8 d sc_j - dmin mn_j
-
-Every other quantized kind has no exact int4-in-groups-of-32 form; it is dequantized with ``gguf`` and rounded to
-the scheme asked for (int8 per output channel by default).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
-"""Tensor parallelism: which rank holds which slice of a Llama, and the collectives that put it back together.
-
-Rank ``r`` of ``T`` holds (Megatron-LM's layout, as vLLM's):
+"""Tensor parallelism (Megatron-LM's layout, as vLLM's): rank ``r`` of ``T`` holds
 
     q heads        [r H/T, (r+1) H/T)                                         H = num_attention_heads
     k, v heads     [r KV/T, (r+1) KV/T), or the one head r KV // T when T > KV (replicated)
     gate, up rows  [r F/T, (r+1) F/T)                                         F = intermediate_size
     vocab rows     [r V', (r+1) V') of the embedding and the head             V' = ceil(V / T)
 
-Per layer: qkv and gate_up are column-parallel (no communication); o and down are row-parallel, each followed by an
-all-reduce of ``[tokens, hidden]``. The embedding is vocab-parallel (one all-reduce, exact: one non-zero term per
-token); the head's slices are all-gathered. Each rank keeps a KV pool of its heads under the driver's block tables.
-At ``T = 1`` a model makes no distributed call.
+qkv and gate_up are column-parallel; o and down row-parallel, each followed by an all-reduce. The embedding is
+vocab-parallel (one exact all-reduce: one non-zero term per token); the head's slices are all-gathered.
 """
 
 from __future__ import annotations
@@ -73,8 +69,7 @@ def check_shardable(config, size: int, what: str = "tensor_parallel_size", group
 
 
 def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
-    """The heads ``[start, end)`` rank ``rank`` holds: an even split, or with more ranks than heads the one head ``rank
-    * num_heads // size``."""
+    """The heads ``[start, end)`` of rank ``rank`` (see the module)."""
     if size <= num_heads:
         per_rank = num_heads // size
         return rank * per_rank, (rank + 1) * per_rank
@@ -83,8 +78,7 @@ def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
-    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last shorter (maybe
-    empty)."""
+    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last shorter (maybe empty)."""
     per_rank = -(-vocab_size // size)
     return min(rank * per_rank, vocab_size), min((rank + 1) * per_rank, vocab_size)
 

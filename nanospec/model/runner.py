@@ -10,18 +10,15 @@ runs without graphs, so the padding is tested there. Prefills and mixed batches 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from nanospec.cache.kv_cache import KVCache
 from nanospec.kernels.attention_mask import num_words
 from nanospec.kernels.kv_store import copy_kv_slots
-from nanospec.model.forward_batch import ForwardBatch
+from nanospec.model.forward_batch import TENSOR_FIELDS, ForwardBatch
 from nanospec.model.llama import Llama
-
-_METADATA = [f.name for f in fields(ForwardBatch) if f.name != "max_query_len"]  # the integer tensors
-
 
 def buckets(limit: int) -> list[int]:
     """1, 2, 4, ... below ``limit``, then ``limit``."""
@@ -152,9 +149,9 @@ class ModelRunner:
         return device_values[-1]
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
-        names = [n for n in _METADATA if getattr(batch, n) is not None]
+        names = [n for n in TENSOR_FIELDS if getattr(batch, n) is not None]
         moved = dict(zip(names, self.to_device([getattr(batch, n) for n in names])))
-        return ForwardBatch(**{n: moved.get(n) for n in _METADATA}, max_query_len=batch.max_query_len)
+        return ForwardBatch(**{n: moved.get(n) for n in TENSOR_FIELDS}, max_query_len=batch.max_query_len)
 
     def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host integer tensors on the device, through one pinned buffer and one asynchronous copy (as they are
