@@ -49,10 +49,8 @@ _REQUIRED_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layer
                            "max_position_embeddings")  # llama.cpp requires these keys too
 _CONFIG_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": None}
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-_ROPE_SCALING_KEYS = {
-    "rope_scaling.factor": "llama.rope.scaling.factor",
-    "rope_scaling.original_max_position_embeddings": "llama.rope.scaling.original_context_length",
-}
+_ROPE_SCALING_KEYS = {"rope_scaling.factor": "llama.rope.scaling.factor",
+                      "rope_scaling.original_max_position_embeddings": "llama.rope.scaling.original_context_length"}
 
 
 @dataclass
@@ -110,9 +108,6 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
             weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
         tensors[hf_names[tensor.name]] = weight
     return GGUFModel(config, tensors, tokenizer_json, tokenizer_config)
-
-
-# ---------------------------------------------------------------- the header
 
 
 _SCALAR_FORMATS = {  # struct formats of GGUF's scalar value types
@@ -204,9 +199,8 @@ def _read_header(path: Path) -> tuple[_Metadata, list[_Tensor]]:
             if not 1 <= n_dims <= _MAX_DIMS:
                 raise _Corrupt(f"tensor {name} has {n_dims} dimensions")
             dims = [parser.scalar("Q", f"tensor {name}") for _ in range(n_dims)]  # innermost first
-            type_id = parser.scalar("I", f"tensor {name}")
-            offset = parser.scalar("Q", f"tensor {name}")  # from the start of the data, after the header
-            infos[name] = (dims, type_id, offset)
+            # its type, and its offset from the start of the data (after the header)
+            infos[name] = (dims, parser.scalar("I", f"tensor {name}"), parser.scalar("Q", f"tensor {name}"))
         alignment = values.get("general.alignment", 32)
         if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
             raise _Corrupt(f"general.alignment is {short_repr(alignment)}, not a power of two")
@@ -256,16 +250,12 @@ class _Metadata(dict):
         return self.get(key, expect=expect)
 
 
-# ---------------------------------------------------------------- the config and the tensors
-
-
 def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
     """The LlamaConfig of the llama.* and tokenizer.ggml.* keys, checked by LlamaConfig: a missing or bad value is a
     ValueError naming the file and the key."""
     for field in _REQUIRED_CONFIG_FIELDS:
         metadata.require(_CONFIG_KEYS[field])
-    fields = dict(_CONFIG_DEFAULTS)
-    fields |= {field: metadata.get(key) for field, key in _CONFIG_KEYS.items() if key in metadata}
+    fields = _CONFIG_DEFAULTS | {field: metadata[key] for field, key in _CONFIG_KEYS.items() if key in metadata}
     if "vocab_size" not in fields:
         fields["vocab_size"] = len(metadata.require("tokenizer.ggml.tokens", STRINGS))
     eos_ids = []  # llama.cpp stops at any of them

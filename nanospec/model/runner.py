@@ -22,11 +22,7 @@ from nanospec.model.llama import Llama
 
 def buckets(limit: int) -> list[int]:
     """1, 2, 4, ... below ``limit``, then ``limit``."""
-    sizes, size = [], 1
-    while size < limit:
-        sizes.append(size)
-        size *= 2
-    return sizes + [limit]
+    return [1 << i for i in range(limit.bit_length()) if 1 << i < limit] + [limit]
 
 
 @dataclass
@@ -71,7 +67,6 @@ class ModelRunner:
             max_query_len=max_query_len, logits_indices=torch.arange(rows, device=self.device),
             tree_mask=zeros(rows, num_words(max_query_len)))
 
-    # ---------------------------------------------------------------- one step
     def execute(self, batch: ForwardBatch, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[R, vocab]`` float32 logits of ``batch.logits_indices`` and, when ``hidden_states``, the final hidden
         states they were computed from (after the final norm, ``[R, hidden]``; else None); ``batch`` lives on the
@@ -180,7 +175,6 @@ class ModelRunner:
             offset += t.numel()
         return out
 
-    # ---------------------------------------------------------------- a bucket's static batch and graph
     def _prepare(self, num_seqs: int, q: int, masked: bool) -> _Graph:
         s = self.static
         rows = num_seqs * q
