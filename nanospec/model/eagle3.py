@@ -100,17 +100,6 @@ class Eagle3Config:
                              f"(the target has {num_layers} layers)")
         return tuple(sorted(ids))
 
-    def check_target(self, target: LlamaConfig, where: str) -> None:
-        """Refuse a head that does not fit the target, naming the field and its value."""
-        if self.target_hidden_size != target.hidden_size:
-            field = "target_hidden_size" if self.target_hidden_size != self.layer.hidden_size else "hidden_size"
-            raise ValueError(f"{where}: {field} = {self.target_hidden_size} but the target's hidden_size is "
-                             f"{target.hidden_size}")
-        if self.layer.vocab_size != target.vocab_size:
-            raise ValueError(f"{where}: vocab_size = {self.layer.vocab_size} but the target's vocab_size is "
-                             f"{target.vocab_size}")
-        self.aux_layers(target, where)
-
     def shapes(self, has_embedding: bool) -> dict[str, tuple[int, ...]]:
         """Every tensor by its canonical (``midlayer.``) name and shape; ``d2t`` where the vocabulary is reduced."""
         c, H = self.layer, self.layer.hidden_size
@@ -188,7 +177,14 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
     shape are checked against the target before any weight is read (ValueError naming the field or tensor)."""
     path = Path(path)
     config = Eagle3Config.from_dict(read_json(path / "config.json"), str(path / "config.json"))
-    config.check_target(target, str(path / "config.json"))
+    if config.target_hidden_size != target.hidden_size:
+        field = "target_hidden_size" if config.target_hidden_size != config.layer.hidden_size else "hidden_size"
+        raise ValueError(f"{path / 'config.json'}: {field} = {config.target_hidden_size} but the target's "
+                         f"hidden_size is {target.hidden_size}")
+    if config.layer.vocab_size != target.vocab_size:
+        raise ValueError(f"{path / 'config.json'}: vocab_size = {config.layer.vocab_size} but the target's vocab_size "
+                         f"is {target.vocab_size}")
+    aux_layers = config.aux_layers(target, str(path / "config.json"))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path} (an EAGLE-3 head's weights; pickled .bin files are "
@@ -238,4 +234,4 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
     head.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
     head.to(device=device, dtype=dtype)
     head.d2t = head.d2t.to(device=device, dtype=torch.int64)
-    return head.eval().requires_grad_(False), config.aux_layers(target, str(path / "config.json"))
+    return head.eval().requires_grad_(False), aux_layers

@@ -21,8 +21,9 @@ from nanospec.model.quantization import Weight, select_rows
 
 @dataclass
 class ParallelGroup:
-    """One tensor-parallel group as seen from one of its ranks: ``rank`` of ``size`` in ``group``. A group of size
-    1 runs no collective; ``force_collectives`` runs them anyway (to test a backend, e.g. NCCL, at world size 1)."""
+    """One tensor-parallel group as seen from one of its ranks: ``rank`` of ``size`` in ``group``. A model given a
+    group that does not ``communicate`` (size 1) runs without it; ``force_collectives`` runs the collectives anyway
+    (to test a backend, e.g. NCCL, at world size 1)."""
 
     group: object  # a torch.distributed ProcessGroup
     rank: int
@@ -35,14 +36,11 @@ class ParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group's ranks of ``x`` (in place). Two ranks get bit-identical sums (a + b == b + a)."""
-        if self.communicates:
-            dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' ``x`` ``[R, n]`` side by side along the last axis, in rank order: ``[R, size * n]``."""
-        if not self.communicates:
-            return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
