@@ -216,11 +216,10 @@ def _checked_rope_scaling(scaling) -> dict | None:
 
 
 def _normalize_rope_scaling(scaling) -> dict | None:
-    """The scaling kind as "rope_type" (older configs say "type"); plain RoPE is None."""
-    if not scaling:
-        return None
-    if not isinstance(scaling, dict):
-        raise ConfigError("rope_scaling", scaling, "an object or null")
+    """The scaling kind as "rope_type" (older configs say "type"); plain RoPE is None. Not an object: left for
+    LlamaConfig to refuse."""
+    if not scaling or not isinstance(scaling, dict):
+        return scaling or None
     scaling = dict(scaling)
     scaling.pop("rope_theta", None)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
