@@ -24,7 +24,8 @@ LIMITS = {
 FLOAT_LIMITS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (1.0, 1e12)}
 # What rope_scaling must hold for each kind, besides "rope_type"; every number in it must be finite and positive.
 _ROPE_SCALING_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-ROPE_SCALING_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",), "llama3": _ROPE_SCALING_NUMBERS}
+ROPE_SCALING_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                     "llama3": _ROPE_SCALING_NUMBERS}
 
 # What a checkpoint's config.json must state: defaulting its shape (transformers' defaults are Llama-2-7B's) would
 # only turn a missing field into a puzzling shape mismatch later.

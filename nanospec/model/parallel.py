@@ -76,7 +76,7 @@ def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
-    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last shorter (maybe empty)."""
+    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last shorter."""
     per_rank = -(-vocab_size // size)
     return min(rank * per_rank, vocab_size), min((rank + 1) * per_rank, vocab_size)
 
