@@ -9,19 +9,19 @@ tensors (an absent ``tree_mask``: dtype code 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import math
+from dataclasses import dataclass
 from enum import IntEnum
 
 import torch
 import torch.distributed as dist
 
-from nanospec.model.forward_batch import ForwardBatch
+from nanospec.model.forward_batch import TENSOR_FIELDS, ForwardBatch
 
 TARGET, DRAFT = 0, 1
 HEADER = 4 + 4 * 8  # room for 8 tensors
 _DTYPES = {1: torch.int64, 2: torch.int32}
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
-_BATCH_TENSORS = [f.name for f in fields(ForwardBatch) if f.name != "max_query_len"]
 
 
 class Op(IntEnum):
@@ -38,7 +38,7 @@ class Command:
     max_query_len: int = 0
 
     def batch(self) -> ForwardBatch:
-        return ForwardBatch(**dict(zip(_BATCH_TENSORS, self.tensors)), max_query_len=self.max_query_len)
+        return ForwardBatch(**dict(zip(TENSOR_FIELDS, self.tensors)), max_query_len=self.max_query_len)
 
 
 class CommandChannel:
@@ -68,27 +68,19 @@ class CommandChannel:
             dist.broadcast(torch.cat(present), 0, group=self.group)
 
     def send_batch(self, op: Op, model: int, batch: ForwardBatch) -> None:
-        self.send(op, model, [getattr(batch, name) for name in _BATCH_TENSORS], batch.max_query_len)
+        self.send(op, model, [getattr(batch, name) for name in TENSOR_FIELDS], batch.max_query_len)
 
     def receive(self) -> Command:
         header = torch.empty(HEADER, dtype=torch.int64)
         dist.broadcast(header, 0, group=self.group)
         op, model, max_query_len, count = header[:4].tolist()
         specs = [header[4 + 4 * i: 8 + 4 * i].tolist() for i in range(count)]
-        total = sum(_numel(ndim, d0, d1) for code, ndim, d0, d1 in specs if code)
-        payload = torch.empty(total, dtype=torch.int64)
+        sizes = [math.prod([d0, d1][:ndim]) if code else 0 for code, ndim, d0, d1 in specs]
+        payload = torch.empty(sum(sizes), dtype=torch.int64)
         if any(code for code, *_ in specs):
             dist.broadcast(payload, 0, group=self.group)
         tensors, offset = [], 0
-        for code, ndim, d0, d1 in specs:
-            if not code:
-                tensors.append(None)
-                continue
-            n = _numel(ndim, d0, d1)
-            tensors.append(payload[offset: offset + n].view([d0, d1][:ndim]).to(_DTYPES[code]))
+        for (code, ndim, d0, d1), n in zip(specs, sizes):
+            tensors.append(payload[offset: offset + n].view([d0, d1][:ndim]).to(_DTYPES[code]) if code else None)
             offset += n
         return Command(Op(op), model, tensors, max_query_len)
-
-
-def _numel(ndim: int, d0: int, d1: int) -> int:
-    return [1, d0, d0 * d1][ndim]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
@@ -21,18 +21,11 @@ LIMITS = {
     "max_position_embeddings": (1, 1 << 24),
 }
 # The range of each float field, (exclusive lower bound, inclusive upper bound).
-FLOAT_LIMITS = {
-    "rms_norm_eps": (0.0, 1.0),
-    "rope_theta": (1.0, 1e12),
-}
+FLOAT_LIMITS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (1.0, 1e12)}
 # What rope_scaling must hold for each kind, besides "rope_type"; every number in it must be finite and positive.
-ROPE_SCALING_KEYS = {
-    "linear": ("factor",),
-    "dynamic": ("factor",),
-    "yarn": ("factor",),
-    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
-}
 _ROPE_SCALING_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+ROPE_SCALING_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
+                     "llama3": _ROPE_SCALING_NUMBERS}
 
 # What a checkpoint's config.json must state: defaulting its shape (transformers' defaults are Llama-2-7B's) would
 # only turn a missing field into a puzzling shape mismatch later.
@@ -70,7 +63,6 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_id: list[int] = field(default_factory=lambda: [2])
-    architectures: list[str] = field(default_factory=lambda: [LLAMA_ARCHITECTURE])
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -133,49 +125,15 @@ class LlamaConfig:
         rope_theta = d.get("rope_theta", rope_parameters.pop("rope_theta", 10000.0))
         rope_scaling = _normalize_rope_scaling(d.get("rope_scaling") or rope_parameters or None)
 
-        heads = d.get("num_attention_heads", 32)
-        return cls(
-            vocab_size=d.get("vocab_size", 32000),
-            hidden_size=d.get("hidden_size", 4096),
-            intermediate_size=d.get("intermediate_size", 11008),
-            num_hidden_layers=d.get("num_hidden_layers", 32),
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads"),  # None: as many as the query heads
-            head_dim=d.get("head_dim"),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            bos_token_id=d.get("bos_token_id", 1),
-            eos_token_id=d.get("eos_token_id", 2),
-            architectures=list(architectures),
-        )
+        values = {f.name: d[f.name] for f in fields(cls) if f.name in d}
+        return cls(**values | {"rope_theta": rope_theta, "rope_scaling": rope_scaling})
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers' LlamaConfig / AutoConfig reads back to the same model."""
-        eos = self.eos_token_id[0] if len(self.eos_token_id) == 1 else list(self.eos_token_id)
-        return {
-            "architectures": [LLAMA_ARCHITECTURE],
-            "model_type": "llama",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_hidden_layers,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "attention_bias": False,
-            "mlp_bias": False,
-            "rms_norm_eps": self.rms_norm_eps,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
-            "max_position_embeddings": self.max_position_embeddings,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "bos_token_id": self.bos_token_id,
-            "eos_token_id": eos,
-        }
+        hf, eos = asdict(self), self.eos_token_id
+        return {"architectures": [LLAMA_ARCHITECTURE], "model_type": "llama", **hf, "hidden_act": "silu",
+                "attention_bias": False, "mlp_bias": False, "rope_scaling": hf["rope_scaling"] or None,
+                "eos_token_id": eos[0] if len(eos) == 1 else list(eos)}
 
     def weight_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every weight by its Hugging Face name with its shape (Linear: (out, in)); no "lm_head.weight" when tied."""
@@ -199,7 +157,6 @@ class LlamaConfig:
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, hidden)
         return shapes
-
 
 
 def token_ids(name: str, value, vocab_size: int) -> list[int]:
@@ -260,11 +217,10 @@ def _checked_rope_scaling(scaling) -> dict | None:
 
 
 def _normalize_rope_scaling(scaling) -> dict | None:
-    """The scaling kind as "rope_type" (older configs say "type"); plain RoPE is None."""
-    if not scaling:
-        return None
-    if not isinstance(scaling, dict):
-        raise ConfigError("rope_scaling", scaling, "an object or null")
+    """The scaling kind as "rope_type" (older configs say "type"); plain RoPE is None. Not an object: left for
+    LlamaConfig to refuse."""
+    if not scaling or not isinstance(scaling, dict):
+        return scaling or None
     scaling = dict(scaling)
     scaling.pop("rope_theta", None)
     rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"

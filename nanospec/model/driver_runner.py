@@ -6,7 +6,7 @@ A call that fails part-way leaves the ranks out of step, so it is fatal: it rais
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
 
 import torch
 
@@ -16,15 +16,12 @@ from nanospec.model.parallel import TensorParallelError
 from nanospec.model.runner import ModelRunner
 
 
-class GroupHealth(Protocol):
-    broken: str | None  # why the group failed, once it has (kept as text: an exception would keep its frames alive)
-
-    def check(self, grace: float) -> None:
-        """Raise TensorParallelError if the group is broken or a worker is gone (waiting up to ``grace`` seconds)."""
-
-
 class DriverRunner:
-    def __init__(self, local: ModelRunner, channel: CommandChannel, model_id: int, health: GroupHealth):
+    """``health`` (the worker group's): ``broken``, why the group failed once it has (text: an exception would keep
+    its frames alive), and ``check(grace)``, which raises TensorParallelError if the group is broken or a worker is
+    gone (waiting up to ``grace`` seconds)."""
+
+    def __init__(self, local: ModelRunner, channel: CommandChannel, model_id: int, health):
         self.local = local
         self.channel = channel
         self.model_id = model_id

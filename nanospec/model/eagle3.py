@@ -9,25 +9,12 @@ three of the target's hidden states fused, beside the embedding of the token tha
     logits = lm_head(norm(out))                      over the draft vocabulary; target id = d + d2t[d]
 
 Row ``j`` pairs the target's states at position ``j`` with the token at ``j + 1`` and predicts the token at
-``j + 2``; it sits at RoPE position ``j``. The auxiliary layers are ``eagle_aux_hidden_state_layer_ids`` (top level
-or in ``eagle_config``), else vLLM's default ``(2, L // 2, L - 3)`` for a target of ``L`` layers; an id ``i``
-names the residual stream *entering* layer ``i`` (vLLM's indexing: the output of layer ``i - 1``), concatenated in
-layer order whatever the order of the list.
-
-**On disk**: ``config.json`` (``architectures`` ``LlamaForCausalLMEagle3`` or ``Eagle3LlamaForCausalLM``, a
-one-layer Llama with ``draft_vocab_size`` and optionally ``target_hidden_size``) and safetensors weights, named in
-either style, each optionally under ``model.``:
-
-    EAGLE / SGLang:  midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
-                     midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight
-    vLLM:            layers.0.<the same>
-    both:            fc.weight [hidden, 3 * target_hidden], norm.weight, lm_head.weight [draft_vocab, hidden],
-                     d2t [draft_vocab] (int64: target id - draft id), t2d [vocab] (bool, unused),
-                     embed_tokens.weight (optional: absent, the head shares the target's embedding)
-
-q/k/v take ``2 * hidden`` inputs. Without ``d2t`` the draft vocabulary must be the whole vocabulary.
-:class:`Eagle3Head` is a plain torch module: inference runs its layer over paged K/V
-(:mod:`nanospec.speculative.eagle3`), a trainer can run the same :meth:`Eagle3Head.forward` with dense attention.
+``j + 2``, at RoPE position ``j``. The auxiliary layers are ``eagle_aux_hidden_state_layer_ids`` (top level or in
+``eagle_config``), else vLLM's default ``(2, L // 2, L - 3)``; id ``i`` is the stream *entering* layer ``i``.
+On disk: ``config.json`` (a one-layer Llama with ``draft_vocab_size``, optionally ``target_hidden_size``) and
+safetensors weights named ``midlayer.*`` (EAGLE, SGLang) or ``layers.0.*`` (vLLM), optionally under ``model.``, with
+``fc``, ``norm``, ``lm_head``, ``d2t`` (target id - draft id; absent: the draft vocabulary is the whole one) and an
+optional ``embed_tokens`` (absent: the target's is shared).
 """
 
 from __future__ import annotations
@@ -113,17 +100,6 @@ class Eagle3Config:
                              f"(the target has {num_layers} layers)")
         return tuple(sorted(ids))
 
-    def check_target(self, target: LlamaConfig, where: str) -> None:
-        """Refuse a head that does not fit the target, naming the field and its value."""
-        if self.target_hidden_size != target.hidden_size:
-            field = "target_hidden_size" if self.target_hidden_size != self.layer.hidden_size else "hidden_size"
-            raise ValueError(f"{where}: {field} = {self.target_hidden_size} but the target's hidden_size is "
-                             f"{target.hidden_size}")
-        if self.layer.vocab_size != target.vocab_size:
-            raise ValueError(f"{where}: vocab_size = {self.layer.vocab_size} but the target's vocab_size is "
-                             f"{target.vocab_size}")
-        self.aux_layers(target, where)
-
     def shapes(self, has_embedding: bool) -> dict[str, tuple[int, ...]]:
         """Every tensor by its canonical (``midlayer.``) name and shape; ``d2t`` where the vocabulary is reduced."""
         c, H = self.layer, self.layer.hidden_size
@@ -195,17 +171,20 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
-def read_eagle3_config(path: Path) -> Eagle3Config:
-    return Eagle3Config.from_dict(read_json(Path(path) / "config.json"), str(Path(path) / "config.json"))
-
-
 def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device | str, dtype: torch.dtype
                      ) -> tuple[Eagle3Head, tuple[int, ...]]:
     """The head at ``path`` for ``target`` and the target layers it reads. Its config and every tensor's name and
     shape are checked against the target before any weight is read (ValueError naming the field or tensor)."""
     path = Path(path)
-    config = read_eagle3_config(path)
-    config.check_target(target, str(path / "config.json"))
+    config = Eagle3Config.from_dict(read_json(path / "config.json"), str(path / "config.json"))
+    if config.target_hidden_size != target.hidden_size:
+        field = "target_hidden_size" if config.target_hidden_size != config.layer.hidden_size else "hidden_size"
+        raise ValueError(f"{path / 'config.json'}: {field} = {config.target_hidden_size} but the target's "
+                         f"hidden_size is {target.hidden_size}")
+    if config.layer.vocab_size != target.vocab_size:
+        raise ValueError(f"{path / 'config.json'}: vocab_size = {config.layer.vocab_size} but the target's vocab_size "
+                         f"is {target.vocab_size}")
+    aux_layers = config.aux_layers(target, str(path / "config.json"))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path} (an EAGLE-3 head's weights; pickled .bin files are "
@@ -255,4 +234,4 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
     head.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
     head.to(device=device, dtype=dtype)
     head.d2t = head.d2t.to(device=device, dtype=torch.int64)
-    return head.eval().requires_grad_(False), config.aux_layers(target, str(path / "config.json"))
+    return head.eval().requires_grad_(False), aux_layers

@@ -1,16 +1,13 @@
 """The one flat, ragged batch a forward pass sees (vLLM / nano-vllm call it attention metadata).
 
-All new tokens of all sequences are concatenated. Sequence ``s`` owns query rows
-``query_start_loc[s] : query_start_loc[s+1]``; ``seq_lens[s]`` counts its cached context plus its new
-tokens; ``slot_mapping[t]`` is where new token ``t`` writes its K/V (-1: nowhere). ``tree_mask``
-(optional, int64 bit words ``[num_tokens, W]``) says which new tokens of its own sequence each new
-token may see, its context always visible; absent means causal. ``logits_indices`` selects the rows
-whose next-token logits are needed (the last prompt token of a prefill, every token of a verify).
+All new tokens of all sequences are concatenated; sequence ``s`` owns query rows
+``query_start_loc[s] : query_start_loc[s+1]``. ``tree_mask`` (optional, int64 bit words ``[num_tokens, W]``) says which
+new tokens of its own sequence each new token may see, its context always visible; absent means causal.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -22,12 +19,12 @@ from nanospec.kernels.attention_mask import causal_mask, concat_masks
 class ForwardBatch:
     input_ids: torch.Tensor        # [T] int64
     positions: torch.Tensor        # [T] int64 (RoPE positions: context_len + depth for trees)
-    slot_mapping: torch.Tensor     # [T] int64
+    slot_mapping: torch.Tensor     # [T] int64: where each new token writes its K/V (-1: nowhere)
     block_tables: torch.Tensor     # [S, max_blocks] int32
-    seq_lens: torch.Tensor         # [S] int32
+    seq_lens: torch.Tensor         # [S] int32: cached context plus new tokens
     query_start_loc: torch.Tensor  # [S+1] int32
     max_query_len: int
-    logits_indices: torch.Tensor   # [R] int64
+    logits_indices: torch.Tensor   # [R] int64: the rows whose next-token logits are wanted
     tree_mask: torch.Tensor | None = None
 
     @property
@@ -35,17 +32,16 @@ class ForwardBatch:
         return self.input_ids.shape[0]
 
 
+TENSOR_FIELDS = [f.name for f in fields(ForwardBatch) if f.name != "max_query_len"]  # all but max_query_len
+
+
 def build_forward_batch(token_lists: list[list[int]], start_positions: list[int], block_tables: list[list[int]],
                         block_size: int, logits_rows: list[list[int]], device: torch.device | str,
                         positions: list[list[int]] | None = None, tree_masks: list[torch.Tensor | None] | None = None,
                         ) -> ForwardBatch:
-    """Flatten per-sequence work into a ForwardBatch.
-
-    ``token_lists[s]`` are the new tokens of sequence ``s``, stored from index ``start_positions[s]``
-    (so ``seq_lens[s] = start_positions[s] + len(token_lists[s])``); ``logits_rows[s]`` are indices
-    into ``token_lists[s]`` whose logits are wanted; ``positions`` overrides the default RoPE
-    positions (storage indices) and ``tree_masks`` the default causal mask, per sequence.
-    """
+    """Flatten per-sequence work: ``token_lists[s]``, the new tokens of sequence ``s``, stored from index
+    ``start_positions[s]``; ``logits_rows[s]``, indices into ``token_lists[s]`` whose logits are wanted; ``positions``
+    and ``tree_masks`` override the default RoPE positions (storage indices) and causal mask, per sequence."""
     input_ids, pos, slots, logits_indices, qsl = [], [], [], [], [0]
     for s, tokens in enumerate(token_lists):
         start, table = start_positions[s], block_tables[s]

@@ -1,17 +1,10 @@
-"""Read a llama.cpp GGUF file into Hugging Face form: a LlamaConfig, fp32 tensors under HF names, and a tokenizer.
+"""Read a llama.cpp GGUF file into Hugging Face form: a LlamaConfig, fp32 or quantized tensors under HF names
+(``_LAYER_NAMES``), and a tokenizer (:mod:`nanospec.model.gguf_tokenizer`). llama.cpp reorders q and k rows per head
+so that each rotary pair (i, i + d / 2) sits in adjacent rows: HF row h * d / 2 + j is stored at row 2 j + h.
 
-Three things differ from a Hugging Face checkpoint:
-- names: "blk.3.attn_q.weight" is "model.layers.3.self_attn.q_proj.weight", and so on (see `_LAYER_NAMES`);
-- q and k rows: llama.cpp's converter reorders them per head so that each rotary pair (i, i + head_dim / 2) sits
-  in adjacent rows. Within a head of d rows, HF row  h * d / 2 + j  (half h, j < d / 2) is stored at row  2 * j + h.
-  Viewing a head as (2, d / 2) in HF order and (d / 2, 2) in GGUF order, the inverse is a transpose of those two axes;
-- the tokenizer is metadata (tokens, merges, token types): `nanospec.model.gguf_tokenizer` builds a `tokenizers` JSON.
-Quantized tensors stay quantized or are dequantized to fp32, as asked (`nanospec.model.gguf_quant`).
-
-The header (metadata and tensor list) is read here rather than by gguf's GGUFReader, which trusts every length and
-count in the file (an array whose count is corrupt sends it into a loop of billions of steps): each one is checked
-against the bytes left in the file, and every tensor's data against the file's end. The model's shape is then checked
-(LlamaConfig) and every tensor's name, shape and type compared with it, all before any tensor data is read.
+The header is read here, not by gguf's GGUFReader, which trusts every length and count in the file (a corrupt array
+count sends it into a loop of billions of steps): each is checked against the bytes left, every tensor's data
+against the file's end, and every tensor's name, shape and type against the config, before any data is read.
 """
 
 from __future__ import annotations
@@ -24,57 +17,40 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import gguf
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from tqdm import tqdm
 
 from nanospec.model.config import ConfigError, LlamaConfig, short_repr
-from nanospec.model.gguf_quant import gguf_weight
+from nanospec.model.gguf_quant import dequantize_blocks, gguf_weight
 from nanospec.model.gguf_tokenizer import STRINGS, tokenizer_from_metadata
 from nanospec.model.quantization import Weight, check_int4_shape, select_rows
 
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
+_GLOBAL_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+                 "output.weight": "lm_head.weight"}
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 
 
 # The metadata keys of the LlamaConfig fields. Without llama.vocab_size the vocabulary is tokenizer.ggml.tokens.
 _CONFIG_KEYS = {
-    "vocab_size": "llama.vocab_size",
-    "hidden_size": "llama.embedding_length",
-    "intermediate_size": "llama.feed_forward_length",
-    "num_hidden_layers": "llama.block_count",
-    "num_attention_heads": "llama.attention.head_count",
-    "num_key_value_heads": "llama.attention.head_count_kv",
-    "head_dim": "llama.attention.key_length",
-    "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
-    "rope_theta": "llama.rope.freq_base",
-    "max_position_embeddings": "llama.context_length",
+    "vocab_size": "llama.vocab_size", "hidden_size": "llama.embedding_length",
+    "intermediate_size": "llama.feed_forward_length", "num_hidden_layers": "llama.block_count",
+    "num_attention_heads": "llama.attention.head_count", "num_key_value_heads": "llama.attention.head_count_kv",
+    "head_dim": "llama.attention.key_length", "rms_norm_eps": "llama.attention.layer_norm_rms_epsilon",
+    "rope_theta": "llama.rope.freq_base", "max_position_embeddings": "llama.context_length",
     "bos_token_id": "tokenizer.ggml.bos_token_id",
 }
 _REQUIRED_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                            "max_position_embeddings")  # llama.cpp requires these keys too
 _CONFIG_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": None}
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-_ROPE_SCALING_KEYS = {
-    "rope_scaling.factor": "llama.rope.scaling.factor",
-    "rope_scaling.original_max_position_embeddings": "llama.rope.scaling.original_context_length",
-}
+_ROPE_SCALING_KEYS = {"rope_scaling.factor": "llama.rope.scaling.factor",
+                      "rope_scaling.original_max_position_embeddings": "llama.rope.scaling.original_context_length"}
 
 
 @dataclass
@@ -87,7 +63,6 @@ class GGUFModel:
 
 @dataclass
 class _Tensor:
-    """One tensor of a GGUF file, as its header describes it."""
     name: str
     shape: tuple[int, ...]  # outermost first, as in PyTorch (GGUF lists dimensions innermost first)
     type: GGMLQuantizationType
@@ -104,9 +79,7 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {path}")
-    values, header_tensors = _read_header(path)
-
-    metadata = _Metadata(values, path)
+    metadata, header_tensors = _read_header(path)
     architecture = metadata.get("general.architecture")
     if architecture != "llama":
         raise ValueError(f"unsupported GGUF architecture {short_repr(architecture)} in {path}: nanospec runs 'llama' "
@@ -121,9 +94,11 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
 
     tensors = {}
     for tensor in tqdm(header_tensors, desc=f"Loading {path.name}", unit="tensor", leave=False, disable=None):
-        # copied out of the memory map first: gguf's numpy dequantizers are several times slower on the map
+        # copied out of the memory map first (gguf's numpy dequantizers are several times slower on the map), then the
+        # pages read let go: else every byte of the file stays resident until the whole model is read
         blocks = np.array(tensor.data)
-        _drop_mapped_pages(tensor.data)
+        if getattr(tensor.data, "_mmap", None) is not None and hasattr(mmap, "MADV_DONTNEED"):
+            tensor.data._mmap.madvise(mmap.MADV_DONTNEED)
         weight = gguf_weight(blocks, tensor.type, tensor.shape, quantization, group_size)
         if not weight_is_finite(weight):
             raise ValueError(f"tensor {tensor.name} in {path} holds NaN or infinite values")
@@ -133,17 +108,6 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
             weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
         tensors[hf_names[tensor.name]] = weight
     return GGUFModel(config, tensors, tokenizer_json, tokenizer_config)
-
-
-def _drop_mapped_pages(view: np.ndarray) -> None:
-    """Let the file's pages that reading has made resident go (the page cache keeps them): without this, every byte
-    of the file stays in the process's resident memory until the whole model is read."""
-    mapping = getattr(view, "_mmap", None)
-    if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-        mapping.madvise(mmap.MADV_DONTNEED)
-
-
-# ---------------------------------------------------------------- the header
 
 
 _SCALAR_FORMATS = {  # struct formats of GGUF's scalar value types
@@ -205,7 +169,7 @@ class _HeaderParser:
         return [self.value(item_type, what) for _ in range(count)]
 
 
-def _read_header(path: Path) -> tuple[dict, list[_Tensor]]:
+def _read_header(path: Path) -> tuple[_Metadata, list[_Tensor]]:
     """The metadata of a GGUF file and its tensors (views of the file's memory map, not read yet). Raises ValueError
     for a file that is not a GGUF (version 2 or 3, little-endian) or whose header or tensor data is cut short."""
     data = np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, dtype=np.uint8)
@@ -235,14 +199,13 @@ def _read_header(path: Path) -> tuple[dict, list[_Tensor]]:
             if not 1 <= n_dims <= _MAX_DIMS:
                 raise _Corrupt(f"tensor {name} has {n_dims} dimensions")
             dims = [parser.scalar("Q", f"tensor {name}") for _ in range(n_dims)]  # innermost first
-            type_id = parser.scalar("I", f"tensor {name}")
-            offset = parser.scalar("Q", f"tensor {name}")  # from the start of the data, after the header
-            infos[name] = (dims, type_id, offset)
+            # its type, and its offset from the start of the data (after the header)
+            infos[name] = (dims, parser.scalar("I", f"tensor {name}"), parser.scalar("Q", f"tensor {name}"))
         alignment = values.get("general.alignment", 32)
         if type(alignment) is not int or alignment < 1 or alignment & (alignment - 1):
             raise _Corrupt(f"general.alignment is {short_repr(alignment)}, not a power of two")
         start = -(-parser.offset // alignment) * alignment
-        return values, [_tensor(name, dims, type_id, start + offset, data)
+        return _Metadata(values, path), [_tensor(name, dims, type_id, start + offset, data)
                         for name, (dims, type_id, offset) in infos.items()]
     except _Corrupt as error:
         raise ValueError(f"not a valid GGUF file: {path} ({error})") from None
@@ -265,31 +228,26 @@ def _tensor(name: str, dims: list[int], type_id: int, begin: int, data: np.ndarr
     return _Tensor(name, tuple(reversed(dims)), tensor_type, data[begin:end])
 
 
-class _Metadata:
+class _Metadata(dict):
     """The key/value metadata of a GGUF file, with the file's path for errors."""
 
     def __init__(self, values: dict, path: Path):
-        self.values, self.path = values, path
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.values
+        super().__init__(values)
+        self.path = path
 
     def get(self, key: str, default=None, expect: tuple | None = None):
         """The value of `key` (`default` if absent), checked to be of type `expect` (a (test, description) pair)."""
-        if key not in self.values:
+        if key not in self:
             return default
-        value = self.values[key]
+        value = self[key]
         if expect is not None and not expect[0](value):
             raise ValueError(f"GGUF file {self.path}: {key} must be {expect[1]}, got {short_repr(value)}")
         return value
 
     def require(self, key: str, expect: tuple | None = None):
-        if key not in self.values:
+        if key not in self:
             raise ValueError(f"GGUF file {self.path} lacks the metadata key {key!r}")
         return self.get(key, expect=expect)
-
-
-# ---------------------------------------------------------------- the config and the tensors
 
 
 def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
@@ -297,8 +255,7 @@ def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
     ValueError naming the file and the key."""
     for field in _REQUIRED_CONFIG_FIELDS:
         metadata.require(_CONFIG_KEYS[field])
-    fields = dict(_CONFIG_DEFAULTS)
-    fields |= {field: metadata.get(key) for field, key in _CONFIG_KEYS.items() if key in metadata}
+    fields = _CONFIG_DEFAULTS | {field: metadata[key] for field, key in _CONFIG_KEYS.items() if key in metadata}
     if "vocab_size" not in fields:
         fields["vocab_size"] = len(metadata.require("tokenizer.ggml.tokens", STRINGS))
     eos_ids = []  # llama.cpp stops at any of them
@@ -363,18 +320,13 @@ def _hf_name(gguf_name: str, path: Path) -> str:
     raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file {path}")
 
 
-_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.F64,
-                GGMLQuantizationType.BF16)
-
-
 @functools.cache
 def _can_dequantize(tensor_type: GGMLQuantizationType) -> bool:
-    """Whether _dequantize reads this type: tried on one block of zeros (gguf dequantizes most quantized types, and
-    raises NotImplementedError for the rest, integer types included)."""
-    if tensor_type in _FLOAT_TYPES:
-        return True
+    """Whether dequantize_blocks reads this type: tried on one block of zeros (gguf raises NotImplementedError for
+    the types it cannot read, integer types included)."""
+    block_size, type_size = GGML_QUANT_SIZES[tensor_type]
     try:
-        gguf.quants.dequantize(np.zeros((1, GGML_QUANT_SIZES[tensor_type][1]), dtype=np.uint8), tensor_type)
+        dequantize_blocks(np.zeros(type_size, dtype=np.uint8), tensor_type, (block_size,))
     except NotImplementedError:
         return False
     return True

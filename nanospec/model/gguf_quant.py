@@ -1,14 +1,10 @@
 """GGUF tensors as nanospec weights: the 4-bit blocks kept as int4 groups of 32, the rest rounded or dequantized.
-
 The 4-bit kinds map exactly onto ``w = (q - 8) * scale + zero`` per 32 inputs (:mod:`nanospec.model.quantization`):
 
     Q4_0   w = d (q - 8)                           scale = d,       zero = 0
     Q4_1   w = d q + m                             scale = d,       zero = m + 8 d
     Q4_K   w = d sc_j q - dmin mn_j   (8 groups of 32 in a block of 256)
                                                    scale = d sc_j,  zero = 8 d sc_j - dmin mn_j
-
-Every other quantized kind has no exact int4-in-groups-of-32 form; it is dequantized with ``gguf`` and rounded to
-the scheme asked for (int8 per output channel by default).
 """
 
 from __future__ import annotations
@@ -63,19 +59,11 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def dequantize_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...]) -> torch.Tensor:
-    """Any kind ``gguf`` reads, as float32 of ``shape``."""
+    """Any kind ``gguf`` reads (and F64), as float32 of ``shape``."""
     rows = data.reshape(*shape[:-1], -1)
-    if kind == Q.F32:
-        weight = torch.from_numpy(rows.view(np.float32).copy())
-    elif kind == Q.F16:
-        weight = torch.from_numpy(rows.view(np.float16)).float()
-    elif kind == Q.BF16:
-        weight = torch.from_numpy(rows.view(np.int16).copy()).view(torch.bfloat16).float()
-    elif kind == Q.F64:
-        weight = torch.from_numpy(rows.view(np.float64)).float()
-    else:
-        weight = torch.from_numpy(quants.dequantize(rows, kind))
-    return weight.reshape(shape)
+    if kind == Q.F64:
+        return torch.from_numpy(rows.view(np.float64)).float().reshape(shape)
+    return torch.from_numpy(quants.dequantize(rows, kind)).reshape(shape)
 
 
 def gguf_weight(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, ...], quantization: str | None,

@@ -47,12 +47,12 @@ def tokenizer_from_metadata(metadata, vocab_size: int) -> tuple[str, dict]:
                          "not two tokens separated by a space")
 
     # Every byte-level BPE token is spelled in GPT-2's 256-character byte alphabet; a few files write a token in
-    # plain text instead, which we respell.
-    byte_alphabet = _bytes_to_unicode()
-    spelled = set(byte_alphabet.values())
+    # plain text instead, which we respell (ByteLevel without its regex maps every UTF-8 byte, splitting nothing).
+    spelled = set(pre_tokenizers.ByteLevel.alphabet())
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
 
     def respell(token: str) -> str:
-        return token if set(token) <= spelled else "".join(byte_alphabet[b] for b in token.encode("utf-8"))
+        return token if set(token) <= spelled else "".join(piece for piece, _ in byte_level.pre_tokenize_str(token))
 
     vocab = {respell(token): index for index, token in enumerate(tokens)}
     try:
@@ -108,15 +108,3 @@ def tokenizer_from_metadata(metadata, vocab_size: int) -> tuple[str, dict]:
         )
     return backend.to_str(), {key: value for key, value in config.items() if value is not None}
 
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's map from each byte to a printable character: printable bytes map to themselves, the rest to
-    characters from U+0100 up, so that every byte sequence is a string without spaces or control characters."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    mapping = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in mapping:
-            mapping[b] = chr(256 + extra)
-            extra += 1
-    return mapping

@@ -1,22 +1,13 @@
 """``y = x W^T``: the one place the model multiplies by a weight matrix, float or weight-only quantized.
 
-One module per kind of weight (``make_linear`` picks it), each with its device's fastest kernel:
-
-* ``Linear``, a float weight. CUDA: ``F.linear`` (cuBLAS). CPU, float32: the weight is pre-packed once for oneDNN
-  (``torch.ops.mkldnn``), whose matrix-vector product reads memory faster than MKL's and whose cost stays flat for
-  a few rows (verifying several speculative tokens costs about one decode). ``NANOSPEC_ONEDNN=0`` turns it off.
-* ``Int4Linear``, int4 in groups (``nanospec.model.quantization``). CPU: PyTorch's own weight-only kernel
-  (``_weight_int4pack_mm_for_cpu``, bfloat16 activations, bfloat16 scales and zeros, weights repacked once into its
-  tiled layout). CUDA: nanospec's Triton kernel (``nanospec.kernels.quantized_matmul``), which dequantizes in
-  registers from the packed layout as it is.
-* ``Int8Linear``, int8 per output channel. CPU: ``torch._weight_int8pack_mm`` (bfloat16 activations); CUDA: the
-  same Triton kernel.
-
-The CPU kernels take bfloat16 activations (with float32 ones they are many times slower) and give bfloat16 out:
-other inputs are cast to bfloat16, and ``input_dtype`` says so, so that the model can hand them bfloat16 at once
-(``None``: the module takes the activations as they are). Each row of their output depends only on that row of
-``x`` (checked by the tests), so a token's logits are the same in a decode step, a verify step and any batch:
-speculation stays lossless.
+``make_linear`` picks a module per kind of weight. ``Linear`` (float): cuBLAS on CUDA; on a CPU in float32 the weight
+is pre-packed once for oneDNN, whose cost stays flat for a few rows (verifying several speculative tokens costs about
+one decode; ``NANOSPEC_ONEDNN=0`` turns it off). ``Int4Linear`` / ``Int8Linear``: on a CPU, PyTorch's weight-only
+kernels (int4 repacked once into their tiled layout); on CUDA, nanospec's Triton kernel, which dequantizes in
+registers. The CPU kernels take bfloat16 activations (float32 ones are many times slower) and give bfloat16 out:
+``input_dtype`` says so, so that the model hands them bfloat16 at once (``None``: activations as they are). Each row of
+their output depends only on that row of ``x`` (checked by the tests), so a token's logits are the same in a decode
+step, a verify step and any batch: speculation stays lossless.
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Llama, from scratch, on paged KV: RMSNorm, RoPE (theta, llama3 scaling), GQA attention, SwiGLU.
 
-One forward serves prefill, decode and speculative verify: it takes a flat ragged
-:class:`~nanospec.model.forward_batch.ForwardBatch`, writes the new tokens' K/V into the paged cache and
-attends over each sequence's cached context plus the new tokens its mask allows.
+One forward serves prefill, decode and speculative verify over a flat ragged
+:class:`~nanospec.model.forward_batch.ForwardBatch`: it writes the new tokens' K/V into the paged cache and attends
+over each sequence's cached context plus the new tokens its mask allows.
 
-    h_0 = embed(x)
-    for each layer:  a = h + Attn(RMSNorm(h));  h = a + MLP(RMSNorm(a))
+    h_0 = embed(x);  for each layer:  a = h + Attn(RMSNorm(h));  h = a + MLP(RMSNorm(a))
     logits = RMSNorm(h) @ W_head^T          (W_head = embed when embeddings are tied)
-    Attn:  q, k, v = x Wq, x Wk, x Wv;  q, k = RoPE(q, k, position);  o = softmax(q k^T / sqrt(d)) v
-    MLP:   down(silu(gate(x)) * up(x))
+    MLP:   down(silu(gate(x)) * up(x))      (q/k/v and gate/up fused: one matmul each; residual add fused into RMSNorm)
 
-q/k/v and gate/up are fused into single matrices (one matmul each); the residual add is fused
-into RMSNorm. Matmuls stay in torch (cuBLAS, or oneDNN on CPU: ``nanospec.model.linear``);
-everything else is a kernel from
-``nanospec.kernels`` (Triton on CUDA, the torch reference on CPU).
-
-Under tensor parallelism (``tp``, a :class:`~nanospec.model.parallel.ParallelGroup` of ``T`` ranks) each rank
-builds only its shard (layout and collectives in :mod:`nanospec.model.parallel`): its q/k/v heads and gate/up
-rows (column-parallel), the matching columns of o and down (row-parallel, one all-reduce after each), its
-vocabulary rows of the embedding and the head; ``compute_logits`` all-gathers the full ``[R, V]`` logits.
-``num_heads`` / ``num_kv_heads`` are then this rank's counts.
+Under tensor parallelism (``tp``) each rank builds only its shard (:mod:`nanospec.model.parallel`); ``num_heads`` /
+``num_kv_heads`` are then this rank's counts and ``compute_logits`` all-gathers the full ``[R, V]`` logits.
 """
 
 from __future__ import annotations
@@ -106,8 +96,7 @@ class Llama:
         self.attention = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.cos_sin_cache)
         # the dtype the layers' matmuls read (bfloat16 for the CPU's weight-only kernels): the norms write it, so the
         # residual stream, attention and K/V stay in ``dtype`` while no matmul input needs a cast of its own
-        self.matmul_dtype = self.layers[0].gate_up_proj.input_dtype if self.layers else None
-        self.matmul_dtype = self.matmul_dtype or dtype
+        self.matmul_dtype = (self.layers[0].gate_up_proj.input_dtype if self.layers else None) or dtype
 
     @property
     def quantization(self) -> str:

@@ -1,7 +1,6 @@
 """Load a Llama checkpoint (a Hugging Face directory, a GGUF file, or the embedded SmolLM2) as a LlamaConfig, tensors
 under Hugging Face names, and a Tokenizer. What can be checked cheaply is checked before any weight is read, each
-error naming the file and the field or tensor; each weight read is checked for NaN and infinities.
-"""
+error naming the file and the field or tensor; each weight read is checked for NaN and infinities."""
 
 from __future__ import annotations
 
@@ -22,7 +21,6 @@ from nanospec.model.gguf_file import all_finite, read_gguf
 from nanospec.model.quantization import Weight, check_int4_shape, parse_quantization, quantize
 from nanospec.tokenizer import Tokenizer
 
-GGUF_MAGIC = b"GGUF"
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")  # the safetensors dtypes of weights we load
 
 
@@ -45,7 +43,7 @@ def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None,
         raise FileNotFoundError(f"model path does not exist: {path}")
     if path.is_dir():
         return _load_hf_directory(path, dtype, scheme, group_size)
-    if path.suffix == ".gguf" or _starts_with(path, GGUF_MAGIC):
+    if path.suffix == ".gguf" or _starts_with_gguf(path):
         return _load_gguf(path, dtype, scheme, group_size)
     raise ValueError(f"cannot load {path}: expected a .gguf file or a Hugging Face model directory "
                      "(config.json, model.safetensors, tokenizer.json)")
@@ -159,7 +157,9 @@ def _cut_short_tensor(file: Path) -> str | None:
 def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
     """tokenizer.json with tokenizer_config.json (or chat_template.jinja); stop ids from config.json and
     generation_config.json too."""
-    tokenizer_json = _require_file(directory / "tokenizer.json")
+    tokenizer_json = directory / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        raise FileNotFoundError(f"{directory} has no tokenizer.json")
     config_file = directory / "tokenizer_config.json"
     tokenizer_config = read_json(config_file) if config_file.is_file() else {}
     template_file = directory / "chat_template.jinja"
@@ -179,12 +179,6 @@ def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
         raise ValueError(f"cannot read tokenizer {tokenizer_json} ({error})") from None
 
 
-def _require_file(path: Path) -> Path:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path.parent} has no {path.name}")
-    return path
-
-
 def read_json(path: Path) -> dict:
     """A JSON file that holds an object; ValueError naming the file otherwise."""
     try:
@@ -196,9 +190,9 @@ def read_json(path: Path) -> dict:
     return value
 
 
-def _starts_with(path: Path, magic: bytes) -> bool:
+def _starts_with_gguf(path: Path) -> bool:
     with open(path, "rb") as f:
-        return f.read(len(magic)) == magic
+        return f.read(4) == b"GGUF"
 
 
 def _short_list(items: list[str], limit: int = 8) -> str:

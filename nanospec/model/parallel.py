@@ -1,16 +1,12 @@
-"""Tensor parallelism: which rank holds which slice of a Llama, and the collectives that put it back together.
-
-Rank ``r`` of ``T`` holds (Megatron-LM's layout, as vLLM's):
+"""Tensor parallelism (Megatron-LM's layout, as vLLM's): rank ``r`` of ``T`` holds
 
     q heads        [r H/T, (r+1) H/T)                                         H = num_attention_heads
     k, v heads     [r KV/T, (r+1) KV/T), or the one head r KV // T when T > KV (replicated)
     gate, up rows  [r F/T, (r+1) F/T)                                         F = intermediate_size
     vocab rows     [r V', (r+1) V') of the embedding and the head             V' = ceil(V / T)
 
-Per layer: qkv and gate_up are column-parallel (no communication); o and down are row-parallel, each followed by an
-all-reduce of ``[tokens, hidden]``. The embedding is vocab-parallel (one all-reduce, exact: one non-zero term per
-token); the head's slices are all-gathered. Each rank keeps a KV pool of its heads under the driver's block tables.
-At ``T = 1`` a model makes no distributed call.
+qkv and gate_up are column-parallel; o and down row-parallel, each followed by an all-reduce. The embedding is
+vocab-parallel (one exact all-reduce: one non-zero term per token); the head's slices are all-gathered.
 """
 
 from __future__ import annotations
@@ -25,8 +21,9 @@ from nanospec.model.quantization import Weight, select_rows
 
 @dataclass
 class ParallelGroup:
-    """One tensor-parallel group as seen from one of its ranks: ``rank`` of ``size`` in ``group``. A group of size
-    1 runs no collective; ``force_collectives`` runs them anyway (to test a backend, e.g. NCCL, at world size 1)."""
+    """One tensor-parallel group as seen from one of its ranks: ``rank`` of ``size`` in ``group``. A model given a
+    group that does not ``communicate`` (size 1) runs without it; ``force_collectives`` runs the collectives anyway
+    (to test a backend, e.g. NCCL, at world size 1)."""
 
     group: object  # a torch.distributed ProcessGroup
     rank: int
@@ -39,14 +36,11 @@ class ParallelGroup:
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum over the group's ranks of ``x`` (in place). Two ranks get bit-identical sums (a + b == b + a)."""
-        if self.communicates:
-            dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x, group=self.group)
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """The ranks' ``x`` ``[R, n]`` side by side along the last axis, in rank order: ``[R, size * n]``."""
-        if not self.communicates:
-            return x
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=-1)
@@ -73,8 +67,7 @@ def check_shardable(config, size: int, what: str = "tensor_parallel_size", group
 
 
 def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
-    """The heads ``[start, end)`` rank ``rank`` holds: an even split, or with more ranks than heads the one head ``rank
-    * num_heads // size``."""
+    """The heads ``[start, end)`` of rank ``rank`` (see the module)."""
     if size <= num_heads:
         per_rank = num_heads // size
         return rank * per_rank, (rank + 1) * per_rank
@@ -83,8 +76,7 @@ def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
-    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last shorter (maybe
-    empty)."""
+    """The vocabulary rows ``[start, end)`` of rank ``rank``: ``ceil(V / size)`` each, the last shorter."""
     per_rank = -(-vocab_size // size)
     return min(rank * per_rank, vocab_size), min((rank + 1) * per_rank, vocab_size)
 

@@ -1,22 +1,17 @@
 """Weight-only quantized weights: what a quantized weight is, apart from how a device multiplies by it.
 
-**int4**, in groups of ``G`` consecutive inputs (``G`` = 32, 64 or 128), a float scale and zero per group:
+**int4**, in groups of ``G`` (32, 64 or 128) consecutive inputs, a float scale and zero per group, two to a byte (the
+even input in the low nibble: ``packed[n, j] = q[n, 2j] | q[n, 2j + 1] << 4``), rounded to nearest per group::
 
     w[n, k] = (q[n, k] - 8) * scale[n, k // G] + zero[n, k // G]          q in 0..15
+    s = (max - min) / 15,   zero = min + 8 s,   q = round((w - min) / s)   (min and max land on q = 0 and 15)
 
-stored two to a byte, the even input in the low nibble: ``packed[n, j] = q[n, 2j] | q[n, 2j + 1] << 4``.
-Rounding a float weight to nearest, per group (its min and max land on q = 0 and 15)::
-
-    s = (max - min) / 15,   zero = min + 8 s,   q = round((w - min) / s)
-
-**int8**, one scale per output channel (symmetric):
+**int8**, one symmetric scale per output channel::
 
     w[n, k] = q[n, k] * scale[n]                                           q in -127..127,  scale = max_k |w| / 127
 
-Scales and zeros are float32 here; a device's kernel may round them (PyTorch's CPU int4 kernel takes bfloat16).
-Both kinds slice like a float ``(out, in)`` weight (``rows``, ``columns``; an int4 weight's columns on group
-boundaries), join along the output axis (``cat_rows``: fused q/k/v and gate/up), and give back the float weight
-they stand for (``dequantize``), which is what every test compares a kernel with.
+Scales and zeros are float32 here; a device's kernel may round them. Both kinds slice like a float ``(out, in)``
+weight, join along the output axis (``cat_rows``) and give back the float weight they stand for (``dequantize``).
 """
 
 from __future__ import annotations
@@ -203,7 +198,3 @@ def to_device(weight: Weight, device, dtype: torch.dtype) -> Weight:
         return weight.to(device=device, dtype=dtype)
     return weight.to(device)
 
-
-def weight_nbytes(weight: Weight) -> int:
-    tensors = [weight] if isinstance(weight, torch.Tensor) else list(vars(weight).values())
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))

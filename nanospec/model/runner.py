@@ -1,42 +1,28 @@
 """Runs a model on a step's batch: eagerly, or from static buffers through a captured CUDA graph.
 
-A batch's integer tensors reach the device in one copy from pinned memory. A decode or verify batch (every row
-wants logits) is laid into **static buffers** padded to a bucket: ``S`` sequences (1, 2, 4, ... up to
-``max_num_seqs``) times ``q`` rows each (1, 2, 4, ... up to the most a step feeds). Sequence ``s`` owns rows
-``s*q .. s*q+q-1``: its real tokens, then padding rows that write no K/V (slot -1) and that no real row sees; its
-``seq_len`` counts the padding, so real row ``j`` still sits at ``context + j``; padding sequences own no blocks.
-The real rows' logits (and final hidden states, for a proposer that reads them) are picked out on the device.
-With ``aux_layers`` set (an EAGLE-3 head's), each forward also keeps those layers' residual-stream states at every
-row of the batch, in the batch's order: ``aux_hidden``, ``[T, len(aux_layers) * hidden]``.
-
-On CUDA (``enforce_eager=False``, the default there) each bucket's forward is captured as a CUDA graph the first
-time it is needed (after a warm-up run that compiles the kernels) and replayed: every per-step value lives in the
-static buffers, nothing that changes between steps is baked in. Prefills and mixed batches run eagerly. On a CPU
-``enforce_eager=False`` runs the same static-buffer path without graphs, so the padding is tested there.
+A decode or verify batch (every row wants logits) is laid into static buffers padded to a bucket: ``S`` sequences
+(1, 2, 4, ... up to ``max_num_seqs``) times ``q`` rows each. Sequence ``s`` owns rows ``s*q .. s*q+q-1``: its real
+tokens, then padding rows that write no K/V (slot -1) and that no real row sees; its ``seq_len`` counts the padding,
+so real row ``j`` still sits at ``context + j``. On CUDA each bucket's forward is captured as a graph the first time
+it is needed (after a warm-up run that compiles the kernels); on a CPU (``enforce_eager=False``) the same static path
+runs without graphs, so the padding is tested there. Prefills and mixed batches run eagerly.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
 from nanospec.cache.kv_cache import KVCache
 from nanospec.kernels.attention_mask import num_words
 from nanospec.kernels.kv_store import copy_kv_slots
-from nanospec.model.forward_batch import ForwardBatch
+from nanospec.model.forward_batch import TENSOR_FIELDS, ForwardBatch
 from nanospec.model.llama import Llama
-
-_METADATA = [f.name for f in fields(ForwardBatch) if f.name != "max_query_len"]  # the integer tensors
-
 
 def buckets(limit: int) -> list[int]:
     """1, 2, 4, ... below ``limit``, then ``limit``."""
-    sizes, size = [], 1
-    while size < limit:
-        sizes.append(size)
-        size *= 2
-    return sizes + [limit]
+    return [1 << i for i in range(limit.bit_length()) if 1 << i < limit] + [limit]
 
 
 @dataclass
@@ -81,7 +67,6 @@ class ModelRunner:
             max_query_len=max_query_len, logits_indices=torch.arange(rows, device=self.device),
             tree_mask=zeros(rows, num_words(max_query_len)))
 
-    # ---------------------------------------------------------------- one step
     def execute(self, batch: ForwardBatch, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[R, vocab]`` float32 logits of ``batch.logits_indices`` and, when ``hidden_states``, the final hidden
         states they were computed from (after the final norm, ``[R, hidden]``; else None); ``batch`` lives on the
@@ -159,9 +144,9 @@ class ModelRunner:
         return device_values[-1]
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
-        names = [n for n in _METADATA if getattr(batch, n) is not None]
+        names = [n for n in TENSOR_FIELDS if getattr(batch, n) is not None]
         moved = dict(zip(names, self.to_device([getattr(batch, n) for n in names])))
-        return ForwardBatch(**{n: moved.get(n) for n in _METADATA}, max_query_len=batch.max_query_len)
+        return ForwardBatch(**{n: moved.get(n) for n in TENSOR_FIELDS}, max_query_len=batch.max_query_len)
 
     def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host integer tensors on the device, through one pinned buffer and one asynchronous copy (as they are
@@ -190,7 +175,6 @@ class ModelRunner:
             offset += t.numel()
         return out
 
-    # ---------------------------------------------------------------- a bucket's static batch and graph
     def _prepare(self, num_seqs: int, q: int, masked: bool) -> _Graph:
         s = self.static
         rows = num_seqs * q
