@@ -7,45 +7,29 @@
     python benchmarks/bench_spec.py --methods plain ngram mlp_speculator    # the shipped MLP speculator, k=3
     python benchmarks/bench_spec.py --prompts benchmarks/spec_bench_questions.jsonl --limit 4   # Spec-Bench
 
-``spec_bench_questions.jsonl`` is Spec-Bench's question set (Xia et al. 2024, Apache-2.0; 480 questions: 80 from
-MT-bench, 80 each of translation, summarization, qa, math_reasoning and rag; the first turn of each), so that
-figures can be read beside published ones.
+``spec_bench_questions.jsonl``: the first turns of Spec-Bench's 480 questions (Xia et al. 2024, Apache-2.0).
 
-Each prompt goes through the chat template and runs once per method, after one warm-up request, batch 1,
-greedy, until eos or --max-tokens; each prompt goes through every method in turn, so that a machine whose speed
-drifts slows them alike. Every method has a transformers counterpart run in the
-same process on the same token ids: plain ``generate``, prompt lookup (``prompt_lookup_num_tokens``, the
-n-gram method) and assisted generation (``assistant_model=`` the same draft, the same k, no early exit).
-nanospec's k is adaptive by default (each step verifies only the guesses that pay off on this machine);
---no-adaptive verifies all k every step, as transformers does.
-
-With --batch B the prompts go B at a time (file order) into one ``generate`` call per method, so
-speculating requests share every forward with each other. transformers then runs plain batched
-``generate`` (left-padded) only: its prompt lookup and assisted generation take one sequence at a
-time. A batch's wall time is shared among its requests in proportion to their tokens, so tok/s is
-the batches' throughput. Per category and overall:
+Every engine and method is loaded first; then each prompt (chat template, greedy, until eos or --max-tokens) runs
+through every method in turn, so that a machine whose speed drifts slows them alike. transformers runs the same token
+ids: plain ``generate``, prompt lookup (``prompt_lookup_num_tokens``) and assisted generation (``assistant_model=``
+the same draft, the same k). nanospec's k is adaptive by default; --no-adaptive verifies all k every step, as
+transformers does. With --batch B the prompts go B at a time into one ``generate`` call (transformers: plain only,
+left-padded), and a batch's wall time is shared among its requests in proportion to their tokens. Columns:
 
     tok/s    generated tokens / wall time of the whole request, prefill included
     tau      tokens per target forward that could verify drafts. nanospec: (tokens - 1) / (steps - 1), its
-             prefill step emits one token and verifies nothing; transformers: tokens / forwards, its first
-             forward is prefill and verification at once
+             prefill step emits one token and verifies nothing; transformers: tokens / forwards
     accept   accepted / drafted tokens (nanospec only)
     speedup  tok/s over the same engine's plain tok/s;  vs hf: nanospec tok/s over its transformers counterpart
     match    prompts whose greedy tokens equal the same engine's plain tokens (a MISMATCH line names the others)
 
-The default draft is the target cut to its first --draft-layers layers (``python -m nanospec.convert
---num-layers``), cached under benchmarks/.cache/. It shares the tokenizer but was never trained to stop
-early, so it agrees with the target rarely: it exercises the draft path, a trained small model is a real draft.
-
-``mlp_speculator`` guesses from the target's hidden state with the speculator shipped for the embedded SmolLM2
-(or --mlp-speculator PATH), k=3 by default, served as its directory says (the shipped one: a beam of 16 paths with
-the n-gram chain merged in); ``mlp_chain`` the same speculator's chain of stages; ``mlp_tree`` its beam of
---mlp-tree-width candidates per depth; ``mlp_tree_lookup`` that beam with the n-gram chain merged in. With the
-policy on (the default) tau is what it chose to verify; --no-adaptive verifies every guess.
-
-``eagle3`` drafts with an EAGLE-3 head (--eagle3 PATH; default the one shipped for the embedded SmolLM2), k=5 by
-default, served as its directory's ``speculative_config.json`` says; ``eagle3_chain`` its chain of k;
-``eagle3_tree`` its EAGLE-2 tree of --eagle3-tree-width candidates per depth and --eagle3-tree-budget nodes.
+Methods beyond the first three: the default draft is the target cut to its first --draft-layers layers (it exercises
+the draft path; a trained small model is a real draft). ``mlp_speculator`` is the MLP speculator shipped for the
+embedded SmolLM2 (or --mlp-speculator PATH) served as its directory says; ``mlp_chain`` its chain of stages;
+``mlp_tree`` its beam of --mlp-tree-width candidates per depth; ``mlp_tree_lookup`` that beam with the n-gram chain
+merged in. ``eagle3`` is an EAGLE-3 head (--eagle3 PATH, default the shipped one) served as its directory's
+``speculative_config.json`` says; ``eagle3_chain`` its chain of k; ``eagle3_tree`` its EAGLE-2 tree of
+--eagle3-tree-width candidates per depth and --eagle3-tree-budget nodes.
 """
 
 from __future__ import annotations
@@ -135,27 +119,24 @@ def truncated_draft(model: Path, num_layers: int) -> Path:
 
 # ---------------------------------------------------------------- nanospec
 def speculative_config(method: str, args, draft: Path | None) -> dict | None:
+    adaptive = {"adaptive": not args.no_adaptive}
+    ngram = {"method": "ngram", "num_speculative_tokens": args.k["ngram"], "prompt_lookup_max": args.prompt_lookup_max}
+    drafted = {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"]}
     if method == "ngram":
-        return {"method": "ngram", "num_speculative_tokens": args.k["ngram"], "adaptive": not args.no_adaptive,
-                "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": 1}
-    if method == "draft":
-        return {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"],
-                "adaptive": not args.no_adaptive}
+        return {**ngram, **adaptive, "prompt_lookup_min": 1}
     if method == "ngram_tree":  # same verified-token budget as the ngram chain: k nodes
-        return {"method": "ngram", "num_speculative_tokens": args.k["ngram"], "max_candidates": args.max_candidates,
-                "tree_budget": args.k["ngram"], "prompt_lookup_max": args.prompt_lookup_max}
+        return {**ngram, "max_candidates": args.max_candidates, "tree_budget": args.k["ngram"]}
+    if method == "draft":
+        return {**drafted, **adaptive}
     if method == "draft_coupled":  # the draft samples with the target's own random numbers
-        return {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"],
-                "adaptive": not args.no_adaptive, "acceptance": "coupled"}
+        return {**drafted, **adaptive, "acceptance": "coupled"}
     if method == "draft_tree":  # same verified-token budget as the draft chain: k nodes
-        return {"method": "draft", "model": str(draft), "num_speculative_tokens": args.k["draft"], "tree_top_k": 2,
-                "tree_budget": args.k["draft"]}
+        return {**drafted, "tree_top_k": 2, "tree_budget": args.k["draft"]}
     if method.startswith("lookahead"):
         w, n, g = args.lookahead_configs[method]
         return {"method": "lookahead", "window_size": w, "ngram_size": n, "guess_set_size": g}
     if method in MLP_METHODS:  # without --mlp-speculator: the one shipped for the embedded model
-        config = {"method": "mlp_speculator", "num_speculative_tokens": args.k["mlp_speculator"],
-                  "adaptive": not args.no_adaptive}
+        config = {"method": "mlp_speculator", "num_speculative_tokens": args.k["mlp_speculator"], **adaptive}
         if method != "mlp_speculator":  # a chain, or a beam of candidates, and the n-gram chain with it or not
             config.update(tree_top_k=1 if method == "mlp_chain" else args.mlp_tree_width,
                           prompt_lookup=method == "mlp_tree_lookup", prompt_lookup_max=args.prompt_lookup_max)
@@ -163,10 +144,9 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
             config["model"] = args.mlp_speculator
         return config
     if method == "eagle3":  # served as the head directory's speculative_config.json says
-        return {"method": "eagle3", "model": args.eagle3, "adaptive": not args.no_adaptive}
+        return {"method": "eagle3", "model": args.eagle3, **adaptive}
     if method in EAGLE3_METHODS:
-        config = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.k["eagle3"],
-                  "adaptive": not args.no_adaptive}
+        config = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.k["eagle3"], **adaptive}
         if method == "eagle3_tree":
             config["tree_top_k"] = args.eagle3_tree_width
             if args.eagle3_tree_budget:
@@ -210,10 +190,8 @@ def nanospec_runner(llm: LLM, method: str, prompt_ids, max_tokens: int, device, 
 def load_transformers(path: Path, dtype, device):
     from transformers import AutoModelForCausalLM
 
-    if path.suffix == ".gguf":
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=dtype)
-    else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    gguf = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(path.parent if gguf else path, dtype=dtype, **gguf)
     return model.to(device).eval()
 
 
@@ -228,17 +206,14 @@ def transformers_runner(model, method: str, prompt_ids, max_tokens: int, eos_ids
         assistant.generation_config.num_assistant_tokens_schedule = "constant"
         assistant.generation_config.assistant_confidence_threshold = 0.0  # always k guesses, like nanospec
         kwargs.update(assistant_model=assistant)
-    forwards = [0]
-
-    def count_forward(module, inputs):
-        forwards[0] += 1
+    forwards = []  # one entry per forward of the target
 
     def generate(batch_ids: list[list[int]], n: int) -> list[list[int]]:
         width = max(len(ids) for ids in batch_ids)  # left padding: every row's last prompt token is aligned
         input_ids = torch.tensor([[kwargs["pad_token_id"]] * (width - len(ids)) + ids for ids in batch_ids],
                                  device=device)
         mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch_ids], device=device)
-        hook = model.register_forward_pre_hook(count_forward)
+        hook = model.register_forward_pre_hook(lambda module, inputs: forwards.append(1))
         try:
             out = model.generate(input_ids, attention_mask=mask, max_new_tokens=n, **kwargs)
         finally:
@@ -252,13 +227,13 @@ def transformers_runner(model, method: str, prompt_ids, max_tokens: int, eos_ids
     generate([prompt_ids[0]], 8)  # warm-up
 
     def run(batch: list[tuple[int, str, list[int]]]) -> list[Result]:
-        forwards[0] = 0
+        forwards.clear()
         sync(device)
         start = time.perf_counter()
         rows = generate([ids for _, _, ids in batch], max_tokens)
         sync(device)
         seconds = share_time(time.perf_counter() - start, rows)
-        return [Result("transformers", method, category, index, tokens, s, forwards[0])
+        return [Result("transformers", method, category, index, tokens, s, len(forwards))
                 for (index, category, _), tokens, s in zip(batch, rows, seconds)]
     return run
 
@@ -383,9 +358,7 @@ def main():
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads {torch.get_num_threads()}, dtype {dtype}, batch {args.batch}, "
           f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature} top_p {args.top_p}'}, "
-          f"max {args.max_tokens} "
-          f"new tokens, "
-          f"{len(prompts)} prompts")
+          f"max {args.max_tokens} new tokens, {len(prompts)} prompts")
     print(f"target {model_path.name}; ngram k={args.k['ngram']} n-gram<={args.prompt_lookup_max}"
           + (f"; draft {draft} k={args.k['draft']}" if draft else "")
           + (f"; mlp speculator {args.mlp_speculator or '(shipped)'} k={args.k['mlp_speculator']}"
@@ -393,8 +366,7 @@ def main():
           + ("; nanospec verifies every guess" if args.no_adaptive else "; nanospec k adaptive (goodput)"))
     print("tok/s = generated tokens / wall time of the request, prefill included")
 
-    # Every engine and method is loaded first, then each prompt runs through all of them in turn, so a
-    # machine whose speed drifts (a shared 2-core VM does) slows every method alike.
+    # Every engine and method is loaded first, then each prompt runs through all of them in turn.
     runners = []
     prompt_ids, eos_ids = None, None
     for method in args.methods:
@@ -460,10 +432,8 @@ def main():
             "settings": {"model": str(model_path), "draft": str(draft) if draft else None,
                          "mlp_speculator": args.mlp_speculator, "device": str(device),
                          "dtype": str(dtype), "threads": torch.get_num_threads(), "max_tokens": args.max_tokens,
-                         "batch": args.batch,
-                         "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive,
-                         "prompt_lookup_max": args.prompt_lookup_max,
-                         "methods": args.methods,
+                         "batch": args.batch, "num_speculative_tokens": args.k, "adaptive": not args.no_adaptive,
+                         "prompt_lookup_max": args.prompt_lookup_max, "methods": args.methods,
                          "tok_per_s": "generated tokens / request wall time, prefill included"},
             "summary": {c: [{"engine": e, "method": m, **s} for (e, m), s in rows.items()]
                         for c, rows in summary.items()},

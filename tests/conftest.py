@@ -8,6 +8,7 @@ and are skipped, with that reason, where there is none. Where a GPU's numerics d
 kernels, cuBLAS), each test states its tolerance; fp32 comparisons on CUDA run without TF32 (below).
 """
 
+import json
 import os
 
 if "TRITON_INTERPRET" not in os.environ:
@@ -72,3 +73,17 @@ def triton_backend():
 
     with backend("triton"):
         yield
+
+
+@pytest.fixture(scope="module")
+def prompts(request, tmp_path_factory):
+    """The test module's PROMPTS as a trainer prompt file (one {"category", "prompt"} per line)."""
+    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"category": "test", "prompt": p}) + "\n" for p in request.module.PROMPTS))
+    return path
+
+
+@pytest.fixture(scope="module")
+def recordings(tmp_path_factory):
+    """A trainer's recording cache, shared by a module's runs so that they record once."""
+    return tmp_path_factory.mktemp("cache")

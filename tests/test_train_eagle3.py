@@ -26,29 +26,17 @@ def target(tmp_path_factory):
     return path, make_tiny_llama(path, seed=3, tie=True, layers=3, max_pos=512)
 
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"category": "test", "prompt": p}) + "\n" for p in PROMPTS))
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-def run(target, prompts, cache, out) -> int:
+def run(target, prompts, recordings, out) -> int:
     return main(["--kind", "eagle3", "--model", str(target[0]), "--out", str(out), "--prompts", str(prompts),
-                 "--cache", str(cache), "--max-tokens", "24", "--record-batch", "4", "--hot-vocab", "96",
+                 "--cache", str(recordings), "--max-tokens", "24", "--record-batch", "4", "--hot-vocab", "96",
                  "--n-predict", "3", "--inner-dim", "48", "--epochs-greedy", "12", "--batch-size", "96", "--lr",
                  "1e-2", "--warmup", "2", "--val-every", "3", "--save-every", "1000"])
 
 
 @pytest.fixture(scope="module")
-def trained(target, prompts, cache, tmp_path_factory):
+def trained(target, prompts, recordings, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    assert run(target, prompts, cache, out) == 0
+    assert run(target, prompts, recordings, out) == 0
     return out
 
 
@@ -65,8 +53,8 @@ def test_loss_goes_down_and_the_summary_reports_each_depth(trained):
     assert all(v.dtype == torch.float16 for k, v in tensors.items() if k not in ("d2t", "t2d"))
 
 
-def test_same_seed_same_weights(trained, target, prompts, cache, tmp_path):
-    assert run(target, prompts, cache, tmp_path) == 0
+def test_same_seed_same_weights(trained, target, prompts, recordings, tmp_path):
+    assert run(target, prompts, recordings, tmp_path) == 0
     ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(trained / "model.safetensors")
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
@@ -107,13 +95,13 @@ def test_the_unroll_drafts_what_the_proposer_drafts(trained, target, device):
             llm.engine.step()
 
 
-def test_recorded_aux_states_are_the_layers_the_head_reads(trained, target, cache):
+def test_recorded_aux_states_are_the_layers_the_head_reads(trained, target, recordings):
     """Every recorded row (from position 0) holds the residual stream entering the head's layers, as transformers'
     ``hidden_states[i]``, and the final hidden state at the same position."""
     from safetensors import safe_open
 
     path, model = target
-    with safe_open(str(cache / "greedy-aux.safetensors"), framework="pt") as f:
+    with safe_open(str(recordings / "greedy-aux.safetensors"), framework="pt") as f:
         rec = {k: f.get_tensor(k) for k in f.keys()}
     config = json.loads((trained / "config.json").read_text())
     layers = sorted(config["eagle_aux_hidden_state_layer_ids"])

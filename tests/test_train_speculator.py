@@ -29,29 +29,17 @@ def target(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"category": "test", "prompt": p}) + "\n" for p in PROMPTS))
-    return path
-
-
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")  # shared by the runs: they record once
-
-
-def run(target, prompts, cache, out, *extra) -> int:
-    return main(["--model", str(target), "--out", str(out), "--prompts", str(prompts), "--cache", str(cache),
+def run(target, prompts, recordings, out, *extra) -> int:
+    return main(["--model", str(target), "--out", str(out), "--prompts", str(prompts), "--cache", str(recordings),
                  "--max-tokens", "8", "--record-batch", "4", "--sampled-every", "2", "--hot-vocab", "48",
                  "--n-predict", "3", "--epochs-greedy", "1", "--epochs-mixed", "1", "--batch-size", "16",
                  "--warmup", "2", "--val-every", "3", "--save-every", "3", *extra])
 
 
 @pytest.fixture(scope="module")
-def trained(target, prompts, cache, tmp_path_factory):
+def trained(target, prompts, recordings, tmp_path_factory):
     out = tmp_path_factory.mktemp("trained")
-    assert run(target, prompts, cache, out) == 0
+    assert run(target, prompts, recordings, out) == 0
     return out
 
 
@@ -72,18 +60,18 @@ def test_output_loads_with_the_config_asked(trained):
     assert guesses.shape == (2, 3) and bool(torch.isin(guesses, model.hot_token_ids).all())
 
 
-def test_same_seed_same_weights(trained, target, prompts, cache, tmp_path):
-    assert run(target, prompts, cache, tmp_path) == 0
+def test_same_seed_same_weights(trained, target, prompts, recordings, tmp_path):
+    assert run(target, prompts, recordings, tmp_path) == 0
     ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(trained / "model.safetensors")
     assert ours.keys() == theirs.keys()
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
 
 
-def test_resume_equals_a_straight_run(trained, target, prompts, cache, tmp_path):
-    assert run(target, prompts, cache, tmp_path, "--stop-after", "4") == 0
+def test_resume_equals_a_straight_run(trained, target, prompts, recordings, tmp_path):
+    assert run(target, prompts, recordings, tmp_path, "--stop-after", "4") == 0
     assert json.loads((tmp_path / "checkpoint" / "state.json").read_text())["step"] == 4
     assert not (tmp_path / "model.safetensors").exists()
-    assert run(target, prompts, cache, tmp_path, "--resume") == 0
+    assert run(target, prompts, recordings, tmp_path, "--resume") == 0
     ours, theirs = load_file(tmp_path / "model.safetensors"), load_file(trained / "model.safetensors")
     assert all(torch.equal(ours[k], theirs[k]) for k in ours)
     straight = load_file(trained / "checkpoint" / "checkpoint.safetensors")  # fp32 weights and AdamW state too
@@ -143,21 +131,21 @@ def test_distillation_loss_is_the_targets_distribution():
     (["--temperature", "0"], "--temperature must be > 0"),
     (["--distill", "1.5"], "--distill must be in [0, 1]"),
 ])
-def test_bad_arguments(target, prompts, cache, tmp_path, capsys, extra, message):
-    assert run(target, prompts, cache, tmp_path / "out", *extra) == 2
+def test_bad_arguments(target, prompts, recordings, tmp_path, capsys, extra, message):
+    assert run(target, prompts, recordings, tmp_path / "out", *extra) == 2
     assert message in capsys.readouterr().err
 
 
-def test_unknown_model_and_prompt_set(prompts, cache, tmp_path, capsys):
+def test_unknown_model_and_prompt_set(prompts, recordings, tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--prompts", str(prompts)]) == 2
     assert "model path does not exist" in capsys.readouterr().err
     assert main(["--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "none.jsonl")]) == 2
     assert "prompt set not found" in capsys.readouterr().err
 
 
-def test_resume_with_other_settings_is_refused(trained, target, prompts, cache, tmp_path, capsys):
-    assert run(target, prompts, cache, tmp_path, "--stop-after", "2") == 0
-    assert run(target, prompts, cache, tmp_path, "--resume", "--lr", "0.01") == 2
+def test_resume_with_other_settings_is_refused(trained, target, prompts, recordings, tmp_path, capsys):
+    assert run(target, prompts, recordings, tmp_path, "--stop-after", "2") == 0
+    assert run(target, prompts, recordings, tmp_path, "--resume", "--lr", "0.01") == 2
     assert "other settings" in capsys.readouterr().err
 
 
