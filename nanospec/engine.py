@@ -97,7 +97,8 @@ class Engine:
         self.validate_prompt(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
-        seq = Sequence(self._next_id, prompt_token_ids, params, _as_int64(seed),
+        seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
+        seq = Sequence(self._next_id, prompt_token_ids, params, seed,
                        TextStream(self.tokenizer, prompt_token_ids, params.stop_list),
                        list(dict.fromkeys([*eos, *params.stop_token_ids])))
         self.speculator.start(seq)
@@ -237,9 +238,7 @@ class Engine:
             if seq.logprobs is not None:
                 seq.logprobs.append(verdict.logprobs[i])
             may_stop = seq.num_output_tokens >= seq.params.min_tokens
-            if seq.text_stream.add(token, check_stop=may_stop):
-                finish_reason = "stop"
-            elif token in seq.stop_token_ids and may_stop:
+            if seq.text_stream.add(token, check_stop=may_stop) or (may_stop and token in seq.stop_token_ids):
                 finish_reason = "stop"
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 finish_reason = "length"
@@ -271,13 +270,3 @@ class Engine:
             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,
             error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             num_cached_tokens=seq.num_prefix_cached_tokens or 0)
-
-
-def max_query_len(proposer: Proposer | None) -> int:
-    """The most rows one sequence feeds in a step: its root and the proposal's nodes."""
-    return 1 + (proposer.max_tokens_per_step if proposer is not None else 0)
-
-
-def _as_int64(seed: int) -> int:
-    """Any int as a signed 64-bit seed (the same value modulo 2**64)."""
-    return (seed + 2**63) % 2**64 - 2**63

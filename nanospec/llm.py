@@ -1,8 +1,7 @@
 """The public entry point, shaped like vLLM's ``LLM``.
 
     llm = LLM()                                            # the embedded SmolLM2-135M-Instruct
-    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=64))[0]
-    out.text, out.token_ids, out.num_steps
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=64))[0]   # .text, .token_ids
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64))[0].text
     for chunk in llm.stream("Hello", SamplingParams(max_tokens=32)): print(chunk.delta_text, end="")
 """
@@ -43,6 +42,8 @@ class LLM:
         self.engine, self.parallel = build_engine(args)
         if self.parallel is not None:  # shutdown() at garbage collection or at interpreter exit, whichever is first
             self._finalizer = weakref.finalize(self, self.parallel.shutdown)
+        self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+        self.config, self.device, self.dtype = self.model.config, self.model.device, self.model.dtype
         # outputs not yet taken by the call that owns their request: every engine step serves every
         # request, so a generate() call also advances an open stream (and the stream must get them)
         self._outputs: dict[int, list[RequestOutput]] = {}
@@ -54,26 +55,6 @@ class LLM:
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         return cls(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **kwargs)
-
-    @property
-    def model(self):
-        return self.engine.model
-
-    @property
-    def config(self):
-        return self.engine.model.config
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def device(self):
-        return self.engine.model.device
-
-    @property
-    def dtype(self):
-        return self.engine.model.dtype
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -100,10 +81,8 @@ class LLM:
                          f"got {type(prompts).__name__}")
 
     def _params_list(self, params, n: int) -> list[SamplingParams]:
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            return [params] * n
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
         if not isinstance(params, (list, tuple)):
             raise ValueError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)
@@ -157,10 +136,9 @@ class LLM:
         request that fails inside a step ends with ``finish_reason == "error"``."""
         ids_and_choices = self._add_all(prompts, params)
         ids = [rid for rid, _ in ids_and_choices]
-        for rid in ids:
-            self._outputs[rid] = []
+        self._outputs.update((rid, []) for rid in ids)
         finished: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating") if use_tqdm else None
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
         try:
             while len(finished) < len(ids):
                 self._step()
@@ -168,8 +146,7 @@ class LLM:
                     for out in self._take(rid):
                         if out.finished and rid not in finished:
                             finished[rid] = out
-                            if bar is not None:
-                                bar.update(1)
+                            bar.update(1)
         except BaseException:
             for rid in ids:
                 self.engine.abort(rid)
@@ -177,8 +154,7 @@ class LLM:
         finally:
             for rid in ids:
                 self._release(rid)
-            if bar is not None:
-                bar.close()
+            bar.close()
         for rid, choice in ids_and_choices:
             finished[rid].index = choice
         return [finished[i] for i in ids]
@@ -211,12 +187,8 @@ class LLM:
     # ---------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
         """End the tensor-parallel workers and the process group; the LLM cannot run afterwards."""
-        parallel = getattr(self, "parallel", None)
-        if parallel is None or parallel.closed:
-            return
-        self._finalizer()  # parallel.shutdown(), once
-        if parallel.broken is None:
-            parallel.broken = "this LLM was shut down"
+        if getattr(self, "parallel", None) is not None:
+            self._finalizer()  # parallel.shutdown(), once
 
     def __enter__(self) -> LLM:
         return self
