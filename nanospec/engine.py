@@ -135,10 +135,7 @@ class Engine:
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a request now (finish reason "abort"); its final output, or None if unknown or finished."""
         seq = self.sequences.pop(request_id, None)
-        if seq is None or seq.is_finished:
-            return None
-        self._finish(seq, "abort")
-        return self._output(seq, seq.text_stream.take_delta(finished=True))
+        return None if seq is None or seq.is_finished else self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -211,21 +208,19 @@ class Engine:
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         seq.error = f"{type(error).__name__}: {error}"
-        self._finish(seq, "error")
-        return self._output(seq, seq.text_stream.take_delta(finished=True))
+        return self._finish(seq, "error")
 
     def _commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> RequestOutput:
         try:
             finish_reason = self._append(seq, proposal, verdict)
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_cached_tokens)
-            if finish_reason is None:
-                self.speculator.commit(seq, proposal, verdict)
-                self.block_manager.truncate(seq.block_table, seq.num_tokens)
-            else:
-                self._finish(seq, finish_reason)
+            if finish_reason is not None:
+                return self._finish(seq, finish_reason)
+            self.speculator.commit(seq, proposal, verdict)
+            self.block_manager.truncate(seq.block_table, seq.num_tokens)
         except Exception as error:  # this request alone fails
             return self._fail(seq, error)
-        return self._output(seq, seq.text_stream.take_delta(finished=finish_reason is not None))
+        return self._output(seq)
 
     def _append(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> str | None:
         """Append the emitted tokens up to the first that ends the request; count them. Returns why it ended, or
@@ -258,12 +253,14 @@ class Engine:
         self.stats.num_accepted_tokens += num_accepted
         return finish_reason
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
             self.speculator.free(seq)
+        return self._output(seq)
 
-    def _output(self, seq: Sequence, delta: str = "") -> RequestOutput:
+    def _output(self, seq: Sequence) -> RequestOutput:
+        delta = seq.text_stream.take_delta(finished=seq.is_finished)
         return RequestOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import deque
 from typing import Sequence as Seq
@@ -163,7 +164,7 @@ class LLM:
         """A ``RequestStream`` of one request's outputs, one per step that produced tokens."""
         if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
             raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
-        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+        if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError(f"stream() serves one completion: n must be 1, got {params.n} (use generate())")
         ((rid, _),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
         self._outputs[rid] = []
@@ -208,20 +209,13 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
-        s = self.engine.stats
-        return {
-            "quantization": self.model.quantization,  # e.g. "int4-g32 (120), int8 (1)"; None: float weights
-            "num_steps": s.num_steps,
-            "num_generated_tokens": s.num_generated_tokens,
-            "num_draft_tokens": s.num_draft_tokens,
-            "num_accepted_tokens": s.num_accepted_tokens,
-            "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
-            "num_preemptions": self.engine.scheduler.num_preemptions,
-            "prefix_cache_queries": self.engine.block_manager.stats.queries,  # prompt tokens looked up
-            "prefix_cache_hits": self.engine.block_manager.stats.hits,        # of those, not computed again
-            "forward_seconds": s.forward_seconds,
-            "step_seconds": s.step_seconds,
-        }
+        s = self.engine.stats  # num_steps, num_generated_tokens, num_draft_tokens, num_accepted_tokens, *_seconds
+        return {"quantization": self.model.quantization,  # e.g. "int4-g32 (120), int8 (1)"; None: float weights
+                **dataclasses.asdict(s),
+                "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
+                "num_preemptions": self.engine.scheduler.num_preemptions,
+                "prefix_cache_queries": self.engine.block_manager.stats.queries,  # prompt tokens looked up
+                "prefix_cache_hits": self.engine.block_manager.stats.hits}        # of those, not computed again
 
 
 class RequestStream:
