@@ -74,10 +74,8 @@ class LLM:
     def _as_prompt_list(prompts) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-            return [list(prompts)]
-        if isinstance(prompts, (list, tuple)):
-            return list(prompts)
+        if isinstance(prompts, (list, tuple)):  # one list of token ids, or a list of prompts
+            return [list(prompts)] if prompts and all(isinstance(t, int) for t in prompts) else list(prompts)
         raise ValueError("prompts must be a string, a list of token ids, or a list of those; "
                          f"got {type(prompts).__name__}")
 
