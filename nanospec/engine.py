@@ -96,8 +96,8 @@ class Engine:
         """Validate and queue a request; returns its id. Raises ValueError before any work."""
         self.validate_prompt(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
-        eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
         seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
+        eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
         seq = Sequence(self._next_id, prompt_token_ids, params, seed,
                        TextStream(self.tokenizer, prompt_token_ids, params.stop_list),
                        list(dict.fromkeys([*eos, *params.stop_token_ids])))

@@ -43,7 +43,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
-    quantization: str | None = "auto"
+    quantization: str | None = "auto"  # "int4", "int4-g64", "int4-g128", "int8" or None (float weights)
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
