@@ -76,6 +76,7 @@ class Engine:
         self.model, self.kv_cache = runner.model, runner.kv_cache
         self.tokenizer = tokenizer
         self.config = config
+        self.max_model_len, self.max_num_seqs = config.max_model_len, config.max_num_seqs  # what a server reads
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(proposer, self.runner, self.block_manager,
                                      max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -139,14 +140,6 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.config.max_num_seqs
 
     def load(self) -> EngineLoad:
         """What is running and waiting, and how full the KV pool is (what a server reports)."""
