@@ -24,7 +24,7 @@ from nanospec.model.parallel import check_shardable
 from nanospec.model.quantization import int4_group_size, parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
                                          parse_speculative_config)
-from nanospec.worker import ModelSpec, TensorParallel, WorkerSetup, build_model, build_runner, serve_as_worker
+from nanospec.worker import ModelSpec, TensorParallel, build_model, build_runner, serve_as_worker
 from nanospec.worker import start as start_tensor_parallel
 
 
@@ -146,7 +146,7 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
         if getattr(proposer, "sharded", False):
             draft = ModelSpec(args.speculative.model, proposer.dtype, proposer.max_len, num_blocks, args.block_size,
                               quantization=args.speculative.quantization)
-        parallel.send_setup(WorkerSetup(target, draft))
+        parallel.send_setup(target, draft)
         runner = parallel.driver_runner(runner, TARGET)
     engine_config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,

@@ -55,12 +55,6 @@ class ModelSpec:
     quantization: str | None = None  # as LLM(quantization=...)
 
 
-@dataclass
-class WorkerSetup:
-    target: ModelSpec
-    draft: ModelSpec | None  # None: no draft, or one on the driver alone
-
-
 class TensorParallel:
     """This process's place in the group: rank, device, groups; on the driver the spawned workers too."""
 
@@ -86,8 +80,10 @@ class TensorParallel:
     def driver_runner(self, local: ModelRunner, model_id: int) -> DriverRunner:
         return DriverRunner(local, self.channel, model_id, self)
 
-    def send_setup(self, setup: WorkerSetup) -> None:
-        dist.broadcast_object_list([setup], src=0, group=self.channel.group)
+    def send_setup(self, target: ModelSpec, draft: ModelSpec | None) -> None:
+        """What the workers build: the target's shard and a sharded draft's (None: no draft, or one on the driver
+        alone)."""
+        dist.broadcast_object_list([target, draft], src=0, group=self.channel.group)
         self.setup_sent = True
 
     def check(self, grace: float = 0.0) -> None:
@@ -141,11 +137,10 @@ class TensorParallel:
     # ---------------------------------------------------------------- a worker
     def serve(self) -> None:
         """A worker's life: build what the driver's setup says, then run its commands until SHUTDOWN."""
-        setup: list = [None]
-        dist.broadcast_object_list(setup, src=0, group=self.channel.group)
-        setup: WorkerSetup = setup[0]
+        specs: list[ModelSpec | None] = [None, None]
+        dist.broadcast_object_list(specs, src=0, group=self.channel.group)
         runners = {}
-        for model_id, spec, tp in ((TARGET, setup.target, self.target), (DRAFT, setup.draft, self.draft)):
+        for model_id, spec, tp in zip((TARGET, DRAFT), specs, (self.target, self.draft)):
             if spec is not None:
                 runners[model_id] = build_runner(build_model(spec.source, spec.dtype, spec.max_len, self.device, tp,
                                                              quantization=spec.quantization), spec)
