@@ -1,20 +1,13 @@
 """nanospec: a small, Triton-kernel-first LLM inference engine built for speculative decoding."""
 
+import importlib
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "RequestOutput"]
+_MODULES = {"LLM": "nanospec.llm", "SamplingParams": "nanospec.sampling_params", "RequestOutput": "nanospec.outputs"}
 
 
 def __getattr__(name):  # lazy, so `import nanospec.kernels.x` does not load the engine
-    if name == "LLM":
-        from nanospec.llm import LLM
-
-        return LLM
-    if name == "SamplingParams":
-        from nanospec.sampling_params import SamplingParams
-
-        return SamplingParams
-    if name == "RequestOutput":
-        from nanospec.outputs import RequestOutput
-
-        return RequestOutput
+    if name in _MODULES:
+        return getattr(importlib.import_module(_MODULES[name]), name)
     raise AttributeError(f"module 'nanospec' has no attribute {name!r}")

@@ -55,7 +55,8 @@ class ThreadTuner:
             return
         size = max(num_tokens, 1).bit_length()
         reference = self.average.get((self.current, size))
-        self._remember(threads, size, seconds)
+        old = self.average.get((threads, size))
+        self.average[threads, size] = seconds if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds
         if threads == self.probe_threads:
             if reference is None:  # nothing to compare with: tried again later
                 self._end_probe()
@@ -79,10 +80,6 @@ class ThreadTuner:
             self._start_probe(down=True, cause="wait")
         elif self.since_probe >= self.interval:
             self._scheduled_probe()
-
-    def _remember(self, threads: int, size: int, seconds: float) -> None:
-        old = self.average.get((threads, size))
-        self.average[threads, size] = seconds if old is None else (1 - EMA_WEIGHT) * old + EMA_WEIGHT * seconds
 
     def _scheduled_probe(self) -> None:
         """Down and up in turn; up only while the threads hardly wait for a core."""
@@ -112,7 +109,6 @@ class ThreadTuner:
             self.wait_gap = min(2 * self.wait_gap, MAX_INTERVAL)
         self.since_probe = 0
         self.probe_threads = None
-
 
 
 def _waited_ns() -> int | None:

@@ -1,8 +1,6 @@
-"""Streaming text: token ids become text as they arrive, and stop strings end a request.
-
-`TextStream` ends a request at a stop string (text and tokens stop just before it) and holds back any tail that
-could still grow into one, so the streamed deltas add up to the final text.
-"""
+"""Streaming text: token ids become text as they arrive. `TextStream` ends a request at a stop string (text and
+tokens stop just before it) and holds back any tail that could still grow into one, so the streamed deltas add up
+to the final text."""
 
 from __future__ import annotations
 
@@ -24,12 +22,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = max(self.read_offset - context_tokens, 0)
         self.text = ""
 
-    def add(self, token_ids: Sequence[int]) -> str:
-        """Append `token_ids`; return the text they complete (possibly empty)."""
+    def add(self, token_ids: Sequence[int], final: bool = False) -> str:
+        """Append `token_ids`; return the text they complete (possibly empty), or with ``final`` all the text held
+        back."""
         self.token_ids.extend(token_ids)
         prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
         new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
             return ""
         delta = new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
@@ -38,12 +37,7 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a sequence: return held-back text (an unfinished character decodes as U+FFFD)."""
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
-        delta = new_text[len(prefix_text):]
-        self.prefix_offset = self.read_offset = len(self.token_ids)
-        self.text += delta
-        return delta
+        return self.add([], final=True)
 
 
 class TextStream:
@@ -88,10 +82,5 @@ class TextStream:
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:
     """Length of the longest end of ``text`` that is the beginning of a stop string (held back)."""
-    longest = 0
-    for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
-                break
-    return longest
+    return max((n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:n])),
+               default=0)

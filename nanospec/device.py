@@ -39,7 +39,7 @@ def resolve_dtype(dtype, device: torch.device) -> torch.dtype:
 
 def cpu_has_fast_bfloat16() -> bool:
     """Whether this CPU multiplies bfloat16 matrices natively (AVX-512 BF16 or AMX); without, a bfloat16 ``F.linear``
-    converts on the fly and runs slower than float32 (3x for 16 rows of 576 x 4096 on an AVX2 CPU)."""
+    converts on the fly and runs slower than float32."""
     cpu = torch.cpu
     return any(getattr(cpu, name, lambda: False)() for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
 

@@ -76,6 +76,7 @@ class Engine:
         self.model, self.kv_cache = runner.model, runner.kv_cache
         self.tokenizer = tokenizer
         self.config = config
+        self.max_model_len, self.max_num_seqs = config.max_model_len, config.max_num_seqs  # what a server reads
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(proposer, self.runner, self.block_manager,
                                      max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -96,8 +97,9 @@ class Engine:
         """Validate and queue a request; returns its id. Raises ValueError before any work."""
         self.validate_prompt(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+        seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
         eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
-        seq = Sequence(self._next_id, prompt_token_ids, params, _as_int64(seed),
+        seq = Sequence(self._next_id, prompt_token_ids, params, seed,
                        TextStream(self.tokenizer, prompt_token_ids, params.stop_list),
                        list(dict.fromkeys([*eos, *params.stop_token_ids])))
         self.speculator.start(seq)
@@ -134,21 +136,10 @@ class Engine:
     def abort(self, request_id: int) -> RequestOutput | None:
         """End a request now (finish reason "abort"); its final output, or None if unknown or finished."""
         seq = self.sequences.pop(request_id, None)
-        if seq is None or seq.is_finished:
-            return None
-        self._finish(seq, "abort")
-        return self._output(seq, seq.text_stream.take_delta(finished=True))
+        return None if seq is None or seq.is_finished else self._finish(seq, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.config.max_model_len
-
-    @property
-    def max_num_seqs(self) -> int:
-        return self.config.max_num_seqs
 
     def load(self) -> EngineLoad:
         """What is running and waiting, and how full the KV pool is (what a server reports)."""
@@ -210,21 +201,19 @@ class Engine:
 
     def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
         seq.error = f"{type(error).__name__}: {error}"
-        self._finish(seq, "error")
-        return self._output(seq, seq.text_stream.take_delta(finished=True))
+        return self._finish(seq, "error")
 
     def _commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> RequestOutput:
         try:
             finish_reason = self._append(seq, proposal, verdict)
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_cached_tokens)
-            if finish_reason is None:
-                self.speculator.commit(seq, proposal, verdict)
-                self.block_manager.truncate(seq.block_table, seq.num_tokens)
-            else:
-                self._finish(seq, finish_reason)
+            if finish_reason is not None:
+                return self._finish(seq, finish_reason)
+            self.speculator.commit(seq, proposal, verdict)
+            self.block_manager.truncate(seq.block_table, seq.num_tokens)
         except Exception as error:  # this request alone fails
             return self._fail(seq, error)
-        return self._output(seq, seq.text_stream.take_delta(finished=finish_reason is not None))
+        return self._output(seq)
 
     def _append(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> str | None:
         """Append the emitted tokens up to the first that ends the request; count them. Returns why it ended, or
@@ -237,9 +226,7 @@ class Engine:
             if seq.logprobs is not None:
                 seq.logprobs.append(verdict.logprobs[i])
             may_stop = seq.num_output_tokens >= seq.params.min_tokens
-            if seq.text_stream.add(token, check_stop=may_stop):
-                finish_reason = "stop"
-            elif token in seq.stop_token_ids and may_stop:
+            if seq.text_stream.add(token, check_stop=may_stop) or (may_stop and token in seq.stop_token_ids):
                 finish_reason = "stop"
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
                 finish_reason = "length"
@@ -259,25 +246,17 @@ class Engine:
         self.stats.num_accepted_tokens += num_accepted
         return finish_reason
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
             self.speculator.free(seq)
+        return self._output(seq)
 
-    def _output(self, seq: Sequence, delta: str = "") -> RequestOutput:
+    def _output(self, seq: Sequence) -> RequestOutput:
+        delta = seq.text_stream.take_delta(finished=seq.is_finished)
         return RequestOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,
             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,
             error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             num_cached_tokens=seq.num_prefix_cached_tokens or 0)
-
-
-def max_query_len(proposer: Proposer | None) -> int:
-    """The most rows one sequence feeds in a step: its root and the proposal's nodes."""
-    return 1 + (proposer.max_tokens_per_step if proposer is not None else 0)
-
-
-def _as_int64(seed: int) -> int:
-    """Any int as a signed 64-bit seed (the same value modulo 2**64)."""
-    return (seed + 2**63) % 2**64 - 2**63

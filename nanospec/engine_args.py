@@ -1,12 +1,6 @@
 """Every knob of an engine, validated once (:class:`EngineArgs`), and :func:`build_engine`, shared by ``LLM``, the
-server and the tensor-parallel workers.
-
-    args = EngineArgs(model=PATH, speculative_config={"method": "ngram"}, max_num_seqs=16)   # ValueError here
-    engine, group = build_engine(args)
-
-``model``: an HF directory, a ``.gguf`` file, the embedded SmolLM2 (None) or a ``Checkpoint``. The KV pool holds
-``num_blocks`` blocks, or what ``kv_cache_memory`` bytes hold (default: :func:`nanospec.cache.kv_cache.pool_blocks`).
-``quantization``: "auto", "int4", "int4-g64", "int4-g128", "int8" or None (:mod:`nanospec.model.quantization`).
+server and the tensor-parallel workers. ``model``: an HF directory, a ``.gguf`` file, the embedded SmolLM2 (None) or
+a ``Checkpoint``; ``num_blocks`` None sizes the KV pool (:func:`nanospec.cache.kv_cache.pool_blocks`);
 ``enforce_eager`` False runs decode and verify from static buffers (CUDA graphs on CUDA). The rest: ``docs/``.
 """
 
@@ -19,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from nanospec.cache.kv_cache import check_pool_memory, kv_bytes_per_block, pool_blocks
+from nanospec.cache.kv_cache import kv_bytes_per_block, pool_blocks
 from nanospec.device import cpu_has_fast_bfloat16, resolve_device, resolve_dtype
-from nanospec.engine import Engine, EngineConfig, max_query_len
+from nanospec.engine import Engine, EngineConfig
 from nanospec.log import logger
 from nanospec.model.commands import TARGET
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
@@ -30,7 +24,7 @@ from nanospec.model.parallel import check_shardable
 from nanospec.model.quantization import int4_group_size, parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
                                          parse_speculative_config)
-from nanospec.worker import ModelSpec, TensorParallel, WorkerSetup, build_model, build_runner, serve_as_worker
+from nanospec.worker import ModelSpec, TensorParallel, build_model, build_runner, serve_as_worker
 from nanospec.worker import start as start_tensor_parallel
 
 
@@ -49,7 +43,7 @@ class EngineArgs:
     seed: int = 0
     enforce_eager: bool | None = None
     tensor_parallel_size: int = 1
-    quantization: str | None = "auto"
+    quantization: str | None = "auto"  # "int4", "int4-g64", "int4-g128", "int8" or None (float weights)
     enable_prefix_caching: bool = True
 
     def __post_init__(self):
@@ -115,13 +109,12 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
     max_model_len = target_max_len = args.max_model_len or config.max_position_embeddings
     source = args.model if not isinstance(args.model, Checkpoint) else checkpoint
-    model = build_model(source, args.dtype, target_max_len, device, parallel.target if parallel else None, checkpoint)
+    model = build_model(checkpoint, args.dtype, target_max_len, device, parallel.target if parallel else None)
     del checkpoint
     per_block = kv_bytes_per_block(config.num_hidden_layers, args.block_size, model.num_kv_heads, config.head_dim,
                                    args.dtype)  # this rank's KV heads
-    num_blocks = args.num_blocks or pool_blocks(per_block, device, args.kv_cache_memory, args.block_size,
-                                                max_model_len, args.max_num_seqs)
-    check_pool_memory(num_blocks, per_block, args.block_size, device)
+    num_blocks = pool_blocks(per_block, device, args.block_size, max_model_len, args.max_num_seqs, args.num_blocks,
+                             args.kv_cache_memory)
     logger.info("model: %d layers, %s%s on %s%s; KV cache: %d blocks of %d tokens (%.2f GiB)", config.num_hidden_layers,
                 str(args.dtype).removeprefix("torch."),
                 f", weights {model.quantization}" if model.quantization else "", device,
@@ -144,15 +137,16 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
                                  f"({proposer.max_model_len} tokens)")
             max_model_len = proposer.max_model_len  # the draft guesses only within its own context
     enforce_eager = args.enforce_eager if args.enforce_eager is not None else device.type != "cuda"
+    max_query_len = 1 + (proposer.max_tokens_per_step if proposer is not None else 0)  # a root and its guesses
     target = ModelSpec(source, args.dtype, target_max_len, num_blocks, args.block_size, args.max_num_seqs,
-                       max_query_len(proposer), max_model_len, enforce_eager, args.quantization)
+                       max_query_len, max_model_len, enforce_eager, args.quantization)
     runner = build_runner(model, target)
     if parallel is not None:
         draft = None
         if getattr(proposer, "sharded", False):
             draft = ModelSpec(args.speculative.model, proposer.dtype, proposer.max_len, num_blocks, args.block_size,
                               quantization=args.speculative.quantization)
-        parallel.send_setup(WorkerSetup(target, draft))
+        parallel.send_setup(target, draft)
         runner = parallel.driver_runner(runner, TARGET)
     engine_config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,

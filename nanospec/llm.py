@@ -1,14 +1,14 @@
 """The public entry point, shaped like vLLM's ``LLM``.
 
     llm = LLM()                                            # the embedded SmolLM2-135M-Instruct
-    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=64))[0]
-    out.text, out.token_ids, out.num_steps
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=64))[0]   # .text, .token_ids
     llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64))[0].text
     for chunk in llm.stream("Hello", SamplingParams(max_tokens=32)): print(chunk.delta_text, end="")
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from collections import deque
 from typing import Sequence as Seq
@@ -43,6 +43,8 @@ class LLM:
         self.engine, self.parallel = build_engine(args)
         if self.parallel is not None:  # shutdown() at garbage collection or at interpreter exit, whichever is first
             self._finalizer = weakref.finalize(self, self.parallel.shutdown)
+        self.model, self.tokenizer = self.engine.model, self.engine.tokenizer
+        self.config, self.device, self.dtype = self.model.config, self.model.device, self.model.dtype
         # outputs not yet taken by the call that owns their request: every engine step serves every
         # request, so a generate() call also advances an open stream (and the stream must get them)
         self._outputs: dict[int, list[RequestOutput]] = {}
@@ -54,26 +56,6 @@ class LLM:
         device = resolve_device(device)
         dtype = resolve_dtype(dtype, device)
         return cls(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **kwargs)
-
-    @property
-    def model(self):
-        return self.engine.model
-
-    @property
-    def config(self):
-        return self.engine.model.config
-
-    @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def device(self):
-        return self.engine.model.device
-
-    @property
-    def dtype(self):
-        return self.engine.model.dtype
 
     # ---------------------------------------------------------------- inputs
     def _encode(self, prompt: Prompt) -> list[int]:
@@ -92,18 +74,14 @@ class LLM:
     def _as_prompt_list(prompts) -> list[Prompt]:
         if isinstance(prompts, str):
             return [prompts]
-        if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-            return [list(prompts)]
-        if isinstance(prompts, (list, tuple)):
-            return list(prompts)
+        if isinstance(prompts, (list, tuple)):  # one list of token ids, or a list of prompts
+            return [list(prompts)] if prompts and all(isinstance(t, int) for t in prompts) else list(prompts)
         raise ValueError("prompts must be a string, a list of token ids, or a list of those; "
                          f"got {type(prompts).__name__}")
 
     def _params_list(self, params, n: int) -> list[SamplingParams]:
-        if params is None:
-            params = SamplingParams()
-        if isinstance(params, SamplingParams):
-            return [params] * n
+        if params is None or isinstance(params, SamplingParams):
+            return [params or SamplingParams()] * n
         if not isinstance(params, (list, tuple)):
             raise ValueError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)
@@ -157,10 +135,9 @@ class LLM:
         request that fails inside a step ends with ``finish_reason == "error"``."""
         ids_and_choices = self._add_all(prompts, params)
         ids = [rid for rid, _ in ids_and_choices]
-        for rid in ids:
-            self._outputs[rid] = []
+        self._outputs.update((rid, []) for rid in ids)
         finished: dict[int, RequestOutput] = {}
-        bar = tqdm(total=len(ids), desc="generating") if use_tqdm else None
+        bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
         try:
             while len(finished) < len(ids):
                 self._step()
@@ -168,8 +145,7 @@ class LLM:
                     for out in self._take(rid):
                         if out.finished and rid not in finished:
                             finished[rid] = out
-                            if bar is not None:
-                                bar.update(1)
+                            bar.update(1)
         except BaseException:
             for rid in ids:
                 self.engine.abort(rid)
@@ -177,8 +153,7 @@ class LLM:
         finally:
             for rid in ids:
                 self._release(rid)
-            if bar is not None:
-                bar.close()
+            bar.close()
         for rid, choice in ids_and_choices:
             finished[rid].index = choice
         return [finished[i] for i in ids]
@@ -187,7 +162,7 @@ class LLM:
         """A ``RequestStream`` of one request's outputs, one per step that produced tokens."""
         if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
             raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
-        if params is not None and isinstance(params, SamplingParams) and params.n != 1:
+        if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError(f"stream() serves one completion: n must be 1, got {params.n} (use generate())")
         ((rid, _),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
         self._outputs[rid] = []
@@ -211,12 +186,8 @@ class LLM:
     # ---------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
         """End the tensor-parallel workers and the process group; the LLM cannot run afterwards."""
-        parallel = getattr(self, "parallel", None)
-        if parallel is None or parallel.closed:
-            return
-        self._finalizer()  # parallel.shutdown(), once
-        if parallel.broken is None:
-            parallel.broken = "this LLM was shut down"
+        if getattr(self, "parallel", None) is not None:
+            self._finalizer()  # parallel.shutdown(), once
 
     def __enter__(self) -> LLM:
         return self
@@ -236,20 +207,13 @@ class LLM:
         return self.engine.reset_prefix_cache()
 
     def stats(self) -> dict:
-        s = self.engine.stats
-        return {
-            "quantization": self.model.quantization,  # e.g. "int4-g32 (120), int8 (1)"; None: float weights
-            "num_steps": s.num_steps,
-            "num_generated_tokens": s.num_generated_tokens,
-            "num_draft_tokens": s.num_draft_tokens,
-            "num_accepted_tokens": s.num_accepted_tokens,
-            "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
-            "num_preemptions": self.engine.scheduler.num_preemptions,
-            "prefix_cache_queries": self.engine.block_manager.stats.queries,  # prompt tokens looked up
-            "prefix_cache_hits": self.engine.block_manager.stats.hits,        # of those, not computed again
-            "forward_seconds": s.forward_seconds,
-            "step_seconds": s.step_seconds,
-        }
+        s = self.engine.stats  # num_steps, num_generated_tokens, num_draft_tokens, num_accepted_tokens, *_seconds
+        return {"quantization": self.model.quantization,  # e.g. "int4-g32 (120), int8 (1)"; None: float weights
+                **dataclasses.asdict(s),
+                "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
+                "num_preemptions": self.engine.scheduler.num_preemptions,
+                "prefix_cache_queries": self.engine.block_manager.stats.queries,  # prompt tokens looked up
+                "prefix_cache_hits": self.engine.block_manager.stats.hits}        # of those, not computed again
 
 
 class RequestStream:

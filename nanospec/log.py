@@ -8,7 +8,6 @@ import os
 import sys
 
 
-
 class _StderrHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stderr`` is when a record comes (so a redirected or captured stderr gets it)."""
 

@@ -51,9 +51,7 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}")
-        stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stop is None:
-            stop = []
+        stop = [self.stop] if isinstance(self.stop, str) else [] if self.stop is None else self.stop
         if not isinstance(stop, (list, tuple)) or any(not isinstance(s, str) or not s for s in stop):
             raise ValueError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         self.stop_list = list(stop)

@@ -1,14 +1,10 @@
 """Continuous batching: which sequences run this step, with their KV blocks reserved.
 
-Every step the running sequences come first (each needs slots for its uncached tokens plus the
-speculative tokens it may verify); if the pool runs dry, the most recently admitted sequence is
-preempted: its blocks are freed and it goes back to the front of the queue, to be recomputed
-(prompt + output so far) when blocks free up. Then waiting sequences are admitted, oldest first,
-while the token budget, ``max_num_seqs`` and the pool allow; a sequence is admitted with the cached
-blocks that already hold the start of its tokens (the prefix cache, :mod:`nanospec.cache.block_manager`)
-and computes only the rest. A request whose whole lifetime fits
-the pool is checked at admission (``LLM`` does this), so a lone sequence never needs to preempt
-itself and the loop never hangs.
+Running sequences come first, each with slots for its uncached tokens plus the guesses it may verify; when the pool
+runs dry the most recently admitted is preempted (its blocks freed, back to the front of the queue, recomputed
+later). Then waiting sequences are admitted oldest first, with the cached blocks that already hold the start of
+their tokens (the prefix cache), while the token budget, ``max_num_seqs`` and the pool allow. A request is admitted
+only if its whole lifetime fits the pool (``Engine.validate_prompt``), so a lone sequence never preempts itself.
 """
 
 from __future__ import annotations
@@ -46,14 +42,14 @@ class Scheduler:
         queue = list(self.running)
         while queue:
             seq = queue.pop(0)
-            need = seq.num_tokens + self.num_lookahead_slots(seq)
-            while not bm.can_reserve(seq.block_table, need) and queue:
+            lookahead = self.num_lookahead_slots(seq)
+            while not bm.can_reserve(seq.block_table, seq.num_tokens + lookahead) and queue:
                 self._preempt(queue.pop())
-            if not bm.can_reserve(seq.block_table, need):
+            if not bm.can_reserve(seq.block_table, seq.num_tokens + lookahead):
                 self._preempt(seq)
                 continue
-            bm.reserve(seq.block_table, need)
-            budget -= seq.num_tokens - seq.num_cached_tokens + self.num_lookahead_slots(seq)
+            bm.reserve(seq.block_table, seq.num_tokens + lookahead)
+            budget -= seq.num_tokens - seq.num_cached_tokens + lookahead
             scheduled.append(seq)
         self.running = list(scheduled)
 
@@ -61,13 +57,12 @@ class Scheduler:
             seq = self.waiting[0]
             prefix = bm.cached_prefix(seq.token_ids)
             seq.num_cached_tokens = len(prefix) * bm.block_size
-            # a one-token prompt guesses at once (Speculator.num_lookahead_slots)
-            num_new = seq.num_tokens - seq.num_cached_tokens + self.num_lookahead_slots(seq)
-            need = seq.num_tokens + self.num_lookahead_slots(seq)
-            if (num_new > budget and scheduled) or not bm.can_allocate(prefix, need):
+            lookahead = self.num_lookahead_slots(seq)  # a one-token prompt guesses at once
+            num_new = seq.num_tokens - seq.num_cached_tokens + lookahead
+            if (num_new > budget and scheduled) or not bm.can_allocate(prefix, seq.num_tokens + lookahead):
                 seq.num_cached_tokens = 0
                 break
-            bm.allocate(seq.block_table, prefix, seq.num_tokens, need)
+            bm.allocate(seq.block_table, prefix, seq.num_tokens, seq.num_tokens + lookahead)
             if seq.num_prefix_cached_tokens is None:
                 seq.num_prefix_cached_tokens = seq.num_cached_tokens
             budget -= num_new
@@ -81,9 +76,7 @@ class Scheduler:
         self.block_manager.free(seq.block_table)
         seq.num_cached_tokens = 0
         seq.status = SequenceStatus.WAITING
-        self.on_preempt(seq)
-        if seq in self.running:
-            self.running.remove(seq)
+        self.on_preempt(seq)  # (schedule() then sets the running list without it)
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 

@@ -14,6 +14,7 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` and its tokenizer_config.json; `extra_eos_token_ids` also end generation."""
 
@@ -25,7 +26,10 @@ class Tokenizer:
         self.eos_token = _token_content(self.config.get("eos_token"))
         self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token is not None else None
         add_bos = self.config.get("add_bos_token")
-        self.add_bos_token = bool(add_bos) if add_bos is not None else self._post_processor_adds_bos()
+        if add_bos is None:  # as the post-processor does
+            add_bos = self.bos_token_id is not None and \
+                backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id]
+        self.add_bos_token = bool(add_bos)
         eos_ids = [backend.token_to_id(self.eos_token)] if self.eos_token is not None else []
         self.eos_token_ids = list(dict.fromkeys(i for i in [*eos_ids, *extra_eos_token_ids] if i is not None))
         self.chat_template = _pick_chat_template(self.config.get("chat_template"))
@@ -59,59 +63,38 @@ class Tokenizer:
         """Render a conversation ([{"role": ..., "content": ...}, ...]) to the prompt text, as transformers does."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')")
-        plain_messages = []
         for index, message in enumerate(messages):
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
                     or not isinstance(message.get("content"), str):
-                raise ValueError(
-                    f"message {index} must be a dict with string 'role' and 'content', got {message!r}"
-                )
-            plain_messages.append(dict(message))
+                raise ValueError(f"message {index} must be a dict with string 'role' and 'content', got {message!r}")
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
-        special_tokens = {
-            name: _token_content(self.config.get(name))
-            for name in ("bos_token", "eos_token", "unk_token", "pad_token")
-        }
-        return self._compiled_template.render(
-            messages=plain_messages, add_generation_prompt=add_generation_prompt, **special_tokens
-        )
+        special_tokens = {name: _token_content(self.config.get(name))
+                          for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        return self._compiled_template.render(messages=[dict(m) for m in messages],
+                                              add_generation_prompt=add_generation_prompt, **special_tokens)
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write tokenizer.json and tokenizer_config.json (what transformers' AutoTokenizer reads)."""
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.backend.save(str(directory / "tokenizer.json"))
-        config = {
-            "tokenizer_class": "PreTrainedTokenizerFast",
-            "clean_up_tokenization_spaces": False,
-            **self.config,
-            "bos_token": self.bos_token,
-            "eos_token": self.eos_token,
-            "add_bos_token": self.add_bos_token,
-        }
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "clean_up_tokenization_spaces": False, **self.config,
+                  "bos_token": self.bos_token, "eos_token": self.eos_token, "add_bos_token": self.add_bos_token}
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
-    def _post_processor_adds_bos(self) -> bool:
-        if self.bos_token_id is None:
-            return False
-        return self.backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id]
-
 
 def _token_content(token) -> str | None:
     """tokenizer_config.json writes a special token as a string or as {"content": ..., ...}."""
-    if isinstance(token, Mapping):
-        return token.get("content")
-    return token
+    return token.get("content") if isinstance(token, Mapping) else token
 
 
 def _pick_chat_template(template) -> str | None:
     """Older configs hold a list of named templates; the one named "default" is the chat template."""
     if isinstance(template, list):
-        named = {entry["name"]: entry["template"] for entry in template}
-        return named.get("default")
+        return {entry["name"]: entry["template"] for entry in template}.get("default")
     return template
 
 
@@ -125,11 +108,8 @@ def _compile_chat_template(template: str) -> jinja2.Template:
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    def strftime_now(format):
-        return datetime.now().strftime(format)
-
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
+    env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return env.from_string(template)

@@ -55,28 +55,17 @@ class ModelSpec:
     quantization: str | None = None  # as LLM(quantization=...)
 
 
-@dataclass
-class WorkerSetup:
-    target: ModelSpec
-    draft: ModelSpec | None  # None: no draft, or one on the driver alone
-
-
-def in_torchrun() -> bool:
-    """Started by torchrun (or any launcher that sets WORLD_SIZE and RANK) with more than one rank."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
-
-
 class TensorParallel:
     """This process's place in the group: rank, device, groups; on the driver the spawned workers too."""
 
     def __init__(self, rank: int, world_size: int, device: torch.device, draft_size: int | None,
-                 processes: list | None = None):
+                 processes: list | None = None, owns_process_group: bool = True):
         self.rank, self.world_size, self.device = rank, world_size, device
         self.processes = processes or []
         self.broken: str | None = None  # why the group failed (then every command raises TensorParallelError)
         self.closed = False
         self.setup_sent = False  # before it, the workers wait for their setup, not for a command
-        self.owns_process_group = True  # False: torchrun's script made the group, and destroys it
+        self.owns_process_group = owns_process_group  # False: torchrun's script made the group, and destroys it
         self.target = ParallelGroup(dist.group.WORLD, rank, world_size)
         self.channel = CommandChannel(dist.new_group(backend="gloo", timeout=IDLE), rank)
         self.draft: ParallelGroup | None = None  # None on a rank outside the draft's group
@@ -91,8 +80,10 @@ class TensorParallel:
     def driver_runner(self, local: ModelRunner, model_id: int) -> DriverRunner:
         return DriverRunner(local, self.channel, model_id, self)
 
-    def send_setup(self, setup: WorkerSetup) -> None:
-        dist.broadcast_object_list([setup], src=0, group=self.channel.group)
+    def send_setup(self, target: ModelSpec, draft: ModelSpec | None) -> None:
+        """What the workers build: the target's shard and a sharded draft's (None: no draft, or one on the driver
+        alone)."""
+        dist.broadcast_object_list([target, draft], src=0, group=self.channel.group)
         self.setup_sent = True
 
     def check(self, grace: float = 0.0) -> None:
@@ -141,15 +132,15 @@ class TensorParallel:
         except Exception:
             pass
         torch.set_num_threads(self._saved_threads)
+        self.broken = self.broken or "this LLM was shut down"
 
     # ---------------------------------------------------------------- a worker
     def serve(self) -> None:
         """A worker's life: build what the driver's setup says, then run its commands until SHUTDOWN."""
-        setup: list = [None]
-        dist.broadcast_object_list(setup, src=0, group=self.channel.group)
-        setup: WorkerSetup = setup[0]
+        specs: list[ModelSpec | None] = [None, None]
+        dist.broadcast_object_list(specs, src=0, group=self.channel.group)
         runners = {}
-        for model_id, spec, tp in ((TARGET, setup.target, self.target), (DRAFT, setup.draft, self.draft)):
+        for model_id, spec, tp in zip((TARGET, DRAFT), specs, (self.target, self.draft)):
             if spec is not None:
                 runners[model_id] = build_runner(build_model(spec.source, spec.dtype, spec.max_len, self.device, tp,
                                                              quantization=spec.quantization), spec)
@@ -165,10 +156,9 @@ class TensorParallel:
 
 
 def build_model(source, dtype: torch.dtype, max_len: int | None, device: torch.device, tp: ParallelGroup | None,
-                checkpoint: Checkpoint | None = None, quantization: str | None = None) -> Llama:
+                quantization: str | None = None) -> Llama:
     """This rank's shard of the model at ``source`` (a path, None: the embedded model, or a checkpoint)."""
-    if checkpoint is None:
-        checkpoint = source if isinstance(source, Checkpoint) else load_checkpoint(source, dtype, quantization)
+    checkpoint = source if isinstance(source, Checkpoint) else load_checkpoint(source, dtype, quantization)
     return Llama(checkpoint.config, checkpoint.tensors, device, dtype, max_len=max_len, tp=tp)
 
 
@@ -198,15 +188,10 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def _threads_per_rank(world_size: int) -> int:
-    """On a CPU the ranks share the cores: each gets its share of this process's threads."""
-    return max(1, torch.get_num_threads() // world_size)
-
-
 def start(world_size: int, draft_size: int | None, device: torch.device) -> TensorParallel:
     """Join (torchrun) or create (spawn) the group of ``world_size`` ranks; ValueError for a group this machine cannot
     run, RuntimeError when a worker fails to start."""
-    if in_torchrun():
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # started by torchrun
         return _join_torchrun(world_size, draft_size, device)
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this process: one "
@@ -214,7 +199,8 @@ def start(world_size: int, draft_size: int | None, device: torch.device) -> Tens
     if device.type == "cuda" and torch.cuda.device_count() < world_size:
         raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs (one per rank), this machine "
                          f"has {torch.cuda.device_count()}")
-    threads = _threads_per_rank(world_size) if device.type == "cpu" else torch.get_num_threads()
+    # on a CPU the ranks share the cores: each gets its share of this process's threads
+    threads = max(1, torch.get_num_threads() // world_size) if device.type == "cpu" else torch.get_num_threads()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False)
     context = mp.get_context("spawn")
     processes = []
@@ -224,31 +210,25 @@ def start(world_size: int, draft_size: int | None, device: torch.device) -> Tens
                                       args=(rank, world_size, draft_size, device.type, store.port, threads))
             process.start()
             processes.append(process)
-        _wait_for_check_ins(store, processes, world_size - 1)
-        saved = torch.get_num_threads()
-        torch.set_num_threads(threads)
+        deadline = time.monotonic() + START_TIMEOUT.total_seconds()
+        while store.add("checked_in", 0) < world_size - 1:
+            for rank, process in enumerate(processes, start=1):
+                if not process.is_alive():
+                    raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) exited while starting "
+                                       f"(exit code {process.exitcode}); its error is above, on stderr")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"tensor-parallel workers did not start within {START_TIMEOUT.seconds} s")
+            time.sleep(0.02)
         dist.init_process_group(_backend(device), store=store, rank=0, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
         tp = TensorParallel(0, world_size, _rank_device(device, 0), draft_size, processes)
-        tp._saved_threads = saved
+        torch.set_num_threads(threads)  # after TensorParallel saved the caller's count, which shutdown() restores
         return tp
     except BaseException:
         for process in processes:
             process.kill()
             process.join()
         raise
-
-
-def _wait_for_check_ins(store, processes, count: int) -> None:
-    deadline = time.monotonic() + START_TIMEOUT.total_seconds()
-    while store.add("checked_in", 0) < count:
-        for rank, process in enumerate(processes, start=1):
-            if not process.is_alive():
-                raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {process.pid}) exited while starting "
-                                   f"(exit code {process.exitcode}); its error is above, on stderr")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"tensor-parallel workers did not start within {START_TIMEOUT.total_seconds():.0f} s")
-        time.sleep(0.02)
 
 
 def _spawned_worker(rank: int, world_size: int, draft_size: int | None, device_type: str, port: int,
@@ -265,17 +245,12 @@ def _spawned_worker(rank: int, world_size: int, draft_size: int | None, device_t
     tp = TensorParallel(rank, world_size, device, draft_size)
     try:
         tp.serve()
-    except Exception as error:
-        # the driver went away (its connections closed): leave quietly; anything else is worth a line
+    except Exception as error:  # e.g. the driver went away (its connections closed): one line, not a traceback
         print(f"nanospec tensor-parallel worker rank {rank}: {type(error).__name__}: {str(error)[:500]}",
               file=sys.stderr)
         sys.exit(1)
     finally:
-        tp.closed = True
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
+        tp.shutdown()  # a worker's: the process group goes
 
 
 def _join_torchrun(world_size: int, draft_size: int | None, device: torch.device) -> TensorParallel:
@@ -291,6 +266,4 @@ def _join_torchrun(world_size: int, draft_size: int | None, device: torch.device
     if made_here:
         dist.init_process_group(_backend(device), init_method="env://", rank=rank, world_size=world_size,
                                 timeout=COLLECTIVE_TIMEOUT)
-    tp = TensorParallel(rank, world_size, rank_device, draft_size)
-    tp.owns_process_group = made_here
-    return tp
+    return TensorParallel(rank, world_size, rank_device, draft_size, owns_process_group=made_here)

@@ -1,26 +1,20 @@
 """Paged KV blocks: which physical block holds which tokens of which sequence, and the prefix cache.
 
-The cache is a pool of ``num_blocks`` blocks of ``block_size`` token slots. A sequence owns a
-``block_table`` (a list of block ids); its token ``i`` lives in slot
+A pool of ``num_blocks`` blocks of ``block_size`` token slots; a sequence's ``block_table`` (block ids) puts its
+token ``i`` in slot
 
     slot(i) = block_table[i // block_size] * block_size + i % block_size
 
-``reserve`` grows a block table so that ``n`` tokens fit (before a forward that writes them),
-``truncate`` shrinks it after speculative tokens are rejected (returning whole blocks no longer
-needed; rejected K/V inside a kept block is simply overwritten later), ``free`` returns them all.
-
-**Prefix cache** (as vLLM v1's): a block full of tokens whose K/V is computed and committed is named by its
-chain hash
+**Prefix cache** (as vLLM v1's): a block full of committed tokens is named by its chain hash
 
     hash(block j) = H(hash(block j - 1), tokens of block j)        (block -1: the empty prefix)
 
-so equal hashes mean equal tokens from the start of the sequence to the end of the block (``H`` is BLAKE2b-128;
-a hit also compares the block's own tokens). ``cache_full_blocks`` names a table's newly full blocks; a block
-whose last reference goes keeps its K/V and its name as a **cached** block, and a new table that starts with the
-same tokens takes it (``cached_prefix``, then ``allocate``) by reference count instead of recomputing it. Free
-blocks go out before cached ones; cached blocks are evicted least recently used first (a table's tail blocks are
-returned before its head, so a prefix outlives its continuations). A block is only ever shared while full and
-named, and a sequence writes only at or past its committed length, so a shared block is never written.
+so equal names mean equal tokens from the start of the sequence to the end of the block (``H`` is BLAKE2b-128; a
+hit also compares the block's own tokens). A block whose last table lets go keeps its K/V and name as a **cached**
+block, which a new table starting with the same tokens takes by reference count instead of recomputing it. Free
+blocks go out before cached ones, cached ones least recently used first (a table's tail is returned before its
+head, so a prefix outlives its continuations). Only full, named blocks are shared, and a sequence writes only at or
+past its committed length, so a shared block is never written.
 
 Every block is exactly one of: **used** (``ref_counts[b]`` tables hold it), **cached** (no table, named, in the
 LRU) or **free** (no table, no name). ``num_free_blocks`` counts free and cached: both are there to reserve.

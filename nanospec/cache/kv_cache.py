@@ -1,9 +1,6 @@
 """The KV tensors: one K and one V pool per layer, ``[num_blocks, block_size, num_kv_heads, head_dim]``, and how
-many blocks a pool gets.
-
-On a CPU the pool is an anonymous memory map: zero-filled by the operating system and resident only as its pages
-are written, so a pool sized for whole contexts costs memory for the tokens it holds. On CUDA it is zeroed memory.
-"""
+many blocks a pool gets. On a CPU the pool is an anonymous memory map, zero-filled by the operating system and
+resident only as its pages are written, so a pool sized for whole contexts costs memory for the tokens it holds."""
 
 from __future__ import annotations
 
@@ -18,40 +15,32 @@ CPU_MEMORY_SHARE = 0.25       # of a CPU machine's memory, the most a pool reser
 
 
 def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * dtype.itemsize
 
 
-def pool_blocks(bytes_per_block: int, device: torch.device, kv_cache_memory: int | None, block_size: int,
-                max_model_len: int, max_num_seqs: int) -> int:
-    """Blocks enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens at once (what the engine can use),
-    within ``kv_cache_memory`` bytes: by default 40% of a GPU's free memory, or a quarter of a CPU machine's memory
-    (reserved: resident only as blocks are written). ValueError when the budget holds no block."""
-    if kv_cache_memory is None:
-        if device.type == "cuda":
-            kv_cache_memory = int(torch.cuda.mem_get_info(device)[0] * CUDA_FREE_MEMORY_SHARE)
-        else:
-            kv_cache_memory = int(physical_memory() * CPU_MEMORY_SHARE)
-    if kv_cache_memory < bytes_per_block:
-        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block ({bytes_per_block} bytes each)")
-    return min(kv_cache_memory // bytes_per_block, max_num_seqs * -(-max_model_len // block_size))
-
-
-def check_pool_memory(num_blocks: int, bytes_per_block: int, block_size: int, device: torch.device) -> None:
-    """Refuse, before allocating, a pool larger than the device's memory."""
-    need = num_blocks * bytes_per_block
-    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else physical_memory()
-    if need > have:
+def pool_blocks(bytes_per_block: int, device: torch.device, block_size: int, max_model_len: int, max_num_seqs: int,
+                num_blocks: int | None = None, kv_cache_memory: int | None = None) -> int:
+    """``num_blocks``, or by default blocks enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens at once
+    (what the engine can use) within ``kv_cache_memory`` bytes: by default 40% of a GPU's free memory, or a quarter
+    of a CPU machine's memory (reserved: resident only as blocks are written). ValueError, before allocating, when
+    the budget holds no block or the pool is larger than the device's memory."""
+    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
+        os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if num_blocks is None:
+        if kv_cache_memory is None:
+            kv_cache_memory = int(have * (CUDA_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_MEMORY_SHARE))
+        if kv_cache_memory < bytes_per_block:
+            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block ({bytes_per_block} bytes each)")
+        num_blocks = min(kv_cache_memory // bytes_per_block, max_num_seqs * -(-max_model_len // block_size))
+    if (need := num_blocks * bytes_per_block) > have:
         raise ValueError(f"num_blocks={num_blocks} of {block_size} tokens needs {need / 2**30:.1f} GiB of KV "
                          f"cache, more than the {have / 2**30:.1f} GiB this {device.type} has")
-
-
-def physical_memory() -> int:
-    return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return num_blocks
 
 
 def zeros_reserved(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A CPU tensor of zeros in an anonymous memory map: its pages are committed when first written."""
-    nbytes = max(math.prod(shape) * torch.empty((), dtype=dtype).element_size(), 1)
+    nbytes = max(math.prod(shape) * dtype.itemsize, 1)
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype, count=math.prod(shape)).view(shape)
 
 
