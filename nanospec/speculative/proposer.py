@@ -25,8 +25,10 @@ class Proposer(abc.ABC):
     needs_hidden_states = False  # the step's forward returns the target's final hidden states, for read_forward
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first."""
-        raise NotImplementedError(f"{type(self).__name__} does not rank its proposals")
+        """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first: by
+        default its proposal's ``chances``."""
+        return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
+                for p, depth in zip(self.propose(seqs, depths), depths)]
 
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
