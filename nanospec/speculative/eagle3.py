@@ -23,11 +23,10 @@ import torch
 
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
-from nanospec.device import resolve_dtype
 from nanospec.kernels.attention_mask import pack_mask
 from nanospec.kernels.rope import build_rope_cache
 from nanospec.model.attention import Attention
-from nanospec.model.eagle3 import Eagle3Head, load_eagle3_head
+from nanospec.model.eagle3 import Eagle3Head
 from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
@@ -52,9 +51,9 @@ class Eagle3Proposer(Proposer):
     ranked = True
 
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
-                 max_model_len: int, adaptive: bool = True, tree_top_k: int = 1, tree_budget: int | None = None):
+                 max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None):
         c = head.config.layer
-        self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
+        self.head, self.aux_layers, self.k = head, aux_layers, k
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.tree = _tree_shape(k, tree_top_k, tree_budget, head.config.draft_vocab_size)
         self.max_tokens_per_step = self.tree.num_nodes if self.tree else k
@@ -68,16 +67,6 @@ class Eagle3Proposer(Proposer):
         self.attention = Attention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, rope)
         self.embed = head.embed_tokens  # None: the target's, once bound
         self.runner = None
-
-    @classmethod
-    def from_config(cls, config, target_config, num_blocks: int, block_size: int, device: torch.device,
-                    dtype: torch.dtype, max_model_len: int | None) -> Eagle3Proposer:
-        if config.dtype is not None:
-            dtype = resolve_dtype(config.dtype, device)
-        head, aux_layers = load_eagle3_head(config.model, target_config, device, dtype)
-        return cls(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
-                   max_model_len or target_config.max_position_embeddings, config.adaptive, config.tree_top_k or 1,
-                   config.tree_budget)
 
     def bind(self, runner) -> None:
         if not hasattr(runner, "aux_layers"):

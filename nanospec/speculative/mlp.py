@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from nanospec.device import resolve_dtype
-from nanospec.model.mlp_speculator import MLPSpeculator, load_mlp_speculator
+from nanospec.model.mlp_speculator import MLPSpeculator
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
 from nanospec.speculative.ngram import NgramIndex, NgramProposer
@@ -25,8 +24,7 @@ from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, acc
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
-SHIPPED_SPECULATORS = Path(__file__).resolve().parents[1] / "speculators"
-SHIPPED_FOR_EMBEDDED = SHIPPED_SPECULATORS / "smollm2-135m-instruct"
+SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct"
 # The embedded model's shape (SmolLM2-135M-Instruct): a target of this shape (the embedded GGUF, an HF or converted
 # copy) gets the shipped speculator when speculative_config names no model.
 EMBEDDED_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
@@ -88,19 +86,6 @@ class MLPSpeculatorProposer(Proposer):
         self.prompt_lookup = prompt_lookup
         self.adaptive = adaptive
         self.max_tokens_per_step = k * (tree_top_k + (prompt_lookup is not None))
-
-    @classmethod
-    def from_config(cls, config, path: Path, target_config, device: torch.device,
-                    dtype: torch.dtype) -> MLPSpeculatorProposer:
-        """Load the speculator at ``path`` for the target, in ``config.dtype`` or the target's."""
-        if config.dtype is not None:
-            dtype = resolve_dtype(config.dtype, device)
-        speculator = load_mlp_speculator(path, emb_dim=target_config.hidden_size, vocab_size=target_config.vocab_size,
-                                         device=device, dtype=dtype)
-        lookup = None
-        if config.prompt_lookup:
-            lookup = NgramProposer(speculator.config.n_predict, config.prompt_lookup_min, config.prompt_lookup_max)
-        return cls(speculator, config.num_speculative_tokens, config.tree_top_k, lookup, config.adaptive)
 
     def start(self, seq: Sequence) -> None:
         seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)

@@ -57,9 +57,8 @@ class Proposal:
                              f"{len(self.parents)} parents")
 
     @classmethod
-    def chain(cls, token_ids: list[int], draft_probs: torch.Tensor | None = None,
-              chances: list[float] | None = None) -> Proposal:
-        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), chances, draft_probs)
+    def chain(cls, token_ids: list[int], draft_probs: torch.Tensor | None = None) -> Proposal:
+        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), draft_probs=draft_probs)
 
     def fed(self) -> tuple[list[int], list[int]]:
         """(tokens, parents) of every node the step feeds: the tree, then any nodes fed but not verified."""

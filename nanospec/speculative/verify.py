@@ -23,7 +23,7 @@ import torch
 
 from nanospec.kernels.tree_rejection import tree_rejection_sample
 from nanospec.kernels.tree_verify import greedy_tree_verify
-from nanospec.sampling.logprobs import gather_logprobs, raw_logprobs, token_logprobs
+from nanospec.sampling.logprobs import gather_logprobs, token_logprobs
 from nanospec.sampling.penalties import apply_penalties, ban_stop_tokens_before_min_tokens
 from nanospec.sampling.tensors import SamplingTensors, draw_tokens
 from nanospec.sequence import Sequence
@@ -99,7 +99,8 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     rows_t, pad, node_tokens, parents, num_nodes = to_device(host) if to_device else [t.to(device) for t in host]
 
     num_top = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
-    raw = raw_logprobs(logits[rows_t]) if num_top is not None else None  # before the bans and penalties
+    # log-probabilities from the raw logits, before the bans and penalties
+    raw = torch.log_softmax(logits[rows_t].float(), dim=-1) if num_top is not None else None
     ban_stop_tokens_before_min_tokens(logits, seqs, seq_rows, depths)
     apply_penalties(logits, seqs, seq_rows, paths)
 
