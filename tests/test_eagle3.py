@@ -301,7 +301,7 @@ def test_first_guesses_follow_the_formula(target, device, tmp_path, style, embed
         seq_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         engine.step()  # the prefill: the head runs over the prompt and drafts
         state = engine.sequences[seq_id].spec_state
-        assert state.guesses == reference_guesses(tensors, config, model, prompt, [0, 1, 2], 3)
+        assert state.tree.token_ids == reference_guesses(tensors, config, model, prompt, [0, 1, 2], 3)
         checked += 1
         while engine.has_unfinished():
             engine.step()
@@ -470,7 +470,7 @@ def test_first_tree_follows_eagle2(target, device, tmp_path):
         paths = [tuple(path) for path in state.tree.paths()]
         assert paths == [path for _, path in reference]
         assert max(len(path) for path in paths) == 3
-        got = [math.log(state.tree_paths[path]) for path in paths]
+        got = [math.log(state.calibration.paths[path]) for path in paths]
         assert got == pytest.approx([score for score, _ in reference], abs=1e-4)
         while engine.has_unfinished():
             engine.step()

@@ -391,7 +391,7 @@ def sequence_as_if_prefilled(llm, device):
     state, proposer = seq.spec_state, llm.engine.speculator.proposer
     hidden, last = torch.zeros(1, llm.config.hidden_size, device=device), torch.tensor([9], device=device)
     state.num_tokens = seq.num_tokens
-    state.beam = [t[0].tolist() for t in proposer.guess_ahead(hidden, last, 3)]
+    state.beam = [t[0].tolist() for t in proposer.model.propose_tree(hidden, last, 3, proposer.width)]
     state.ranked = proposer._ranked_tree(state)
     return seq_id, seq
 
@@ -415,7 +415,7 @@ def test_proposals_are_ranked_by_calibrated_chance(target, speculator, device):
     proposer = llm.engine.speculator.proposer
     seq_id, seq = sequence_as_if_prefilled(llm, device)
     state = seq.spec_state
-    state.calibration = AcceptanceEstimate(successes=1.0, trials=4.0)        # c = (1 + 2 * 0.7) / (4 + 2) = 0.4
+    state.calibration.c = AcceptanceEstimate(successes=1.0, trials=4.0)      # c = (1 + 2 * 0.7) / (4 + 2) = 0.4
     state.lookup_acceptance = AcceptanceEstimate(successes=3.0, trials=3.0)  # a = (3 + 2 * 0.6) / (3 + 2) = 0.84
     state.ranked = proposer._ranked_tree(state)  # as the next outcome would rank it
     want, paths = {}, []
@@ -449,10 +449,10 @@ def test_a_stopped_sequence_has_its_whole_first_depth_checked(target, speculator
     # the beam's first depth predicted sum(first) accepted tokens; the n-gram chain's first token was tried once
     for emitted, beam_hit, chain_hit in ((33, 33 in first, 1), (list(first)[1], 1, 0), (miss, 0, 0)):
         state = seq.spec_state
-        state.calibration, state.lookup_acceptance = AcceptanceEstimate(), AcceptanceEstimate()
+        state.calibration.c, state.lookup_acceptance = AcceptanceEstimate(), AcceptanceEstimate()
         spec.commit(seq, proposal, Verdict(emitted=[emitted]))
-        assert state.calibration.successes == beam_hit
-        assert state.calibration.trials == pytest.approx(sum(first.values()))
+        assert state.calibration.c.successes == beam_hit
+        assert state.calibration.c.trials == pytest.approx(sum(first.values()))
         assert (state.lookup_acceptance.successes, state.lookup_acceptance.trials) == (chain_hit, 1)
     llm.abort(seq_id)
     assert_no_leak(llm)
@@ -569,9 +569,9 @@ def test_each_sequence_gets_the_hidden_state_behind_its_last_token(target, specu
     tolerance = KV_TOLERANCE[torch.device(device).type]
     checked = far_neighbours = 0
     stepped, given = [], []  # each step's sequences, and the hidden states the proposer guessed from (a row each)
-    verify, guess_ahead = engine.speculator.verify, proposer.guess_ahead
+    verify, propose_tree = engine.speculator.verify, proposer.model.propose_tree
     engine.speculator.verify = lambda seqs, *rest: stepped.append(list(seqs)) or verify(seqs, *rest)
-    proposer.guess_ahead = lambda hidden, *rest: given.append(hidden) or guess_ahead(hidden, *rest)
+    proposer.model.propose_tree = lambda hidden, *rest: given.append(hidden) or propose_tree(hidden, *rest)
     while engine.has_unfinished():
         engine.step()
         rows = {seq.seq_id: row for seq, row in zip(stepped[-1], given[-1])} if stepped else {}

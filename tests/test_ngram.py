@@ -135,7 +135,7 @@ def test_extend_updates_the_proposal():
     assert proposer.chain(index) == []
     index.extend([4, 5])
     assert index.tokens == [4, 5, 6, 7, 8, 4, 5]
-    assert len(index) == 7
+    assert len(index.tokens) == 7
     assert proposer.chain(index) == [6, 7]
     index.extend([9])
     assert proposer.chain(index) == []

@@ -95,7 +95,7 @@ def test_matched_acceptance_is_the_guesses_mass(guesses, device):
     logits = torch.log(p)[None].expand(1 + len(guesses), vocab).contiguous().to(device)
     proposal = Proposal(guesses, [-1] * len(guesses))
     accepted, first = torch.zeros(vocab), torch.zeros(vocab)
-    verdicts, _ = verify([_sequence(seed) for seed in range(n)], [proposal] * n, logits.repeat(n, 1)).read()
+    verdicts = verify([_sequence(seed) for seed in range(n)], [proposal] * n, logits.repeat(n, 1)).read()
     for verdict in verdicts:
         first[verdict.emitted[0]] += 1
         if verdict.path:

@@ -9,11 +9,6 @@ import torch
 from nanospec.outputs import TokenLogprob
 
 
-def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
-    """``log_softmax`` of every row, in float32."""
-    return torch.log_softmax(logits.float(), dim=-1)
-
-
 def gather_logprobs(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[torch.Tensor]:
     """On the device, for token ``tokens[i]`` drawn from row ``rows[i]`` of ``raw``: its log-probability, and the
     row's ``num_top`` largest (values, token ids), flattened: ``[M]``, ``[M * num_top]``, ``[M * num_top]``."""

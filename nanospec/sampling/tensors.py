@@ -22,9 +22,8 @@ class SamplingTensors:
     offsets: torch.Tensor      # [rows] int64
 
     @classmethod
-    def of(cls, seqs: list[Sequence], device: torch.device, *, depths: list[list[int]] | None = None,
-           offset: int = 0, seed_salt: int = 0) -> SamplingTensors:
-        depths = depths if depths is not None else [[offset]] * len(seqs)
+    def of(cls, seqs: list[Sequence], device: torch.device, *, depths: list[list[int]],
+           seed_salt: int = 0) -> SamplingTensors:
         rows = [(s, s.num_tokens + d) for s, ds in zip(seqs, depths) for d in ds]
 
         def tensor(values, dtype):
@@ -40,14 +39,11 @@ class SamplingTensors:
         """The distribution each row samples from (temperature, top-k, top-p applied)."""
         return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
 
-    def sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row: plain sampling, the exponential race at the row's (seed, position)."""
-        return sample(logits, self.temperature, self.top_k, self.top_p, self.seeds, self.offsets)
-
 
 def draw_tokens(logits: torch.Tensor, seqs: list[Sequence], depths: list[list[int]]) -> torch.Tensor:
     """The token plain decoding draws from each row (rows and depths as in :meth:`SamplingTensors.of`): the argmax
     when every request is greedy, else the exponential race at the row's (seed, position). On the device."""
     if all(s.params.greedy for s in seqs):
         return logits.argmax(dim=-1)
-    return SamplingTensors.of(seqs, logits.device, depths=depths).sample(logits)
+    t = SamplingTensors.of(seqs, logits.device, depths=depths)
+    return sample(logits, t.temperature, t.top_k, t.top_p, t.seeds, t.offsets)

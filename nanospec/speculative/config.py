@@ -20,6 +20,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from nanospec.device import resolve_dtype
+from nanospec.model.eagle3 import load_eagle3_head
+from nanospec.model.mlp_speculator import load_mlp_speculator
 from nanospec.model.quantization import parse_quantization
 from nanospec.speculative.draft import DraftProposer
 from nanospec.speculative.eagle3 import Eagle3Proposer
@@ -80,6 +83,10 @@ def _bool(config: dict, key: str, default: bool, source: str = "speculative_conf
     return value
 
 
+def _optional_int(config: dict, key: str) -> int | None:
+    return _positive_int(config, key, 1) if key in config else None
+
+
 def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     if config is None:
         return None
@@ -96,24 +103,22 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                                  ngram_size=_positive_int(config, "ngram_size", 4),
                                  guess_set_size=_positive_int(config, "guess_set_size", 5), adaptive=False)
     if method == "mlp_speculator":
-        k = _positive_int(config, "num_speculative_tokens", 1) if "num_speculative_tokens" in config else 0
+        k = _optional_int(config, "num_speculative_tokens") or 0
     else:
         k = _positive_int(config, "num_speculative_tokens", 5 if method == "ngram" else 4)
-    tree_budget = _positive_int(config, "tree_budget", 1) if "tree_budget" in config else None
-    adaptive = _bool(config, "adaptive", True)
+    fields = {"tree_budget": _optional_int(config, "tree_budget"), "adaptive": _bool(config, "adaptive", True)}
     if method in ("ngram", "mlp_speculator"):
-        lo = _positive_int(config, "prompt_lookup_min", 1)
-        hi = _positive_int(config, "prompt_lookup_max", 4)
+        fields["prompt_lookup_min"] = lo = _positive_int(config, "prompt_lookup_min", 1)
+        fields["prompt_lookup_max"] = hi = _positive_int(config, "prompt_lookup_max", 4)
         if lo > hi:
             raise ValueError(f"prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
     if method == "ngram":
-        return SpeculativeConfig(method, k, prompt_lookup_min=lo, prompt_lookup_max=hi, adaptive=adaptive,
-                                 max_candidates=_positive_int(config, "max_candidates", 1), tree_budget=tree_budget)
-    dtype = config.get("dtype")
+        return SpeculativeConfig(method, k, max_candidates=_positive_int(config, "max_candidates", 1), **fields)
+    fields["dtype"] = dtype = config.get("dtype")
     if dtype is not None and not isinstance(dtype, str):
         raise ValueError(f"speculative_config['dtype'] must be a dtype name such as 'float32', got {dtype!r}")
+    model = config.get("model")
     if method == "mlp_speculator":  # without a model: the shipped one, if the target is the embedded model
-        model = config.get("model")
         if model is not None:
             if not model or not isinstance(model, (str, os.PathLike)):
                 raise ValueError(f"speculative_config['model'] for method 'mlp_speculator' must be the path of an "
@@ -122,25 +127,23 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                 raise FileNotFoundError(f"speculative_config['model']: the MLP speculator path does not exist: "
                                         f"{model}")
             model = str(model)
-        tree_top_k = _positive_int(config, "tree_top_k", 1) if "tree_top_k" in config else None
+        tree_top_k = _optional_int(config, "tree_top_k")
         prompt_lookup = _bool(config, "prompt_lookup", False) if "prompt_lookup" in config else None
-        return SpeculativeConfig(method, k, model=model, dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
-                                 prompt_lookup=prompt_lookup, prompt_lookup_min=lo, prompt_lookup_max=hi)
-    model = config.get("model")
+        return SpeculativeConfig(method, k, model=model, tree_top_k=tree_top_k, prompt_lookup=prompt_lookup, **fields)
+    if not model or not isinstance(model, (str, os.PathLike)):
+        what = ("the directory of an EAGLE-3 head (config.json + safetensors)" if method == "eagle3"
+                else "the path of a small Llama")
+        raise ValueError(f"speculative_config for method {method!r} needs 'model': {what}, got {model!r}")
     if method == "eagle3":
-        if not model or not isinstance(model, (str, os.PathLike)):
-            raise ValueError(f"speculative_config for method 'eagle3' needs 'model': the directory of an EAGLE-3 "
-                             f"head (config.json + safetensors), got {model!r}")
         if not Path(model).is_dir():
             raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head directory does not exist: {model}")
-        config = _eagle3_served(config, Path(model))
+        shape = {"num_speculative_tokens", "tree_top_k", "tree_budget"}
+        if not shape & set(config):  # none of them set: the head directory's speculative_config.json's (if any)
+            config = {**config, **_served(Path(model) / "speculative_config.json", shape)}
         k = _positive_int(config, "num_speculative_tokens", 4)
-        tree_budget = _positive_int(config, "tree_budget", 1) if "tree_budget" in config else None
-        return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive,
-                                 tree_top_k=_positive_int(config, "tree_top_k", 1), tree_budget=tree_budget)
-    if not model or not isinstance(model, (str, os.PathLike)):
-        raise ValueError(f"speculative_config for method 'draft' needs 'model': the path of a small Llama, "
-                         f"got {model!r}")
+        fields["tree_budget"] = _optional_int(config, "tree_budget")
+        return SpeculativeConfig(method, k, model=str(model), tree_top_k=_positive_int(config, "tree_top_k", 1),
+                                 **fields)
     tree_top_k = _positive_int(config, "tree_top_k", 1)
     acceptance = config.get("acceptance", "rejection")
     if acceptance not in ("rejection", "coupled"):
@@ -156,9 +159,9 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         raise ValueError(f"speculative_config['quantization']: {e}") from None
     if not Path(model).exists():
         raise FileNotFoundError(f"speculative_config['model']: the draft model path does not exist: {model}")
-    return SpeculativeConfig(method, k, model=str(model), dtype=dtype, adaptive=adaptive, tree_top_k=tree_top_k,
-                             tree_budget=tree_budget or k * tree_top_k, acceptance=acceptance,
-                             draft_tensor_parallel_size=draft_tp, quantization=quantization)
+    fields["tree_budget"] = fields["tree_budget"] or k * tree_top_k
+    return SpeculativeConfig(method, k, model=str(model), tree_top_k=tree_top_k, acceptance=acceptance,
+                             draft_tensor_parallel_size=draft_tp, quantization=quantization, **fields)
 
 
 def _served(file: Path, keys: set[str]) -> dict:
@@ -175,13 +178,6 @@ def _served(file: Path, keys: set[str]) -> dict:
     if unknown:
         raise ValueError(f"{file}: unknown keys {sorted(unknown)} (it may set {', '.join(map(repr, sorted(keys)))})")
     return served
-
-
-def _eagle3_served(config: dict, head: Path) -> dict:
-    """``config``, or where it sets none of ``num_speculative_tokens``, ``tree_top_k`` and ``tree_budget``, those of
-    the head directory's ``speculative_config.json`` (if any)."""
-    shape = {"num_speculative_tokens", "tree_top_k", "tree_budget"}
-    return config if shape & set(config) else {**config, **_served(head / "speculative_config.json", shape)}
 
 
 def with_served_defaults(config: SpeculativeConfig, speculator: Path) -> SpeculativeConfig:
@@ -211,7 +207,10 @@ def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
                   dtype, max_model_len: int | None = None, parallel=None, enable_prefix_caching: bool = True
                   ) -> Proposer:
-    """The proposer the speculator drives; ``parallel``: the driver's ``TensorParallel`` under tensor parallelism."""
+    """The proposer the speculator drives, in ``config.dtype`` or the target's ``dtype``; ``parallel``: the driver's
+    ``TensorParallel`` under tensor parallelism."""
+    if config.dtype is not None:
+        dtype = resolve_dtype(config.dtype, device)
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                              config.max_candidates, config.tree_budget)
@@ -219,9 +218,18 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         return LookaheadProposer(config.window_size, config.ngram_size, config.guess_set_size)
     if config.method == "mlp_speculator":
         path = speculator_path(config.model, target_config)
-        return MLPSpeculatorProposer.from_config(with_served_defaults(config, path), path, target_config, device,
-                                                 dtype)
+        config = with_served_defaults(config, path)
+        speculator = load_mlp_speculator(path, emb_dim=target_config.hidden_size, vocab_size=target_config.vocab_size,
+                                         device=device, dtype=dtype)
+        lookup = None
+        if config.prompt_lookup:
+            lookup = NgramProposer(speculator.config.n_predict, config.prompt_lookup_min, config.prompt_lookup_max)
+        return MLPSpeculatorProposer(speculator, config.num_speculative_tokens, config.tree_top_k, lookup,
+                                     config.adaptive)
     if config.method == "eagle3":
-        return Eagle3Proposer.from_config(config, target_config, num_blocks, block_size, device, dtype, max_model_len)
+        head, aux_layers = load_eagle3_head(config.model, target_config, device, dtype)
+        return Eagle3Proposer(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
+                              max_model_len or target_config.max_position_embeddings, config.tree_top_k or 1,
+                              config.tree_budget)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
                          parallel, enable_prefix_caching)

@@ -43,10 +43,8 @@ def device_name(device: torch.device) -> str:
         return f"cuda: {torch.cuda.get_device_name(device)}"
     model = platform.processor() or platform.machine()
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
+        model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                      if line.startswith("model name")), model)
     except OSError:
         pass
     return f"cpu: {model}, {os.cpu_count()} cores"

@@ -1,19 +1,14 @@
-"""The draft-model proposer: a small Llama with its own paged KV guesses k tokens autoregressively.
+"""The draft-model proposer: a small Llama with its own paged KV (and prefix cache) guesses k tokens autoregressively.
 
-The draft's first forward each step feeds every token whose draft K/V is missing (the prompt, the token after a
-rejection, or ``[d_k, bonus]`` after a full acceptance: backfill); then k-1 one-token forwards, each feeding the
-previous guess. Guess ``d_j`` is the argmax of the draft's ``q_j`` when greedy, else drawn from it
-(``speculative_config["acceptance"]``):
-
-* ``"rejection"``: a seed stream of the draft's own; ``q_j`` goes to the rejection sampler (output distributed as
-  the target's, highest acceptance).
-* ``"coupled"``: the exponential race with the target's own numbers at that position; verified by matching, so the
-  output equals plain seeded sampling's.
-
-Trees (``tree_top_k > 1``): every frontier node branches on its ``tree_top_k`` most probable tokens, and the
-``tree_budget`` best children by cumulative log-probability are kept, level by level, one draft forward a level;
-verified as one-hot candidates. Rejected guesses' draft K/V is rolled back with the target's; the draft's pool
-keeps a prefix cache of its own. Under tensor parallelism the draft runs on rank 0 alone or sharded like the target.
+Each step's first draft forward feeds every token whose draft K/V is missing (the prompt, the token after a
+rejection, or ``[d_k, bonus]`` after a full acceptance), then k-1 one-token forwards each feed the previous guess.
+Guess ``d_j`` is the argmax of the draft's ``q_j`` when greedy, else drawn from it: with ``"acceptance":
+"rejection"`` from a seed stream of the draft's own, ``q_j`` going to the rejection sampler (highest acceptance);
+with ``"coupled"`` by the exponential race with the target's own numbers at that position, verified by matching
+(output equals plain seeded sampling's). Trees (``tree_top_k > 1``): each frontier node branches on its
+``tree_top_k`` most probable tokens and the ``tree_budget`` best children by cumulative log-probability are kept, one
+draft forward a level; verified as one-hot candidates. Under tensor parallelism the draft runs on rank 0 alone or
+sharded like the target.
 """
 
 from __future__ import annotations
@@ -24,7 +19,6 @@ import torch
 
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
-from nanospec.device import resolve_dtype
 from nanospec.kernels.sampling import sample_from_probs
 from nanospec.model.forward_batch import build_forward_batch
 from nanospec.model.commands import DRAFT
@@ -34,10 +28,10 @@ from nanospec.model.parallel import check_shardable
 from nanospec.model.quantization import int4_group_size
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
-from nanospec.sampling.tensors import SamplingTensors
+from nanospec.sampling.tensors import SamplingTensors, draw_tokens
 from nanospec.speculative.cost import time_forwards
 from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
-from nanospec.speculative.proposal import Proposal, Verdict, tree_mask
+from nanospec.speculative.proposal import Proposal, Verdict, tree_depths, tree_mask
 from nanospec.speculative.proposer import Proposer
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's random stream differs from the target's for the same request
@@ -58,8 +52,6 @@ class DraftProposer(Proposer):
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
         self.coupled = config.acceptance == "coupled"
-        if config.dtype is not None:
-            dtype = resolve_dtype(config.dtype, device)
         checkpoint = load_checkpoint(config.model, dtype, config.quantization)
         if checkpoint.config.vocab_size != target_config.vocab_size:
             raise ValueError(f"the draft model {config.model!r} has a vocabulary of {checkpoint.config.vocab_size} "
@@ -102,13 +94,12 @@ class DraftProposer(Proposer):
         return [chain_ranking(seq.spec_state.acceptance.alpha(), self.max_tokens_per_step) for seq in seqs]
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
+        active = [i for i, k in enumerate(ks) if k > 0]
         if self.tree_top_k > 1:
-            trees = [i for i, k in enumerate(ks) if k > 0]
             proposals = [Proposal() for _ in seqs]
-            for i, proposal in zip(trees, self._propose_trees([seqs[i] for i in trees], [ks[i] for i in trees])):
+            for i, proposal in zip(active, self._propose_trees([seqs[i] for i in active], [ks[i] for i in active])):
                 proposals[i] = proposal
             return proposals
-        active = [i for i, k in enumerate(ks) if k > 0]
         states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
         for i in active:  # room for the sequence and the k-1 guesses fed back
             self._reserve(seqs[i], seqs[i].num_tokens + ks[i])
@@ -161,7 +152,6 @@ class DraftProposer(Proposer):
             st.num_reusable = 0
         tokens: list[list[int]] = [[] for _ in seqs]
         parents: list[list[int]] = [[] for _ in seqs]
-        depths: list[list[int]] = [[] for _ in seqs]
         # frontier per sequence: (node index or -1 for the root, cumulative log-prob, log-prob row)
         frontier = [[(-1, 0.0, logprobs[i])] for i in range(len(seqs))]
         for depth in range(1, self.k + 1):
@@ -186,7 +176,6 @@ class DraftProposer(Proposer):
                 for score, node, token in children[: self.tree_budget - len(tokens[i])]:
                     tokens[i].append(token)
                     parents[i].append(node)
-                    depths[i].append(depth)
                     frontier[i].append((len(tokens[i]) - 1, score, None))
                 if frontier[i] and depth < max_depths[i]:
                     grown.append(i)
@@ -196,7 +185,7 @@ class DraftProposer(Proposer):
             batch = build_forward_batch(
                 [tokens[i] for i in grown], [seqs[i].num_tokens for i in grown], [states[i].block_table for i in grown],
                 self.block_size, [[n for n, _, _ in frontier[i]] for i in grown], self.model.device,
-                positions=[[seqs[i].num_tokens - 1 + d for d in depths[i]] for i in grown],
+                positions=[[seqs[i].num_tokens + d for d in tree_depths(parents[i])] for i in grown],
                 tree_masks=[tree_mask(parents[i]) for i in grown])
             rows = iter(torch.log_softmax(self.runner.execute(batch)[0], dim=-1))
             for i in grown:
@@ -221,11 +210,10 @@ class DraftProposer(Proposer):
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Guess j for every sequence (on the device) and, when rejection-sampling, the draft's ``q`` ``[S, V]``."""
-        if all(s.params.greedy for s in seqs):
-            return logits.argmax(dim=-1), None
-        if self.coupled:
-            return SamplingTensors.of(seqs, logits.device, offset=j).sample(logits), None
-        t = SamplingTensors.of(seqs, logits.device, offset=j, seed_salt=DRAFT_SEED_SALT)
+        depths = [[j]] * len(seqs)  # guess j is drawn at position num_tokens + j
+        if self.coupled or all(s.params.greedy for s in seqs):
+            return draw_tokens(logits, seqs, depths), None
+        t = SamplingTensors.of(seqs, logits.device, depths=depths, seed_salt=DRAFT_SEED_SALT)
         q = t.probs(logits)
         return sample_from_probs(q, t.seeds, t.offsets), q
 

@@ -1,59 +1,37 @@
-"""An EAGLE-3 head as a proposer: guesses a chain or a tree from three of the target's hidden states, with no extra
+"""An EAGLE-3 head as a proposer: a chain or a tree guessed from three of the target's hidden states, with no extra
 target pass.
 
-The target's runner is told the head's auxiliary layers (:meth:`Eagle3Proposer.bind`), so every step's one forward
-also keeps the residual stream entering those layers at every row (``ModelRunner.aux_hidden``). After verification,
-on the device and before the step's one read (:meth:`Eagle3Proposer.read_forward`), per speculating sequence:
+:meth:`Eagle3Proposer.bind` tells the target's runner the head's auxiliary layers, so every step's forward keeps the
+residual stream entering them (``ModelRunner.aux_hidden``). After verification, on the device and before the step's
+one read, the head runs over exactly the rows the target ran for each sequence, at the same positions: row ``j``
+fed the fused states at ``j`` (a tree's row at depth ``d``: those of the accepted path's node at depth ``d``) and
+the token at ``j + 1`` (a prompt token, else the emitted one). Rows past the last accepted one write K/V that is
+written again before it is read. From its output there it drafts a chain (``k - 1`` one-row steps) or EAGLE-2's
+tree (:mod:`nanospec.speculative.eagle3_tree`). Guesses are argmaxes mapped to target ids: one-hot, so the matched
+rule verifies them and output equals plain decoding's whatever the head's weights.
 
-* **the real rows**: the head runs over exactly the rows the target ran for the sequence (its uncached tokens, then
-  the root and the verified chain), at the same positions, row ``j`` fed the fused states at ``j`` and the token at
-  ``j + 1``: a prompt token, else the step's emitted token at that depth (``Verification.emitted``, on the device).
-  The rows of the accepted path are exact; those of rejected guesses write K/V at positions the next step writes
-  again before anything reads them. The head's output at the last accepted row drafts guess 1.
-* **the chain**: ``k - 1`` one-row steps, each fed the head's own previous prenorm output and its previous guess,
-  one position further (positions, slots and lengths computed on the device from the accepted count);
-* or **the tree** (``tree_top_k`` > 1): EAGLE-2's dynamic tree, ``tree_budget`` nodes ranked by path score
-  (:mod:`nanospec.speculative.eagle3_tree`), its rows written as scratch past the last accepted row.
-
-A tree's real rows follow the accepted path: the row at depth ``d`` reads the target's states at the path's node
-at depth ``d``.
-
-Guesses are the argmax over the draft vocabulary mapped to target ids (``d + d2t[d]``): one-hot, so verification is
-the matched rule and greedy and seeded output equal plain decoding's whatever the head's weights. They come back
-with the verdicts (``Verdict.ahead``) and are the next step's proposal; the goodput policy ranks a chain's depth
-``j`` by ``alpha^j`` (the chain's acceptance estimate, as a draft model's), a tree's node by
-``min(1, c * exp(score))`` (``c`` calibrated per sequence as the MLP speculator's beam).
-
-**The head's K/V**: one layer, its own pool (:class:`~nanospec.cache.block_manager.BlockManager`, twice the target's
-blocks, no prefix caching) and a block table per sequence, covering the positions from ``base`` up to the
-sequence's last committed token but one, as the target's does; K/V past that is scratch (rejected rows, draft
-steps) and is written again before it is read; blocks past it return to the pool after each step, all of them when
-the sequence finishes or is preempted. ``base`` is where the target's forward started when the head first ran for the
-sequence: a prompt served from the target's prefix cache gives the head no hidden states for the cached part, so
-the head attends over the part the target computed (at least the last prompt token). Guesses stay lossless;
-their acceptance may be lower after a long cached prefix. A step the head missed (a failed step) restarts it the
-same way. Not yet: tensor parallelism (the runner must be a local one).
+The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
+sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
+gives no hidden states) to the last committed token but one. Not yet: tensor parallelism.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
-from nanospec.device import resolve_dtype
 from nanospec.kernels.attention_mask import pack_mask
 from nanospec.kernels.rope import build_rope_cache
 from nanospec.model.attention import Attention
-from nanospec.model.eagle3 import Eagle3Head, load_eagle3_head
+from nanospec.model.eagle3 import Eagle3Head
 from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
 from nanospec.speculative.eagle3_tree import TreeShape, grow_tree
-from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
+from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, chain_ranking
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
@@ -64,24 +42,18 @@ class Eagle3State:
     base: int | None = None   # the first position the head holds K/V for (None: none yet)
     num_cached: int = 0       # the head's K/V is exact for positions base .. num_cached - 1
     num_tokens: int = 0       # the sequence's length when its guesses were made
-    guesses: list[int] | None = None
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
-    tree: Proposal | None = None  # trees: the ranked tree drafted then, with each node's chance
-    tree_paths: dict[tuple[int, ...], float] = field(default_factory=dict)  # its paths: exp(score)
-    calibration: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # c
-
-
-CALIBRATION_PRIOR = 0.7  # c before a sequence has verified anything (the MLP speculator's)
-DECAY = 0.8
+    tree: Proposal | None = None  # the guesses drafted then: a chain, or a ranked tree with each node's chance
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a chain's alpha
+    calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree's chances
 
 
 class Eagle3Proposer(Proposer):
     ranked = True
 
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
-                 max_model_len: int, adaptive: bool = True, tree_top_k: int = 1, tree_budget: int | None = None):
+                 max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None):
         c = head.config.layer
-        self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
+        self.head, self.aux_layers, self.k = head, aux_layers, k
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.tree = _tree_shape(k, tree_top_k, tree_budget, head.config.draft_vocab_size)
         self.max_tokens_per_step = self.tree.num_nodes if self.tree else k
@@ -95,16 +67,6 @@ class Eagle3Proposer(Proposer):
         self.attention = Attention(c.num_attention_heads, c.num_key_value_heads, c.head_dim, rope)
         self.embed = head.embed_tokens  # None: the target's, once bound
         self.runner = None
-
-    @classmethod
-    def from_config(cls, config, target_config, num_blocks: int, block_size: int, device: torch.device,
-                    dtype: torch.dtype, max_model_len: int | None) -> Eagle3Proposer:
-        if config.dtype is not None:
-            dtype = resolve_dtype(config.dtype, device)
-        head, aux_layers = load_eagle3_head(config.model, target_config, device, dtype)
-        return cls(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
-                   max_model_len or target_config.max_position_embeddings, config.adaptive, config.tree_top_k or 1,
-                   config.tree_budget)
 
     def bind(self, runner) -> None:
         if not hasattr(runner, "aux_layers"):
@@ -122,54 +84,35 @@ class Eagle3Proposer(Proposer):
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
         if self.tree is None:
             return [chain_ranking(seq.spec_state.acceptance.alpha(), self.k) for seq in seqs]
-        return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
-                for p, depth in zip(self.propose(seqs, depths), depths)]
+        return super().rank(seqs, depths)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         proposals = []
         for seq, depth in zip(seqs, depths):
             st: Eagle3State = seq.spec_state
-            current = st.guesses is not None and st.num_tokens == seq.num_tokens
-            if self.tree is not None:
-                proposals.append(st.tree if current else Proposal())
+            if st.tree is None or st.num_tokens != seq.num_tokens:
+                proposals.append(Proposal())
             else:
-                proposals.append(Proposal.chain(st.guesses[:depth]) if current else Proposal())
+                proposals.append(st.tree if self.tree is not None else Proposal.chain(st.tree.token_ids[:depth]))
         return proposals
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         st: Eagle3State = seq.spec_state
         st.num_tokens = seq.num_tokens
-        if self.tree is None:
+        if self.tree is None:  # (read_forward drafted behind the new last token)
             st.acceptance.observe_chain(proposal, verdict)
-            st.guesses = [int(t) for t in verdict.ahead[0]] if verdict.ahead else None
-        else:
-            self._commit_tree(st, proposal, verdict)
+            st.tree = Proposal.chain([int(t) for t in verdict.ahead[0]])
+        else:  # ranked in the drafted order
+            st.calibration.observe(proposal.checked_paths(), verdict.emitted)
+            st.tree = Proposal([int(v) for v in verdict.ahead[0]], [int(v) for v in verdict.ahead[1]])
+            st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], verdict.ahead[2])
         st.num_cached = seq.num_tokens - 1
         self.block_manager.truncate(st.block_table, st.num_cached - st.base)
-
-    def _commit_tree(self, st: Eagle3State, proposal: Proposal, verdict: Verdict) -> None:
-        """Calibrate ``c`` on the verified nodes (accepted depth over the sum of their ``exp(score)``); rank the tree
-        drafted behind the new last token: chance ``min(1, c * exp(score))``, in the drafted order."""
-        verified = [tuple(path) for path in proposal.paths()] or [(t,) for t in proposal.unverified_guesses]
-        drafted = [path for path in verified if path in st.tree_paths]
-        if drafted:
-            accepted = max((len(p) for p in drafted if list(p) == verdict.emitted[:len(p)]), default=0)
-            st.calibration.observe_expected(sum(st.tree_paths[p] for p in drafted), accepted, DECAY)
-        if not verdict.ahead:
-            st.guesses, st.tree, st.tree_paths = None, None, {}
-            return
-        tokens, parents, scores = ([int(v) for v in verdict.ahead[0]], [int(v) for v in verdict.ahead[1]],
-                                   verdict.ahead[2])
-        tree = Proposal(tokens, parents)
-        st.tree_paths = {tuple(path): math.exp(s) for path, s in zip(tree.paths(), scores)}
-        c = st.calibration.alpha(CALIBRATION_PRIOR)
-        tree.chances = [min(1.0, c * math.exp(s)) for s in scores]
-        st.guesses, st.tree = tokens, tree
 
     def preempt(self, seq: Sequence) -> None:
         st: Eagle3State = seq.spec_state
         self.block_manager.free(st.block_table)
-        st.base, st.num_cached, st.guesses, st.tree = None, 0, None, None
+        st.base, st.num_cached, st.tree = None, 0, None
 
     def free(self, seq: Sequence) -> None:
         self.block_manager.free(seq.spec_state.block_table)

@@ -1,23 +1,12 @@
 """EAGLE-2's dynamic draft tree (Li et al. 2024) grown by an EAGLE-3 head, for a batch of sequences at once, on the
-device.
-
-A node's **score** is the sum of the draft's log-probabilities along its path from the root. With width ``w``, depth
-``k`` and budget ``N``:
-
-* depth 1: the root's ``w`` most probable tokens, all of them expanded;
-* each deeper step feeds the ``w`` expanded nodes of the last depth to the head (its input: the node's token and its
-  parent's prenorm output, at RoPE position ``last accepted + depth``; it attends over the context and its
-  ancestors) and generates each one's ``w`` most probable children (``w * w`` nodes); the ``w`` best of those by
-  score are the next depth's expanded nodes;
-* after depth ``k`` every generated node (``w + (k - 1) * w * w``) is ranked by score, shallower first on ties, and
-  the best ``N`` are kept. A child's score never exceeds its parent's (log-probabilities are <= 0), so every kept
-  node's parent is kept and ranked before it: the list is a tree, and so is each of its prefixes.
-
-The head's one layer sees a node's ancestors through the tree bitmask the verify forward's attention takes: each
-feed carries every expanded node so far (depth-major, ``w`` per depth) again, written to the same scratch slots past
-the last accepted row, with each row's ancestors in its mask; only the last depth's outputs are read. Re-feeding
-costs ``w * d`` rows at depth ``d`` and keeps the paged K/V layout a plain prefix: nothing past the last accepted
-row is ever kept.
+device. A node's **score** is the sum of the draft's log-probabilities along its path. With width ``w``, depth ``k``
+and budget ``N``: depth 1 is the root's ``w`` most probable tokens; each deeper step feeds the last depth's ``w``
+expanded nodes (a node's token and its parent's prenorm output, at position ``last accepted + depth``, attending to
+the context and its ancestors) and generates each one's ``w`` most probable children, the best ``w`` of which are
+expanded next. Then every generated node is ranked by score (shallower first on ties) and the best ``N`` are kept:
+a child's score never exceeds its parent's, so the list and each of its prefixes is a tree. Each feed carries every
+expanded node so far again, at the same scratch slots past the last accepted row, with each row's ancestors in its
+mask: ``w * d`` rows at depth ``d``, and nothing past the last accepted row is ever kept.
 """
 
 from __future__ import annotations

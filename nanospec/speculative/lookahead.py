@@ -49,6 +49,7 @@ class LookaheadState:
     pool: dict[int, OrderedDict[tuple[int, ...], None]] = field(default_factory=dict)
     recent: list[int] = field(default_factory=list)
     root_in_recent: bool = False
+    step: LookaheadStep | None = None  # the step proposed, until its outcome is committed
 
     @property
     def width(self) -> int:
@@ -94,11 +95,11 @@ class LookaheadDecoder:
         return state
 
     def build_step(self, state: LookaheadState, root: int) -> LookaheadStep:
-        """The tokens, positions and mask of one forward for a sequence whose last committed token is ``root``."""
+        """The tokens and tree of one forward for a sequence whose last committed token is ``root``."""
         if state.root_in_recent and root != state.recent[-1]:
             raise ValueError(f"root {root} is not the last committed token {state.recent[-1]}")
         trie = TokenTrie()
-        for continuation in reversed(state.pool.get(root, ())):
+        for continuation in state.candidates(root):
             trie.insert(continuation)
         tokens = [root] + trie.token_ids
         parents = [-1] + [p + 1 for p in trie.parents]
@@ -113,9 +114,8 @@ class LookaheadDecoder:
                 parents.append(_window_row(num_tree_nodes, width, *below))
         return LookaheadStep(tokens, parents, num_tree_nodes)
 
-    def update(
-        self, state: LookaheadState, step: LookaheadStep, lookahead_argmax: list[int], accepted: list[int]
-    ) -> None:
+    def update(self, state: LookaheadState, step: LookaheadStep, lookahead_argmax: list[int],
+               accepted: list[int]) -> None:
         """Advance the window and grow the pool after the forward of ``step``: ``lookahead_argmax`` at each window row,
         ``accepted`` the tokens committed."""
         levels = state.levels
@@ -142,11 +142,6 @@ class LookaheadDecoder:
 
         committed = [int(t) for t in accepted]
         self._add_committed(state, committed if state.root_in_recent else [root, *committed])
-        state.root_in_recent = True
-
-    def commit_without_step(self, state: LookaheadState, committed: list[int]) -> None:
-        """Tokens committed by a forward that ran no window (the prefill, or a step near the end of the context)."""
-        self._add_committed(state, [int(t) for t in committed])
         state.root_in_recent = True
 
     def _add_committed(self, state: LookaheadState, tokens: list[int]) -> None:
@@ -192,9 +187,7 @@ class LookaheadProposal(Proposal):
         """The trie cut as any tree is; the window stays only if it still fits in ``max_nodes`` with it."""
         tree = Proposal.truncated(self, max_depth, max_nodes)
         if len(tree.token_ids) + len(self.window_tokens) > max_nodes:
-            return Proposal(tree.token_ids, tree.parents) if tree is self else tree
-        if tree is self:
-            return self
+            return Proposal(tree.token_ids, tree.parents)
         shift = len(tree.token_ids) - len(self.token_ids)  # window nodes hang under the root or one another
         return LookaheadProposal(tree.token_ids, tree.parents, window_tokens=self.window_tokens,
                                  window_parents=[p + shift if p >= 0 else p for p in self.window_parents])
@@ -208,13 +201,13 @@ class LookaheadProposer(Proposer):
         self.max_tokens_per_step = self.decoder.max_step_tokens - 1
 
     def start(self, seq: Sequence) -> None:
-        seq.spec_state = _SeqLookahead(self.decoder.new_state(seq.token_ids))
+        seq.spec_state = self.decoder.new_state(seq.token_ids)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         proposals = []
         for seq in seqs:
-            st: _SeqLookahead = seq.spec_state
-            step = st.step = self.decoder.build_step(st.state, seq.token_ids[-1])
+            st: LookaheadState = seq.spec_state
+            step = st.step = self.decoder.build_step(st, seq.token_ids[-1])
             n = step.num_tree_nodes - 1
             tokens, parents = step.tokens[1:], [p - 1 for p in step.parents[1:]]
             proposals.append(LookaheadProposal(tokens[:n], parents[:n], window_tokens=tokens[n:],
@@ -233,16 +226,11 @@ class LookaheadProposer(Proposer):
         return [logits[torch.tensor(rows, device=logits.device)].argmax(dim=-1)]
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        st: _SeqLookahead = seq.spec_state
+        st: LookaheadState = seq.spec_state
         window = len(proposal.window_tokens) if isinstance(proposal, LookaheadProposal) else 0
         if st.step is not None and window:
-            self.decoder.update(st.state, st.step, verdict.ahead[0][:window], verdict.emitted)
-        else:  # the prefill, or a step whose window did not fit before the end of the context
-            self.decoder.commit_without_step(st.state, verdict.emitted)
+            self.decoder.update(st, st.step, verdict.ahead[0][:window], verdict.emitted)
+        else:  # the prefill, or a step whose window did not fit before the end of the context: no window ran
+            self.decoder._add_committed(st, [int(t) for t in verdict.emitted])
+            st.root_in_recent = True
         st.step = None
-
-
-@dataclass
-class _SeqLookahead:
-    state: LookaheadState
-    step: LookaheadStep | None = None

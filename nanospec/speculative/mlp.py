@@ -1,55 +1,41 @@
 """The MLP speculator as a proposer: guesses from the target's own hidden state, with no extra target pass.
 
-After verification, on the device and before the step's one read, it runs its stages
-(:mod:`nanospec.model.mlp_speculator`) from ``(h, t_0)``: ``t_0`` the sequence's last emitted token, ``h`` the
-target's final hidden state at the row whose logits drew it. The guesses come back with the verdicts
-(``Verdict.ahead``) and are one-hot, so verification is the matched rule: the output is plain decoding's.
+After verification, on the device and before the step's one read, its stages (:mod:`nanospec.model.mlp_speculator`)
+run from ``(h, t_0)``: ``t_0`` the sequence's last emitted token, ``h`` the target's final hidden state at the row
+whose logits drew it. The guesses come back in ``Verdict.ahead`` and are one-hot, so verification is the matched rule.
 With ``tree_top_k`` w > 1 a beam keeps the w most probable paths per depth; with ``prompt_lookup`` the n-gram chain
-joins the tree. Nodes are ranked by their chance to lie on the accepted path, for the goodput policy:
-
-    beam node with path score s (summed log-probabilities)   chance = min(1, c * exp(s))
-    n-gram chain's token at depth d                           chance = a^d
-    a node on both                                            the larger
-
-``c`` (accepted beam depth over the verified beam nodes' ``exp(s)``) and ``a`` (the chain's acceptance) are
-estimated per sequence, decayed. A child is never more likely than its parent, so sorting by chance (shorter paths
-first on ties) keeps every prefix a tree. A sequence whose state is missing or stale guesses nothing this step.
+joins the tree. A beam node's chance is its :class:`~nanospec.speculative.policy.TreeCalibration`'s, the chain's depth
+``d`` token's ``a^d`` (``a`` its acceptance), a node on both the larger. A child is never more likely than its parent,
+so sorting by chance (shorter paths first on ties) keeps every prefix a tree.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from nanospec.device import resolve_dtype
-from nanospec.model.mlp_speculator import MLPSpeculator, load_mlp_speculator
+from nanospec.model.mlp_speculator import MLPSpeculator
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
 from nanospec.speculative.ngram import NgramIndex, NgramProposer
-from nanospec.speculative.policy import AcceptanceEstimate
+from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, accepted_depth
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
-SHIPPED_SPECULATORS = Path(__file__).resolve().parents[1] / "speculators"
-SHIPPED_FOR_EMBEDDED = SHIPPED_SPECULATORS / "smollm2-135m-instruct"
+SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct"
 # The embedded model's shape (SmolLM2-135M-Instruct): a target of this shape (the embedded GGUF, an HF or converted
 # copy) gets the shipped speculator when speculative_config names no model.
 EMBEDDED_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                   "num_attention_heads": 9, "num_key_value_heads": 3}
 
 
-def is_embedded_shape(target_config) -> bool:
-    return all(getattr(target_config, name) == value for name, value in EMBEDDED_SHAPE.items())
-
-
 def speculator_path(model: str | None, target_config) -> Path:
     """The speculator directory: ``model``, or the shipped one for a target of the embedded model's shape."""
     if model is not None:
         return Path(model)
-    if not is_embedded_shape(target_config):
+    if any(getattr(target_config, name) != value for name, value in EMBEDDED_SHAPE.items()):
         c = target_config
         raise ValueError(f"speculative_config for method 'mlp_speculator' needs 'model': the directory of an MLP "
                          f"speculator for this target (config.json + model.safetensors, emb_dim {c.hidden_size}, "
@@ -63,9 +49,7 @@ def speculator_path(model: str | None, target_config) -> Path:
     return SHIPPED_FOR_EMBEDDED
 
 
-CALIBRATION_PRIOR = 0.7  # c before a sequence has verified anything
-LOOKUP_PRIOR = 0.6       # a likewise (the n-gram proposer's prior)
-DECAY = 0.8              # both estimates' counts decay by this a step (the policy's default)
+LOOKUP_PRIOR = 0.6  # a before the chain has been tried (the n-gram proposer's prior)
 
 
 @dataclass
@@ -74,10 +58,9 @@ class MLPState:
     beam: list[list] | None = None      # guessed then, during verification: [token ids, parents, scores]
     ranked: Proposal | None = None      # the beam and the n-gram chain, ranked: the next proposal
     lookup: NgramIndex | None = None    # the sequence's n-gram index, with prompt lookup
-    calibration: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)        # c
+    calibration: TreeCalibration = field(default_factory=TreeCalibration)             # the beam's
     lookup_acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a
-    beam_paths: dict[tuple[int, ...], float] = field(default_factory=dict)  # last proposal's beam paths: exp(s)
-    chain: list[int] = field(default_factory=list)                           # last proposal's n-gram chain
+    chain: list[int] = field(default_factory=list)                                     # last proposal's n-gram chain
 
 
 class MLPSpeculatorProposer(Proposer):
@@ -104,49 +87,25 @@ class MLPSpeculatorProposer(Proposer):
         self.adaptive = adaptive
         self.max_tokens_per_step = k * (tree_top_k + (prompt_lookup is not None))
 
-    @classmethod
-    def from_config(cls, config, path: Path, target_config, device: torch.device,
-                    dtype: torch.dtype) -> MLPSpeculatorProposer:
-        """Load the speculator at ``path`` for the target, in ``config.dtype`` or the target's."""
-        if config.dtype is not None:
-            dtype = resolve_dtype(config.dtype, device)
-        speculator = load_mlp_speculator(path, emb_dim=target_config.hidden_size, vocab_size=target_config.vocab_size,
-                                         device=device, dtype=dtype)
-        lookup = None
-        if config.prompt_lookup:
-            lookup = NgramProposer(speculator.config.n_predict, config.prompt_lookup_min, config.prompt_lookup_max)
-        return cls(speculator, config.num_speculative_tokens, config.tree_top_k, lookup, config.adaptive)
-
     def start(self, seq: Sequence) -> None:
         seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)
 
-    def guess_ahead(self, hidden_states: torch.Tensor, last_tokens: torch.Tensor, depth: int) -> list[torch.Tensor]:
-        """On the device: every sequence's beam, ``min(depth, k)`` deep, from ``[B, hidden]`` states and ``[B]``
-        tokens."""
-        return list(self.model.propose_tree(hidden_states, last_tokens, min(depth, self.k), self.width))
-
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
-        """The beam behind each sequence's last emitted token; with the policy one depth deeper than this step
-        verified."""
+        """On the device: the beam behind each sequence's last emitted token, ``k`` deep, or with the policy one depth
+        deeper than this step verified (at most ``k``)."""
         rows, last_tokens = verification.last_emitted()
         depth = max((p.max_depth() for p in proposals), default=0) + 1 if self.adaptive else self.k
-        return self.guess_ahead(hidden[rows], last_tokens, depth)
-
-    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
-                for p, depth in zip(self.propose(seqs, depths), depths)]
+        return list(self.model.propose_tree(hidden[rows], last_tokens, min(depth, self.k), self.width))
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        """Each sequence's ranked tree, made when its last outcome came; no device work."""
+        """Each sequence's ranked tree, made when its last outcome came (none if its state is missing or stale)."""
         return [seq.spec_state.ranked if self._has_current_state(seq) else Proposal() for seq in seqs]
 
     def _ranked_tree(self, state: MLPState) -> Proposal:
         tokens, parents, scores = state.beam
-        state.beam_paths = {tuple(path): math.exp(score) for path, score in zip(Proposal(tokens, parents).paths(),
-                                                                                 scores)}
-        scale = state.calibration.alpha(CALIBRATION_PRIOR)
-        chance = {path: min(1.0, scale * p) for path, p in state.beam_paths.items()}
+        paths = [tuple(path) for path in Proposal(tokens, parents).paths()]
+        chance = dict(zip(paths, state.calibration.chances(paths, scores)))
         if self.prompt_lookup is not None:
             state.chain = self.prompt_lookup.chain(state.lookup, self.k)
             a = state.lookup_acceptance.alpha(LOOKUP_PRIOR)
@@ -164,28 +123,18 @@ class MLPSpeculatorProposer(Proposer):
         return state is not None and state.ranked is not None and state.num_tokens == seq.num_tokens
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Calibrate ``c`` and ``a`` on the outcome; rank the beam guessed behind the new last token for the next
-        step."""
+        """Calibrate the beam's ``c`` and the chain's ``a`` on the outcome; rank the beam guessed behind the new last
+        token for the next step."""
         state: MLPState = seq.spec_state
-        verified = [tuple(path) for path in proposal.paths()] or [(t,) for t in proposal.unverified_guesses]
-        if verified:
-            self._calibrate(state, verified, verdict.emitted)
+        verified = proposal.checked_paths()
+        state.calibration.observe(verified, verdict.emitted)
+        chain = [p for p in verified if list(p) == state.chain[: len(p)]]
+        if chain:
+            state.lookup_acceptance.observe(len(chain), accepted_depth(chain, verdict.emitted))
         state.beam, state.num_tokens = verdict.ahead, seq.num_tokens
         if state.lookup is not None:
             state.lookup.extend(verdict.emitted)
         state.ranked = self._ranked_tree(state) if state.beam is not None else None
-
-    @staticmethod
-    def _calibrate(state: MLPState, verified: list[tuple[int, ...]], emitted: list[int]) -> None:
-        def accepted_depth(paths: list[tuple[int, ...]]) -> int:
-            return max((len(p) for p in paths if list(p) == emitted[: len(p)]), default=0)
-
-        beam = [p for p in verified if p in state.beam_paths]
-        if beam:
-            state.calibration.observe_expected(sum(state.beam_paths[p] for p in beam), accepted_depth(beam), DECAY)
-        chain = [p for p in verified if list(p) == state.chain[: len(p)]]
-        if chain:
-            state.lookup_acceptance.observe(len(chain), accepted_depth(chain), DECAY)
 
     def preempt(self, seq: Sequence) -> None:
         seq.spec_state.beam = seq.spec_state.ranked = None

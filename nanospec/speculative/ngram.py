@@ -29,37 +29,28 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int, token_ids: Tokens[int] = ()):
         self.min_n = min_n
         self.max_n = max_n
-        self._tokens: list[int] = []
+        self.tokens: list[int] = []  # the sequence so far (change it through ``extend``)
         self.ends: dict[tuple[int, ...], list[int]] = {}
         self.extend(token_ids)
 
-    @property
-    def tokens(self) -> list[int]:
-        """The sequence so far (read only: change it through ``extend``)."""
-        return self._tokens
-
-    def __len__(self) -> int:
-        return len(self._tokens)
-
     def extend(self, token_ids: Tokens[int]) -> None:
         """Append tokens to the sequence and index the n-grams that end at each of them."""
-        tokens = self._tokens
+        tokens = self.tokens
         for token in token_ids:
             tokens.append(int(token))
             end = len(tokens)
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.ends.setdefault(tuple(tokens[end - n : end]), []).append(end)
 
-    def match(self) -> tuple[int, list[int]] | None:
-        """The largest n whose suffix n-gram also ends earlier, with those earlier end positions; None when none
-        does."""
-        tokens = self._tokens
-        length = len(tokens)
-        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            positions = self.ends[tuple(tokens[length - n :])]
-            if len(positions) > 1:  # positions[-1] is the suffix itself
-                return n, positions
-        return None
+    def match(self) -> list[int]:
+        """The end positions of the longest suffix n-gram that also ends earlier (the last: the suffix itself); []
+        when none does."""
+        tokens = self.tokens
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            positions = self.ends[tuple(tokens[len(tokens) - n :])]
+            if len(positions) > 1:
+                return positions
+        return []
 
 
 @dataclass
@@ -79,9 +70,8 @@ class NgramProposer(Proposer):
         if prompt_lookup_min < 1:
             raise ValueError(f"prompt_lookup_min must be >= 1, got {prompt_lookup_min}")
         if prompt_lookup_max < prompt_lookup_min:
-            raise ValueError(
-                f"prompt_lookup_max must be >= prompt_lookup_min = {prompt_lookup_min}, got {prompt_lookup_max}"
-            )
+            raise ValueError(f"prompt_lookup_max must be >= prompt_lookup_min = {prompt_lookup_min}, got "
+                             f"{prompt_lookup_max}")
         if max_candidates < 1:
             raise ValueError(f"max_candidates must be >= 1, got {max_candidates}")
         self.num_speculative_tokens = num_speculative_tokens
@@ -101,29 +91,21 @@ class NgramProposer(Proposer):
         k = self.num_speculative_tokens if k is None else k
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
-        found = index.match()
-        if found is None:
-            return []
-        _, positions = found
-        start = positions[-2]
-        return index.tokens[start : min(start + k, len(index))]
+        positions = index.match()
+        return index.tokens[positions[-2] : positions[-2] + k] if positions else []
 
     def tree(self, index: NgramIndex, budget: int) -> tuple[list[int], list[int]]:
         """A trie of continuations, most recent occurrence first, paths at most k long, at most `budget` nodes."""
         if budget < 0:
             raise ValueError(f"budget must be >= 0, got {budget}")
-        found = index.match()
-        if found is None or budget == 0:
+        positions = index.match()
+        if not positions or budget == 0:
             return [], []
-        _, positions = found
-        tokens = index.tokens
-        length = len(tokens)
-        depth = self.num_speculative_tokens
         trie = TokenTrie(budget)
         num_candidates = 0
         max_scanned = self.max_candidates * OCCURRENCES_SCANNED_PER_CANDIDATE
         for start in islice(reversed(positions), 1, 1 + max_scanned):  # most recent first, suffix skipped
-            num_candidates += trie.insert(tokens[start : min(start + depth, length)])
+            num_candidates += trie.insert(index.tokens[start : start + self.num_speculative_tokens])
             if num_candidates == self.max_candidates or trie.full:
                 break
         return trie.token_ids, trie.parents

@@ -10,10 +10,12 @@ of accepted and tried guesses. Outputs are unaffected: only how many candidates 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 PRIOR_WEIGHT = 2.0
 CHAIN_PRIOR = 0.6  # a chain's alpha before it has been tried
+CALIBRATION_PRIOR = 0.7  # a scored tree's c before it has been tried
 DECAY = 0.8        # an estimate's counts decay by this a step
 
 
@@ -40,6 +42,30 @@ class AcceptanceEstimate:
             self.observe(proposal.max_depth(), verdict.num_accepted)
         elif proposal.unverified_guesses:
             self.observe(1, int(verdict.emitted[0] in proposal.unverified_guesses))
+
+
+def accepted_depth(paths: list[tuple[int, ...]], emitted: list[int]) -> int:
+    """The longest of ``paths`` that the emitted tokens begin with (0: none)."""
+    return max((len(p) for p in paths if list(p) == emitted[:len(p)]), default=0)
+
+
+@dataclass
+class TreeCalibration:
+    """A scored tree's chances (scores ``s``: summed log-probabilities along a path): ``min(1, c * exp(s))``, ``c``
+    the accepted depth over the ``exp(s)`` of the verified nodes, estimated per sequence."""
+    c: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    paths: dict[tuple[int, ...], float] = field(default_factory=dict)  # the last tree's paths: exp(s)
+
+    def observe(self, verified: list[tuple[int, ...]], emitted: list[int]) -> None:
+        drafted = [p for p in verified if p in self.paths]
+        if drafted:
+            self.c.observe_expected(sum(self.paths[p] for p in drafted), accepted_depth(drafted, emitted))
+
+    def chances(self, paths: list[tuple[int, ...]], scores: list[float]) -> list[float]:
+        """Each node's chance in a new tree, whose paths the next :meth:`observe` checks."""
+        self.paths = {path: math.exp(s) for path, s in zip(paths, scores)}
+        c = self.c.alpha(CALIBRATION_PRIOR)
+        return [min(1.0, c * math.exp(s)) for s in scores]
 
 
 def chain_ranking(alpha: float, k: int) -> list[tuple[float, int]]:

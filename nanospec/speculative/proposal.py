@@ -13,32 +13,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanospec.kernels.attention_mask import BITS_PER_WORD, num_words
+from nanospec.kernels.attention_mask import num_words
 from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.outputs import TokenLogprob
 from nanospec.sequence import Sequence
 
 
-WORD_MASK, SIGN_BIT = (1 << BITS_PER_WORD) - 1, 1 << (BITS_PER_WORD - 1)
-
-
 def tree_mask(parents: list[int]) -> torch.Tensor:
     """The attention bitmask (:mod:`nanospec.kernels.attention_mask`) of a tree: each node sees itself and its
     ancestors."""
-    words = num_words(len(parents))
-    bitsets: list[int] = []
-    rows: list[list[int]] = []
+    words, bitsets = num_words(len(parents)), []
     for node, parent in enumerate(parents):
         if not -1 <= parent < node:
             raise ValueError(f"parent of node {node} is {parent}: it must be -1 or an earlier node")
-        bits = (bitsets[parent] if parent >= 0 else 0) | (1 << node)
-        bitsets.append(bits)
-        row = []
-        for w in range(words):
-            word = (bits >> (BITS_PER_WORD * w)) & WORD_MASK
-            row.append(word - (1 << BITS_PER_WORD) if word & SIGN_BIT else word)  # bit 63 is the int64 sign bit
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.int64).view(len(parents), words)
+        bitsets.append((bitsets[parent] if parent >= 0 else 0) | (1 << node))
+    # each row's words, least significant first, read as int64 (bit 63 the sign bit) on a little-endian host
+    data = bytearray(b"".join(bits.to_bytes(8 * words, "little") for bits in bitsets))
+    if not data:
+        return torch.zeros(0, 0, dtype=torch.int64)
+    return torch.frombuffer(data, dtype=torch.int64).view(len(parents), words)
 
 
 def tree_depths(parents: list[int]) -> list[int]:
@@ -64,9 +57,8 @@ class Proposal:
                              f"{len(self.parents)} parents")
 
     @classmethod
-    def chain(cls, token_ids: list[int], draft_probs: torch.Tensor | None = None,
-              chances: list[float] | None = None) -> Proposal:
-        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), chances, draft_probs)
+    def chain(cls, token_ids: list[int], draft_probs: torch.Tensor | None = None) -> Proposal:
+        return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), draft_probs=draft_probs)
 
     def fed(self) -> tuple[list[int], list[int]]:
         """(tokens, parents) of every node the step feeds: the tree, then any nodes fed but not verified."""
@@ -95,10 +87,9 @@ class Proposal:
     def first_guesses(self) -> tuple[int, ...]:
         return tuple(t for t, p in zip(self.token_ids, self.parents) if p == -1)
 
-    def layout(self) -> tuple[list[int], torch.Tensor]:
-        """(position offsets from the root, ancestor bitmask) over the root and every fed node, root first."""
-        parents = [-1] + [p + 1 for p in self.fed()[1]]
-        return tree_depths(parents), tree_mask(parents)
+    def checked_paths(self) -> list[tuple[int, ...]]:
+        """The paths verified, or when none was, the first guesses checked against the outcome."""
+        return [tuple(path) for path in self.paths()] or [(t,) for t in self.unverified_guesses]
 
     def truncated(self, max_depth: int, max_nodes: int) -> Proposal:
         """This proposal with only the nodes at depth <= ``max_depth``, at most ``max_nodes`` of them (the first
@@ -161,17 +152,17 @@ def build_step_batch(seqs: list[Sequence], proposals: list[Proposal], block_size
     token_lists, starts, logits_rows, positions, masks = [], [], [], [], []
     for seq, proposal in zip(seqs, proposals):
         uncached = seq.token_ids[seq.num_cached_tokens:]
-        fed = proposal.fed()[0]
+        fed, fed_parents = proposal.fed()
         token_lists.append(uncached + fed)
         starts.append(seq.num_cached_tokens)
         root_row = len(uncached) - 1
         logits_rows.append(range(root_row, root_row + 1 + len(fed)))
-        if proposal.is_chain:
+        if proposal.is_chain:  # causal: the default positions and mask
             positions.append(None)
             masks.append(None)
         else:
-            offsets, mask = proposal.layout()
-            positions.append([seq.num_tokens - 1 + o for o in offsets])
-            masks.append(mask)
+            parents = [-1] + [p + 1 for p in fed_parents]  # the root, then every fed node
+            positions.append([seq.num_tokens - 1 + d for d in tree_depths(parents)])
+            masks.append(tree_mask(parents))
     return build_forward_batch(token_lists, starts, [s.block_table for s in seqs], block_size, logits_rows, "cpu",
                                positions=positions, tree_masks=masks)

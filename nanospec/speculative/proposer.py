@@ -1,11 +1,8 @@
-"""What the speculator asks of a proposer (n-gram, lookahead, draft model, MLP speculator).
-
-A proposer returns a token tree per sequence. A **ranked** one tells the goodput policy each node's chance
-(:meth:`Proposer.rank`) before the step, and ``propose`` is asked for the depths that pay. ``bind``, once before
-the first step, hands it the target's runner (an EAGLE-3 head reads the target's embedding and asks its forward for
-more hidden states). Per sequence: ``start``, ``rank`` / ``propose`` each decode step, ``read_forward`` on the
-device after verification (its values come back as ``Verdict.ahead``), ``commit`` after the sequence grew,
-``preempt`` when its KV is dropped, ``free`` when it ends.
+"""What the speculator asks of a proposer: a token tree per sequence (a chain is a tree). A **ranked** one tells the
+goodput policy each node's chance (:meth:`Proposer.rank`) before ``propose`` is asked for the depths that pay.
+``bind`` hands it the target's runner once; per sequence: ``start``, ``rank`` / ``propose`` each decode step,
+``read_forward`` on the device after verification (its values come back as ``Verdict.ahead``), ``commit`` after the
+sequence grew, ``preempt`` when its KV is dropped, ``free`` when it ends.
 """
 
 from __future__ import annotations
@@ -25,8 +22,10 @@ class Proposer(abc.ABC):
     needs_hidden_states = False  # the step's forward returns the target's final hidden states, for read_forward
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first."""
-        raise NotImplementedError(f"{type(self).__name__} does not rank its proposals")
+        """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first: by
+        default its proposal's ``chances``."""
+        return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
+                for p, depth in zip(self.propose(seqs, depths), depths)]
 
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
@@ -39,20 +38,19 @@ class Proposer(abc.ABC):
 
     def bind(self, runner) -> None:
         """Before the first step: the target's runner."""
-        return None
 
     def measure_cost(self) -> float:
         """Seconds one depth of guesses costs; 0 for proposers that need no model."""
         return 0.0
 
     def start(self, seq: Sequence) -> None:
-        return None
+        pass
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        return None
+        pass
 
     def preempt(self, seq: Sequence) -> None:
-        return None
+        pass
 
     def free(self, seq: Sequence) -> None:
         seq.spec_state = None

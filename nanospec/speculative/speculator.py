@@ -1,11 +1,8 @@
-"""The Speculator: everything speculative about an engine step.
-
-    propose   which sequences guess, how deep (context, max_tokens, the goodput policy), and their token trees
-    verify    one pass over the target's logits (:mod:`nanospec.speculative.verify`) and the step's one device
-              read; the accepted path's K/V then moves next to the root
-    commit    the outcome goes back to the proposer
-
-Without a proposer it proposes nothing and verify is plain sampling.
+"""The Speculator: everything speculative about an engine step. ``propose``: which sequences guess, how deep (context,
+max_tokens, the goodput policy), and their token trees; ``verify``: one pass over the target's logits
+(:mod:`nanospec.speculative.verify`) and the step's one device read, then the accepted path's K/V moves next to the
+root; ``commit``: the outcome goes back to the proposer. Without a proposer it proposes nothing and verify is plain
+sampling.
 """
 
 from __future__ import annotations
@@ -29,7 +26,6 @@ class Speculator:
         self.proposer = proposer
         self.runner = runner
         self.model = runner.model
-        self.kv_cache = runner.kv_cache
         self.block_size = block_manager.block_size
         self.max_model_len = max_model_len
         self.max_tokens_per_step = proposer.max_tokens_per_step if proposer is not None else 0
@@ -58,22 +54,19 @@ class Speculator:
                                                             self.max_model_len // 2):
             larger.append(m)
         counts = list(range(1, k + 2)) + larger
-
-        def timed(token_counts: list[int], per_seq: int) -> list[float]:
-            return time_forwards(lambda batch: self.runner.execute(batch)[0], block_manager, token_counts,
-                                 per_seq=per_seq, device=self.model.device, batch_device="cpu",
-                                 max_len=self.max_model_len)
+        execute = lambda batch: self.runner.execute(batch)[0]  # noqa: E731
+        runner = "graphs" if self.runner.use_graphs else "eager" if self.runner.enforce_eager else "static"
 
         def key() -> dict | None:  # (under tensor parallelism the collectives are timed too: not cached)
-            if self.model.tp is not None:
-                return None
-            runner = "graphs" if self.runner.use_graphs else "eager" if self.runner.enforce_eager else "static"
-            return cost_key(self.model, runner=runner, counts=counts, per_seq=k + 1, block_size=self.block_size,
-                            num_blocks=block_manager.num_blocks, max_len=self.max_model_len)
+            return None if self.model.tp is not None else cost_key(
+                self.model, runner=runner, counts=counts, per_seq=k + 1, block_size=self.block_size,
+                num_blocks=block_manager.num_blocks, max_len=self.max_model_len)
 
+        measure = lambda: time_forwards(execute, block_manager, counts, per_seq=k + 1,  # noqa: E731
+                                        device=self.model.device, batch_device="cpu", max_len=self.max_model_len)
         guess_cost = self.proposer.measure_cost()
-        probe = lambda: run_one_forward(lambda batch: self.runner.execute(batch)[0], block_manager, "cpu")  # noqa: E731
-        costs, measured = cached_forward_costs(key, lambda: timed(counts, k + 1), probe, self.model.device)
+        costs, measured = cached_forward_costs(key, measure, lambda: run_one_forward(execute, block_manager, "cpu"),
+                                               self.model.device)
         if measured:
             guess_cost = min(guess_cost, self.proposer.measure_cost())
         return GoodputPolicy(k, costs[:k + 1], guess_cost, larger_forwards=dict(zip(larger, costs[k + 1:])))
@@ -125,51 +118,40 @@ class Speculator:
             counts = self.policy.choose_nodes(self.proposer.rank(guessers, depths), num_tokens, len(seqs))
             depths = [min(count, depth) for count, depth in zip(counts, depths)]
             rooms = [min(count, room) for count, room in zip(counts, rooms)]
+        vocab = self.model.config.vocab_size
         for i, proposal, depth, room in zip(guessing, self.proposer.propose(guessers, depths), depths, rooms):
+            bad = next((t for t in proposal.fed()[0] if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{type(self.proposer).__name__} proposed token id {bad}, outside the vocabulary "
+                                 f"[0, {vocab})")
             proposals[i] = self._verified_part(proposal, depth, room)
         return proposals
 
-    def _verified_part(self, proposal: Proposal, max_depth: int, max_nodes: int) -> Proposal:
+    @staticmethod
+    def _verified_part(proposal: Proposal, max_depth: int, max_nodes: int) -> Proposal:
         """The nodes to verify; when none, the first guesses are still checked against the outcome."""
-        self._check_vocabulary(proposal)
         verified = proposal.truncated(max_depth, max_nodes)
         if not verified.token_ids:
             verified.unverified_guesses = proposal.first_guesses()
         return verified
 
-    def _check_vocabulary(self, proposal: Proposal) -> None:
-        vocab = self.model.config.vocab_size
-        bad = next((t for t in proposal.fed()[0] if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"{type(self.proposer).__name__} proposed token id {bad}, outside the vocabulary "
-                             f"[0, {vocab})")
-
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                hidden: torch.Tensor | None = None) -> list[Verdict]:
         """Each sequence's verdict, with what the proposer read from the forward (``Verdict.ahead``), from one device
-        read."""
+        read; then the accepted paths' K/V moves next to their roots: node i's K/V sits at root + 1 + i, the accepted
+        path's moves to root + 1 .. root + depth."""
         outcome = verify(seqs, proposals, logits, self.runner.to_device)
         ahead = self.proposer.read_forward(proposals, logits, hidden, outcome) if self.proposer is not None else []
-        verdicts, values = outcome.read(ahead)  # the step's one device read
-        for b, verdict in enumerate(verdicts):
-            if ahead:  # [B, ...] each: a row per sequence
-                verdict.ahead = [v[b * (t.numel() // len(seqs)):(b + 1) * (t.numel() // len(seqs))]
-                                 for v, t in zip(values, ahead)]
-        self._compact_accepted_paths(seqs, verdicts)
-        return verdicts
-
-    def _compact_accepted_paths(self, seqs: list[Sequence], verdicts: list[Verdict]) -> None:
-        """Node i's K/V sits at root + 1 + i; the accepted path's moves to root + 1 .. root + depth."""
+        verdicts = outcome.read(ahead)  # the step's one device read
         src, dst = [], []
         for seq, verdict in zip(seqs, verdicts):
             root = seq.num_tokens - 1
             moves = [(root + 1 + node, root + 1 + depth) for depth, node in enumerate(verdict.path) if node != depth]
             src += slots_of(seq.block_table, self.block_size, [a for a, _ in moves])
             dst += slots_of(seq.block_table, self.block_size, [b for _, b in moves])
-        if not src:
-            return
-        # through the runner: under tensor parallelism every rank moves its own heads' K/V
-        self.runner.copy_kv_slots(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
+        if src:  # through the runner: under tensor parallelism every rank moves its own heads' K/V
+            self.runner.copy_kv_slots(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
+        return verdicts
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """After ``seq`` grew by ``verdict.emitted`` (and did not finish): tell the proposer."""

@@ -11,8 +11,6 @@ seeded sampling's, for any k, tree or batch.
 **Rejection sampling** (a draft that sampled from ``q``): accept child ``t`` with probability ``min(1, p(t) / q(t))``,
 replace ``p`` by ``norm(max(p - q, 0))`` after a rejection, emit a draw from the residual when every child fails
 (Leviathan et al. 2023; SpecInfer for trees; :mod:`nanospec.kernels.tree_rejection`).
-
-Log-probabilities of the token at depth ``d`` come from the raw logits of the path's node at depth ``d - 1``.
 :func:`verify` returns device tensors; the Speculator reads them in the step's one device read.
 """
 
@@ -25,7 +23,7 @@ import torch
 
 from nanospec.kernels.tree_rejection import tree_rejection_sample
 from nanospec.kernels.tree_verify import greedy_tree_verify
-from nanospec.sampling.logprobs import gather_logprobs, raw_logprobs, token_logprobs
+from nanospec.sampling.logprobs import gather_logprobs, token_logprobs
 from nanospec.sampling.penalties import apply_penalties, ban_stop_tokens_before_min_tokens
 from nanospec.sampling.tensors import SamplingTensors, draw_tokens
 from nanospec.sequence import Sequence
@@ -53,9 +51,10 @@ class Verification:
         last = emitted.gather(1, ((emitted >= 0).sum(1, keepdim=True) - 1).clamp(min=0)).squeeze(1)
         return rows, last
 
-    def read(self, ahead: list[torch.Tensor] = ()) -> tuple[list[Verdict], list[list]]:
-        """The verdicts, and the values of ``ahead`` (device tensors computed from this outcome), in one read."""
-        width = self.path.shape[1]
+    def read(self, ahead: list[torch.Tensor] = ()) -> list[Verdict]:
+        """The verdicts, in one device read with ``ahead`` (device tensors ``[B, ...]`` computed from this outcome,
+        row ``b`` landing in verdict ``b``'s ``ahead``)."""
+        num_seqs, width = self.path.shape
         paths, emits, *values = read_once([self.path.flatten(), self.emitted.flatten(), *(t.flatten() for t in ahead),
                                            *self.logprobs])
         ahead_values, logprob_values = values[:len(ahead)], values[len(ahead):]
@@ -63,12 +62,15 @@ class Verification:
         for b, seq in enumerate(self.seqs):
             row = slice(b * width, (b + 1) * width)
             verdict = Verdict([t for t in emits[row] if t >= 0], [n - 1 for n in paths[row] if n >= 0])
+            if ahead:
+                verdict.ahead = [v[b * (t.numel() // num_seqs):(b + 1) * (t.numel() // num_seqs)]
+                                 for v, t in zip(ahead_values, ahead)]
             k = seq.params.logprobs
             if k is not None:
                 slots = range(b * width, b * width + len(verdict.emitted))
                 verdict.logprobs = token_logprobs(emits, slots, logprob_values, self.num_top, k)
             verdicts.append(verdict)
-        return verdicts, ahead_values
+        return verdicts
 
 
 def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
@@ -76,8 +78,6 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     """Each sequence's outcome, on the device. ``logits``: per sequence its root's row, then one per fed node (the bans
     and penalties are applied in place). ``to_device`` moves host tensors in one copy."""
     device = logits.device
-    if to_device is None:
-        to_device = lambda tensors: [t.to(device) for t in tensors]  # noqa: E731
     first_rows = [0]
     for p in proposals:
         first_rows.append(first_rows[-1] + 1 + len(p.fed()[0]))
@@ -85,22 +85,22 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     paths = [[[]] + p.paths() for p in proposals]  # the guessed tokens above each row
     depths = [[len(path) for path in seq_paths] for seq_paths in paths]
     seq_rows = [list(range(start, start + n)) for start, n in zip(first_rows, sizes)]
-    flat_rows = [r for rows in seq_rows for r in rows]
     n_max = max(sizes)
-    first = [sum(sizes[:b]) for b in range(len(seqs))]  # where each sequence's rows start in flat_rows
+    first = [sum(sizes[:b]) for b in range(len(seqs))]  # where each sequence's rows start in rows_t
 
     # the step's metadata, built on the host and moved in one copy: the rows of the roots and nodes, and each tree's
     # nodes (padded to the largest)
-    rows_t, pad, node_tokens, parents, num_nodes = to_device([
-        torch.tensor(flat_rows, dtype=torch.int64),
-        torch.tensor([[f + min(j, n - 1) for j in range(n_max)] for f, n in zip(first, sizes)], dtype=torch.int64),
-        torch.tensor([[0] + p.token_ids + [0] * (n_max - n) for p, n in zip(proposals, sizes)], dtype=torch.int64),
-        torch.tensor([[-1] + [q + 1 for q in p.parents] + [0] * (n_max - n) for p, n in zip(proposals, sizes)],
-                     dtype=torch.int64),
-        torch.tensor(sizes, dtype=torch.int64)])
+    host = [torch.tensor([r for rows in seq_rows for r in rows], dtype=torch.int64),
+            torch.tensor([[f + min(j, n - 1) for j in range(n_max)] for f, n in zip(first, sizes)], dtype=torch.int64),
+            torch.tensor([[0] + p.token_ids + [0] * (n_max - n) for p, n in zip(proposals, sizes)], dtype=torch.int64),
+            torch.tensor([[-1] + [q + 1 for q in p.parents] + [0] * (n_max - n) for p, n in zip(proposals, sizes)],
+                         dtype=torch.int64),
+            torch.tensor(sizes, dtype=torch.int64)]
+    rows_t, pad, node_tokens, parents, num_nodes = to_device(host) if to_device else [t.to(device) for t in host]
 
     num_top = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
-    raw = raw_logprobs(logits[rows_t]) if num_top is not None else None  # before the bans and penalties
+    # log-probabilities from the raw logits, before the bans and penalties
+    raw = torch.log_softmax(logits[rows_t].float(), dim=-1) if num_top is not None else None
     ban_stop_tokens_before_min_tokens(logits, seqs, seq_rows, depths)
     apply_penalties(logits, seqs, seq_rows, paths)
 
@@ -109,9 +109,17 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     path, emitted = greedy_tree_verify(target_tokens[pad], node_tokens, parents, num_nodes)
 
     sampled = [b for b, p in enumerate(proposals) if p.draft_probs is not None]
-    if sampled:
-        _rejection_sample(seqs, proposals, logits, first_rows, sizes, sampled, node_tokens, parents, num_nodes,
-                          path, emitted)
+    if sampled:  # their walks by rejection sampling instead
+        n, index = max(sizes[b] for b in sampled), torch.tensor(sampled, device=device)
+        t = SamplingTensors.of([seqs[b] for b in sampled], device, depths=[[0] * n] * len(sampled))
+        probs = t.probs(logits[rows_t[pad[index, :n]].flatten()]).view(len(sampled), n, -1)
+        draft_probs = torch.zeros_like(probs)
+        for i, b in enumerate(sampled):
+            draft_probs[i, 1:sizes[b]] = proposals[b].draft_probs
+        path[index], emitted[index] = -1, -1
+        path[index, :n], emitted[index, :n] = tree_rejection_sample(
+            probs, node_tokens[index, :n], parents[index, :n], num_nodes[index], draft_probs,
+            seeds=t.seeds.view(len(sampled), n)[:, 0], offsets=t.offsets.view(len(sampled), n)[:, 0])
     logprobs = []
     if raw is not None:  # the token at depth d was drawn from the row of the path's node at depth d - 1
         drawn_at = torch.cat([torch.zeros_like(path[:, :1]), path[:, :-1]], dim=1).clamp(min=0)
@@ -128,24 +136,3 @@ def read_once(tensors: list[torch.Tensor]) -> list[list]:
         chunk, start = flat[start: start + t.numel()], start + t.numel()
         values.append(chunk if t.is_floating_point() else [int(x) for x in chunk])
     return values
-
-
-def _rejection_sample(seqs, proposals, logits, starts, sizes, sampled, node_tokens, parents, num_nodes, path,
-                      emitted) -> None:
-    """Overwrite the walks of the ``sampled`` rows with rejection sampling."""
-    device = logits.device
-    n_max = max(sizes[b] for b in sampled)
-    rows = torch.tensor([[starts[b] + min(j, sizes[b] - 1) for j in range(n_max)] for b in sampled], device=device)
-    t = SamplingTensors.of([seqs[b] for b in sampled], device, depths=[[0] * n_max] * len(sampled))
-    probs = t.probs(logits[rows.flatten()]).view(len(sampled), n_max, -1)
-    draft_probs = torch.zeros_like(probs)
-    for i, b in enumerate(sampled):
-        draft_probs[i, 1:sizes[b]] = proposals[b].draft_probs
-    index = torch.tensor(sampled, device=device)
-    sampled_path, sampled_emitted = tree_rejection_sample(
-        probs, node_tokens[index, :n_max], parents[index, :n_max], num_nodes[index], draft_probs,
-        seeds=t.seeds.view(len(sampled), n_max)[:, 0], offsets=t.offsets.view(len(sampled), n_max)[:, 0])
-    path[index] = -1
-    emitted[index] = -1
-    path[index, :n_max] = sampled_path
-    emitted[index, :n_max] = sampled_emitted
