@@ -16,6 +16,7 @@ import sys
 
 from nanospec.kernels.attention_mask import unpack_mask
 from nanospec.speculative.lookahead import LookaheadDecoder
+from nanospec.speculative.proposal import tree_depths, tree_mask
 
 W, N, G = 5, 4, 2
 ROOT = 42
@@ -31,17 +32,18 @@ labels = ["root"] + [f"v{i}" for i in range(1, step.num_tree_nodes)]
 labels += [f"l{level}c{column}" for level, tokens in enumerate(state.levels)
            for column in range(1 if level == 0 else 0, len(tokens) + (1 if level == 0 else 0))]
 n = len(step.tokens)
-visible = unpack_mask(step.mask, n)
+visible = unpack_mask(tree_mask(step.parents), n)  # a row sees its ancestors and itself
+positions = tree_depths(step.parents)  # P + depth
 
 print(f"W={W} N={N} G={G}: {n} new tokens ({step.num_tree_nodes} root + verification, "
       f"{len(step.lookahead_rows)} lookahead); pool[{ROOT}] = {state.candidates(ROOT)}")
-print(f"verification parents: {step.tree_parents}\n")
+print(f"verification parents: {step.parents[:step.num_tree_nodes]}\n")
 header = " " * 20 + "".join(f"{i // 10 if i >= 10 else ' ':>2}" for i in range(n))
 print(header)
 print(f"{'row':>3} {'label':<6} {'pos':>4} {'tok':>4} " + "".join(f"{i % 10:>2}" for i in range(n)))
 for row in range(n):
     cells = "".join(" x" if visible[row, col] else " ." for col in range(n))
-    print(f"{row:>3} {labels[row]:<6} {'P+' + str(step.positions[row]):>4} {step.tokens[row]:>4} {cells}")
+    print(f"{row:>3} {labels[row]:<6} {'P+' + str(positions[row]):>4} {step.tokens[row]:>4} {cells}")
 
 if len(sys.argv) > 1:
     try:
@@ -55,7 +57,7 @@ if len(sys.argv) > 1:
         fig, ax = plt.subplots(figsize=(8, 8))
         ax.imshow(visible.numpy(), cmap="Blues")
         ax.set_xticks(range(n), labels, rotation=90, fontsize=7)
-        ax.set_yticks(range(n), [f"{lab} (P+{p})" for lab, p in zip(labels, step.positions)], fontsize=7)
+        ax.set_yticks(range(n), [f"{lab} (P+{p})" for lab, p in zip(labels, positions)], fontsize=7)
         ax.set_title(f"lookahead step mask, W={W} N={N} G={G} (row sees column)")
         fig.tight_layout()
         fig.savefig(sys.argv[1], dpi=150)
@@ -74,10 +76,10 @@ seq = engine.sequences[request]
 step_no = 0
 while not seq.is_finished:
     before = seq.num_tokens
-    pool_before = sum(len(v) for v in seq.spec_state.state.pool.values())
+    pool_before = sum(len(v) for v in seq.spec_state.pool.values())
     engine.step()
     step_no += 1
-    pool_after = sum(len(v) for v in seq.spec_state.state.pool.values()) if seq.spec_state else pool_before
+    pool_after = sum(len(v) for v in seq.spec_state.pool.values()) if seq.spec_state else pool_before
     new = seq.token_ids[before:]
     print(f"step {step_no:>2}: +{len(new)} token(s) {llm.tokenizer.decode(new)!r:<28} pool {pool_before:>3} -> "
           f"{pool_after:>3} n-grams" + ("   <- n-gram accepted" if len(new) > 1 else ""))
