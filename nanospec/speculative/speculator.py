@@ -55,12 +55,13 @@ class Speculator:
             larger.append(m)
         counts = list(range(1, k + 2)) + larger
         execute = lambda batch: self.runner.execute(batch)[0]  # noqa: E731
-        runner = "graphs" if self.runner.use_graphs else "eager" if self.runner.enforce_eager else "static"
 
         def key() -> dict | None:  # (under tensor parallelism the collectives are timed too: not cached)
-            return None if self.model.tp is not None else cost_key(
-                self.model, runner=runner, counts=counts, per_seq=k + 1, block_size=self.block_size,
-                num_blocks=block_manager.num_blocks, max_len=self.max_model_len)
+            if self.model.tp is not None:
+                return None
+            runner = "graphs" if self.runner.use_graphs else "eager" if self.runner.enforce_eager else "static"
+            return cost_key(self.model, runner=runner, counts=counts, per_seq=k + 1, block_size=self.block_size,
+                            num_blocks=block_manager.num_blocks, max_len=self.max_model_len)
 
         measure = lambda: time_forwards(execute, block_manager, counts, per_seq=k + 1,  # noqa: E731
                                         device=self.model.device, batch_device="cpu", max_len=self.max_model_len)
