@@ -161,46 +161,85 @@ def _tree_rejection_sample_kernel(target_probs_ptr, draft_probs_ptr, node_tokens
 def tree_rejection_sample_ref(target_probs: torch.Tensor, node_tokens: torch.Tensor, parents: torch.Tensor,
                               num_nodes: torch.Tensor, draft_probs: torch.Tensor, *, seeds: torch.Tensor,
                               offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The module's walk, one row at a time."""
+    """The module's walk for every row at once: a loop over depth and over the j-th child, vectorised over rows."""
     batch, max_nodes, vocab_size = target_probs.shape
     device = target_probs.device
+    rows = torch.arange(batch, device=device)
+    nodes = torch.arange(max_nodes, device=device)
+    seeds = seeds.to(device=device, dtype=torch.int64)
+    offsets = offsets.to(device=device, dtype=torch.int64)
+    p, q = target_probs.float(), draft_probs.float()
+
+    in_tree = (nodes > 0) & (nodes < num_nodes.to(device)[:, None])
+    parents = torch.where(in_tree, parents.to(device).long(), -1)
+    tokens = torch.where(in_tree, node_tokens.to(device).long(), 0)
+
+    def next_child(after: torch.Tensor) -> torch.Tensor:
+        """The first child of cur with an index above ``after``, or max_nodes."""
+        is_next = (parents == cur[:, None]) & (nodes > after[:, None])
+        return torch.where(is_next, nodes, max_nodes).min(-1).values
+
     path = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
     emitted = torch.full((batch, max_nodes), -1, dtype=torch.int64, device=device)
-    zero = torch.zeros((), device=device)
-    depths, stops = [], []
-    for b, (n, seed, offset) in enumerate(zip(num_nodes.tolist(), seeds.tolist(), offsets.tolist())):
-        row_parents, row_tokens = parents[b, :n].tolist(), node_tokens[b, :n].tolist()
-        cur = depth = 0
-        while True:
-            children = [c for c in range(1, len(row_parents)) if row_parents[c] == cur]
-            p = target_probs[b, cur].float()
-            q = draft_probs[b, children[0] if children else max_nodes - 1].float()
-            p_sum = p.sum(dtype=torch.float64).float().clamp_min(_TINY)
-            q_sum = q.sum(dtype=torch.float64).float().clamp_min(_TINY)
-            mass, coef, accepted = p_sum, 0.0, None  # W, the current residual's mass; residual max(p - coef q, 0)
-            u = uniform_ref(seed, offset + depth, vocab_size + torch.arange(len(children), device=device))
-            for j, c in enumerate(children):
-                t = row_tokens[c]
-                p_t, q_t = (p[t], q[t]) if 0 <= t < vocab_size else (zero, zero)  # outside the vocabulary: rejected
-                weight = p_t if j == 0 else (p_t / p_sum - coef * (q_t / q_sum)).clamp_min(0.0)
-                if u[j] * q_t * mass < weight * q_sum:
-                    accepted = c
-                    break
-                coef = 1.0 if j == 0 else coef + mass
-                mass = (p / p_sum - coef * (q / q_sum)).clamp_min(0.0).sum(dtype=torch.float64).float()
-            if accepted is None:
+    cur = torch.zeros(batch, dtype=torch.int64, device=device)
+    depth = torch.zeros(batch, dtype=torch.int64, device=device)
+    walking = torch.ones(batch, dtype=torch.bool, device=device)
+    # Per row, the state of the node being verified; after the walk, of the node where it stopped.
+    first_child = torch.zeros(batch, dtype=torch.int64, device=device)
+    p_sum = torch.ones(batch, device=device)
+    q_sum = torch.ones(batch, device=device)
+    coef = torch.zeros(batch, device=device)  # the residual is max(p - coef * q, 0)
+    num_tried = torch.zeros(batch, dtype=torch.int64, device=device)
+    for level in range(max_nodes):
+        w = walking.nonzero()[:, 0]
+        if w.numel() == 0:
+            break
+        first_child = torch.where(walking, next_child(torch.zeros_like(cur)), first_child)
+        q_row = first_child.clamp(max=max_nodes - 1)
+        p_sum[w] = p[w, cur[w]].sum(-1, dtype=torch.float64).float().clamp_min(_TINY)
+        q_sum[w] = q[w, q_row[w]].sum(-1, dtype=torch.float64).float().clamp_min(_TINY)
+        mass = p_sum.clone()
+        coef = torch.where(walking, 0.0, coef)
+        num_tried = torch.where(walking, 0, num_tried)
+        accepted_child = torch.full((batch,), -1, dtype=torch.int64, device=device)
+        child = first_child
+        for j in range(max_nodes):
+            trying = walking & (accepted_child < 0) & (child < max_nodes)
+            if not trying.any():
                 break
-            path[b, depth], emitted[b, depth] = accepted, row_tokens[accepted]
-            cur, depth = accepted, depth + 1
-        depths.append(depth)
-        stops.append((p, q, p_sum, q_sum, coef, bool(children)))
-    # Where each row stopped: a token from the residual after rejections (if it has mass), else from the target row.
-    depth = torch.tensor(depths, dtype=torch.int64, device=device)
-    exponentials = exponentials_ref(seeds.to(device), offsets.to(device) + depth, vocab_size)
-    for b, (exponential, (p, q, p_sum, q_sum, coef, rejected)) in enumerate(zip(exponentials, stops)):
-        score = (p / p_sum - coef * (q / q_sum)).clamp_min(0.0) / exponential
-        token = score.argmax()
-        emitted[b, depths[b]] = token if rejected and score[token] > 0 else (p / exponential).argmax()
+            child = child.clamp(max=max_nodes - 1)
+            token = tokens[rows, child]
+            in_vocab = (token >= 0) & (token < vocab_size)  # a token outside the vocabulary has p = q = 0
+            safe_token = token.clamp(0, vocab_size - 1)
+            p_token = torch.where(in_vocab, p[rows, cur, safe_token], 0.0)
+            q_token = torch.where(in_vocab, q[rows, q_row, safe_token], 0.0)
+            weight = p_token if j == 0 else (p_token / p_sum - coef * (q_token / q_sum)).clamp_min(0.0)
+            accept = trying & (uniform_ref(seeds, offsets + level, vocab_size + j) * q_token * mass < weight * q_sum)
+            rejected = trying & ~accept
+            accepted_child = torch.where(accept, child, accepted_child)
+            coef = torch.where(rejected, coef + mass if j > 0 else 1.0, coef)
+            r = rejected.nonzero()[:, 0]  # a pass over the vocabulary, for the rows that rejected
+            residual = p[r, cur[r]] / p_sum[r, None] - coef[r, None] * (q[r, q_row[r]] / q_sum[r, None])
+            mass[r] = residual.clamp_min(0.0).sum(-1, dtype=torch.float64).float()
+            num_tried += rejected.long()
+            child = torch.where(rejected, next_child(child), max_nodes)
+
+        moved = accepted_child >= 0
+        path[:, level] = torch.where(moved, accepted_child, -1)
+        emitted[:, level] = torch.where(moved, tokens[rows, accepted_child.clamp(min=0)], -1)
+        cur = torch.where(moved, accepted_child, cur)
+        depth += moved.long()
+        walking = moved
+
+    # One draw per row at the node where it stopped: the residual after rejections, the target at a leaf.
+    exponential = exponentials_ref(seeds, offsets + depth, vocab_size)
+    p_stop, q_stop = p[rows, cur], q[rows, first_child.clamp(max=max_nodes - 1)]
+    token = (p_stop / exponential).argmax(-1)
+    residual = (p_stop / p_sum[:, None] - coef[:, None] * (q_stop / q_sum[:, None])).clamp_min(0.0)
+    residual_score = residual / exponential
+    residual_token = residual_score.argmax(-1)
+    has_mass = residual_score.gather(-1, residual_token[:, None])[:, 0] > 0
+    emitted[rows, depth] = torch.where((num_tried > 0) & has_mass, residual_token, token)
     return path, emitted
 
 
