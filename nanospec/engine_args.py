@@ -6,7 +6,6 @@ a ``Checkpoint``; ``num_blocks`` None sizes the KV pool (:func:`nanospec.cache.k
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from nanospec.cache.kv_cache import kv_bytes_per_block, pool_blocks
-from nanospec.device import cpu_has_fast_bfloat16, resolve_device, resolve_dtype
+from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine import Engine, EngineConfig
 from nanospec.log import logger
 from nanospec.model.commands import TARGET
@@ -124,13 +123,8 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
     if args.speculative is not None:
         logger.info("speculation: %s%s ...", args.speculative.method,
                     f" with {args.speculative.model}" if args.speculative.model is not None else "")
-        speculative = args.speculative
-        if speculative.method == "mlp_speculator" and speculative.dtype is None and model.matmul_dtype != args.dtype \
-                and cpu_has_fast_bfloat16():
-            # over a quantized target on a CPU with native bfloat16: the speculator's matmuls read bfloat16 too
-            speculative = dataclasses.replace(speculative, dtype=str(model.matmul_dtype).removeprefix("torch."))
-        proposer = make_proposer(speculative, config, tokenizer, num_blocks, args.block_size, device,
-                                 args.dtype, max_model_len, parallel, args.enable_prefix_caching)
+        proposer = make_proposer(args.speculative, config, tokenizer, num_blocks, args.block_size, device,
+                                 args.dtype, max_model_len, parallel, args.enable_prefix_caching, model.matmul_dtype)
         if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
             if args.max_model_len is not None:
                 raise ValueError(f"max_model_len={args.max_model_len} is longer than the draft model's context "

@@ -20,7 +20,9 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from nanospec.device import resolve_dtype
+import torch
+
+from nanospec.device import cpu_has_fast_bfloat16, resolve_dtype
 from nanospec.model.eagle3 import load_eagle3_head
 from nanospec.model.mlp_speculator import load_mlp_speculator
 from nanospec.model.quantization import parse_quantization
@@ -205,12 +207,15 @@ def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel
 
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
-                  dtype, max_model_len: int | None = None, parallel=None, enable_prefix_caching: bool = True
-                  ) -> Proposer:
-    """The proposer the speculator drives, in ``config.dtype`` or the target's ``dtype``; ``parallel``: the driver's
-    ``TensorParallel`` under tensor parallelism."""
+                  dtype, max_model_len: int | None = None, parallel=None, enable_prefix_caching: bool = True,
+                  matmul_dtype: torch.dtype | None = None) -> Proposer:
+    """The proposer the speculator drives, in ``config.dtype`` or the target's ``dtype`` (an MLP speculator over a
+    target whose matmuls read ``matmul_dtype``, on a CPU with native bfloat16: that dtype); ``parallel``: the
+    driver's ``TensorParallel`` under tensor parallelism."""
     if config.dtype is not None:
         dtype = resolve_dtype(config.dtype, device)
+    elif config.method == "mlp_speculator" and matmul_dtype not in (None, dtype) and cpu_has_fast_bfloat16():
+        dtype = matmul_dtype
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
                              config.max_candidates, config.tree_budget)
