@@ -77,6 +77,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.config = config
         self.max_model_len, self.max_num_seqs = config.max_model_len, config.max_num_seqs  # what a server reads
+        self.vocab_size = self.model.config.vocab_size
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.speculator = Speculator(proposer, self.runner, self.block_manager,
                                      max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
@@ -115,7 +116,7 @@ class Engine:
             raise ValueError(f"a request is one completion: n must be 1 here, got {params.n}")
         if len(prompt_token_ids) == 0:
             raise ValueError("the prompt is empty: give at least one token")
-        vocab = self.model.config.vocab_size
+        vocab = self.vocab_size
         for t in prompt_token_ids:
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
                 raise ValueError(f"token id {t!r} is out of the vocabulary [0, {vocab})")

@@ -24,6 +24,7 @@ from nanospec import LLM, SamplingParams
 from nanospec.model.mlp_speculator import save_mlp_speculator
 from nanospec.serve import __main__ as serve_main
 from nanospec.serve.app import build_app
+from nanospec.serve.engine_loop import ServedEngine
 from tiny import assert_no_leak, make_tiny_llama, most_common_successors, successor_speculator
 
 PROMPTS = ["abcabcabcab", "the cat sat on the mat, the cat", "0101010", "hello"]
@@ -276,6 +277,12 @@ def test_tokenize_detokenize_health_metrics(server, offline):
         per_pos = re.findall(r'^vllm:spec_decode_num_accepted_tokens_per_pos_total\{model_name="tiny",'
                              r'position="(\d+)"\} (\S+)$', metrics, re.M)
         assert sum(float(v) for _, v in per_pos) == llm.stats()["num_accepted_tokens"]
+
+
+def test_the_engine_has_every_member_the_server_uses(offline):
+    """The server reaches the engine only through ServedEngine: the engine an LLM builds has all of it."""
+    assert isinstance(offline.engine, ServedEngine)
+    assert not isinstance(offline, ServedEngine)  # (the check can fail: the LLM lacks e.g. step)
 
 
 def test_prefix_cache_counters_follow_the_engine(server):

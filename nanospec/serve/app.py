@@ -38,7 +38,7 @@ from nanospec.chat_messages import check_messages
 from nanospec.llm import LLM
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
-from nanospec.serve.engine_loop import EngineLoop, QueueFull, ServedRequest
+from nanospec.serve.engine_loop import EngineLoop, QueueFull, ServedEngine, ServedRequest
 from nanospec.serve.metrics import ServerMetrics
 from nanospec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, SamplingFields,
                                      TokenizeRequest)
@@ -66,10 +66,11 @@ class APIError(Exception):
 
 def build_app(llm: LLM, *, model_name: str, api_key: str | None = None, max_queue_len: int = 256,
               max_request_bytes: int = 1 << 20, default_sampling: dict | None = None) -> FastAPI:
-    """A FastAPI app serving ``llm``; its lifespan starts and stops the engine loop (``app.state.engine_loop``).
+    """A FastAPI app serving ``llm.engine`` (through :class:`~nanospec.serve.engine_loop.ServedEngine`); its lifespan
+    starts and stops the engine loop (``app.state.engine_loop``).
     ``default_sampling``: SamplingParams fields for what a request leaves out (the model's, see
     :func:`nanospec.model.generation_config.default_sampling`); None: the API's own defaults."""
-    server = Server(llm, model_name, api_key, max_queue_len, max_request_bytes, default_sampling or {})
+    server = Server(llm.engine, model_name, api_key, max_queue_len, max_request_bytes, default_sampling or {})
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -107,17 +108,17 @@ def build_app(llm: LLM, *, model_name: str, api_key: str | None = None, max_queu
 
 
 class Server:
-    def __init__(self, llm: LLM, model_name: str, api_key: str | None, max_queue_len: int, max_request_bytes: int,
-                 default_sampling: dict):
-        self.llm = llm
+    def __init__(self, engine: ServedEngine, model_name: str, api_key: str | None, max_queue_len: int,
+                 max_request_bytes: int, default_sampling: dict):
+        self.engine = engine
         self.defaults = default_sampling
-        self.tokenizer = llm.tokenizer
+        self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
-        self.max_model_len = llm.engine.max_model_len
-        self.prometheus = ServerMetrics(model_name, llm.engine.load().max_guess_depth)
-        self.engine_loop = EngineLoop(llm, self.prometheus, max_queue_len)
+        self.max_model_len = engine.max_model_len
+        self.prometheus = ServerMetrics(model_name, engine.load().max_guess_depth)
+        self.engine_loop = EngineLoop(engine, self.prometheus, max_queue_len)
         self.created = int(time.time())
 
     # ---------------------------------------------------------------- the completion endpoints
@@ -169,7 +170,7 @@ class Server:
                                     f"{max_tokens} for the completion); shorten the prompt or lower max_tokens",
                                field)
             try:
-                self.llm.engine.validate_prompt(ids, params.for_choice(0))
+                self.engine.validate_prompt(ids, params.for_choice(0))
             except ValueError as e:  # a token id outside the vocabulary, a KV pool too small, a bad stop token id
                 field = _field_named(e, body)
                 prefix = where or ("prompt: " if field is None else "")
@@ -310,7 +311,7 @@ class Server:
 
     async def detokenize(self, request: Request):
         body = await self._parse(request, DetokenizeRequest)
-        vocab = self.llm.config.vocab_size
+        vocab = self.engine.vocab_size
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of the vocabulary [0, {vocab})", "tokens")

@@ -11,6 +11,8 @@ sleeps on the command queue when no request is unfinished, so an idle server cos
 with ``loop.call_soon_threadsafe``; everything the HTTP side keeps (the in-flight count) is changed on the event
 loop only, everything the engine keeps on the engine thread only.
 
+The server reaches the engine only through :class:`ServedEngine` (``LLM.engine`` is one).
+
 If a step raises (a bug: the engine already ends only the requests that fail alone), every waiting request gets
 the error, the loop stops and ``/health`` reports it dead. When the server shuts down (``abort_all``, from its
 signal handler) every request is aborted between two steps, so each client gets its last output at once, and
@@ -26,13 +28,35 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
-from nanospec.llm import LLM
+from nanospec.engine import EngineLoad
 from nanospec.outputs import RequestOutput
 from nanospec.sampling_params import SamplingParams
 from nanospec.serve.metrics import RequestProgress, ServerMetrics
+from nanospec.tokenizer import Tokenizer
 
 log = logging.getLogger("nanospec.serve")
+
+
+@runtime_checkable
+class ServedEngine(Protocol):
+    """Everything the server asks of the engine (:class:`nanospec.engine.Engine` is one): its tokenizer and limits;
+    ``validate_prompt``, called on the HTTP side before any work (it reads nothing a step changes); and, on the engine
+    thread alone, requests in (``add_request``), steps, requests out (``abort``, ``pop_finished``) and ``load()``
+    for the metrics."""
+    tokenizer: Tokenizer
+    vocab_size: int
+    max_model_len: int
+    max_num_seqs: int
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int: ...
+    def step(self) -> list[RequestOutput]: ...
+    def has_unfinished(self) -> bool: ...
+    def abort(self, request_id: int) -> RequestOutput | None: ...
+    def pop_finished(self, request_id: int) -> None: ...
+    def load(self) -> EngineLoad: ...
 
 
 class QueueFull(Exception):
@@ -53,9 +77,8 @@ class ServedRequest:
 
 
 class EngineLoop:
-    def __init__(self, llm: LLM, metrics: ServerMetrics, max_queue_len: int = 256):
-        self.llm = llm
-        self.engine = llm.engine
+    def __init__(self, engine: ServedEngine, metrics: ServerMetrics, max_queue_len: int = 256):
+        self.engine = engine
         self.metrics = metrics
         self.capacity = self.engine.max_num_seqs + max_queue_len  # requests in flight at most
         self.num_in_flight = 0           # event loop only
@@ -129,7 +152,7 @@ class EngineLoop:
                 if self.engine.has_unfinished():
                     outputs = self.engine.step()
                     now = time.perf_counter()
-                    self.metrics.observe_engine(self.engine)
+                    self.metrics.observe_load(self.engine.load())
                     for out in outputs:
                         self._send(requests, out, now)
         except Exception as error:  # a bug: tell every waiting client and stop
@@ -168,7 +191,7 @@ class EngineLoop:
         final = self.engine.abort(request_id)
         if final is not None:
             self._send(requests, final, time.perf_counter())
-        self.metrics.observe_engine(self.engine)
+        self.metrics.observe_load(self.engine.load())
 
     def _send(self, requests: dict[int, ServedRequest], out: RequestOutput, now: float) -> None:
         request = requests.get(out.request_id)

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
+from nanospec.engine import EngineLoad
 from nanospec.outputs import RequestOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -101,9 +102,9 @@ class ServerMetrics:
         for position in range(num_positions):
             self.accepted_per_pos.labels(model_name, str(position))
 
-    def observe_engine(self, engine) -> None:
-        """After a step: the batch, the queue, the KV pool, the prefix cache (``engine.load()``)."""
-        m, load = self.model_name, engine.load()
+    def observe_load(self, load: EngineLoad) -> None:
+        """After a step: the batch, the queue, the KV pool, the prefix cache (the engine's ``load()``)."""
+        m = self.model_name
         self.running.labels(m).set(load.num_running)
         self.waiting.labels(m).set(load.num_waiting)
         self.kv_usage.labels(m).set(load.kv_cache_usage)
