@@ -16,7 +16,7 @@ from nanospec.cache.kv_cache import kv_bytes_per_block, pool_blocks
 from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine import Engine, EngineConfig
 from nanospec.log import logger
-from nanospec.model.commands import TARGET
+from nanospec.model.commands import DRAFT, TARGET
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
 from nanospec.model.loader import Checkpoint, load_checkpoint
 from nanospec.model.parallel import check_shardable
@@ -124,7 +124,8 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
         logger.info("speculation: %s%s ...", args.speculative.method,
                     f" with {args.speculative.model}" if args.speculative.model is not None else "")
         proposer = make_proposer(args.speculative, config, tokenizer, num_blocks, args.block_size, device,
-                                 args.dtype, max_model_len, parallel, args.enable_prefix_caching, model.matmul_dtype)
+                                 args.dtype, max_model_len, parallel.draft if parallel is not None else None,
+                                 args.enable_prefix_caching, model.matmul_dtype)
         if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
             if args.max_model_len is not None:
                 raise ValueError(f"max_model_len={args.max_model_len} is longer than the draft model's context "
@@ -137,9 +138,10 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
     runner = build_runner(model, target)
     if parallel is not None:
         draft = None
-        if getattr(proposer, "sharded", False):
+        if getattr(proposer, "sharded", False):  # the workers build their shards of the draft too
             draft = ModelSpec(args.speculative.model, proposer.dtype, proposer.max_len, num_blocks, args.block_size,
                               quantization=args.speculative.quantization)
+            proposer.runner = parallel.driver_runner(proposer.runner, DRAFT)
         parallel.send_setup(target, draft)
         runner = parallel.driver_runner(runner, TARGET)
     engine_config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,

@@ -25,6 +25,7 @@ import torch
 from nanospec.device import cpu_has_fast_bfloat16, resolve_dtype
 from nanospec.model.eagle3 import load_eagle3_head
 from nanospec.model.mlp_speculator import load_mlp_speculator
+from nanospec.model.parallel import ParallelGroup
 from nanospec.model.quantization import parse_quantization
 from nanospec.speculative.draft import DraftProposer
 from nanospec.speculative.eagle3 import Eagle3Proposer
@@ -207,11 +208,11 @@ def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel
 
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
-                  dtype, max_model_len: int | None = None, parallel=None, enable_prefix_caching: bool = True,
-                  matmul_dtype: torch.dtype | None = None) -> Proposer:
+                  dtype, max_model_len: int | None = None, draft_tp: ParallelGroup | None = None,
+                  enable_prefix_caching: bool = True, matmul_dtype: torch.dtype | None = None) -> Proposer:
     """The proposer the speculator drives, in ``config.dtype`` or the target's ``dtype`` (an MLP speculator over a
-    target whose matmuls read ``matmul_dtype``, on a CPU with native bfloat16: that dtype); ``parallel``: the
-    driver's ``TensorParallel`` under tensor parallelism."""
+    target whose matmuls read ``matmul_dtype``, on a CPU with native bfloat16: that dtype); ``draft_tp``: a draft
+    model's group under tensor parallelism (None: whole on this process)."""
     if config.dtype is not None:
         dtype = resolve_dtype(config.dtype, device)
     elif config.method == "mlp_speculator" and matmul_dtype not in (None, dtype) and cpu_has_fast_bfloat16():
@@ -237,4 +238,4 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
                               max_model_len or target_config.max_position_embeddings, config.tree_top_k or 1,
                               config.tree_budget)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
-                         parallel, enable_prefix_caching)
+                         draft_tp, enable_prefix_caching)

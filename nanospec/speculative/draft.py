@@ -21,10 +21,9 @@ from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
 from nanospec.kernels.sampling import sample_from_probs
 from nanospec.model.forward_batch import build_forward_batch
-from nanospec.model.commands import DRAFT
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
-from nanospec.model.parallel import check_shardable
+from nanospec.model.parallel import ParallelGroup, check_shardable
 from nanospec.model.quantization import int4_group_size
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
@@ -47,8 +46,8 @@ class DraftState:
 
 class DraftProposer(Proposer):
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int | None = None, parallel=None,
-                 enable_prefix_caching: bool = True):
+                 device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
+                 tp: ParallelGroup | None = None, enable_prefix_caching: bool = True):
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
         self.coupled = config.acceptance == "coupled"
@@ -60,7 +59,6 @@ class DraftProposer(Proposer):
         if checkpoint.tokenizer.encode(probe) != target_tokenizer.encode(probe):
             raise ValueError(f"the draft model {config.model!r} tokenizes text differently from the target: "
                              f"they must share one vocabulary")
-        tp = parallel.draft if parallel is not None else None
         if tp is not None and tp.size > 1:
             try:
                 check_shardable(checkpoint.config, tp.size, "draft_tensor_parallel_size",
@@ -83,9 +81,7 @@ class DraftProposer(Proposer):
         # eager: a draft forward runs on batches built on the device; on the workers too, when sharded
         self.runner = ModelRunner(self.model, self.kv_cache, max_num_seqs=1, max_query_len=1,
                                   max_model_len=self.max_model_len, enforce_eager=True)
-        self.sharded = tp is not None and tp.size > 1
-        if self.sharded:
-            self.runner = parallel.driver_runner(self.runner, DRAFT)
+        self.sharded = tp is not None and tp.size > 1  # then build_engine sends self.runner's calls to the workers too
 
     def start(self, seq: Sequence) -> None:
         seq.spec_state = DraftState()
