@@ -36,16 +36,6 @@ from nanospec.tokenizer import Tokenizer
 
 
 @dataclass
-class EngineConfig:
-    num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    max_model_len: int = 8192
-    enable_prefix_caching: bool = True
-
-
-@dataclass
 class EngineStats:
     num_steps: int = 0
     num_generated_tokens: int = 0
@@ -67,23 +57,23 @@ class EngineLoad:
 
 
 class Engine:
-    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, config: EngineConfig,
+    def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_blocks: int, block_size: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool,
                  proposer: Proposer | None = None, seed: int = 0, adaptive_speculation: bool = True,
                  tune_threads: bool = False):
-        """``runner``: the target's, over ``config.num_blocks`` KV blocks. ``tune_threads``: each step's CPU thread
-        count follows how busy the machine is (:mod:`nanospec.cpu_threads`)."""
+        """``runner``: the target's, over ``num_blocks`` KV blocks; the sizes as ``EngineArgs`` names them, resolved
+        by :func:`~nanospec.engine_args.build_engine`. ``tune_threads``: each step's CPU thread count follows how busy
+        the machine is (:mod:`nanospec.cpu_threads`)."""
         self.runner = runner
         self.model, self.kv_cache = runner.model, runner.kv_cache
         self.tokenizer = tokenizer
-        self.config = config
-        self.max_model_len, self.max_num_seqs = config.max_model_len, config.max_num_seqs  # what a server reads
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs  # what a server reads
         self.vocab_size = self.model.config.vocab_size
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.speculator = Speculator(proposer, self.runner, self.block_manager,
-                                     max_model_len=config.max_model_len, max_num_seqs=config.max_num_seqs,
-                                     max_num_batched_tokens=config.max_num_batched_tokens,
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        self.speculator = Speculator(proposer, self.runner, self.block_manager, max_model_len=max_model_len,
+                                     max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      adaptive=adaptive_speculation)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    num_lookahead_slots=self.speculator.num_lookahead_slots,
                                    on_preempt=self.speculator.preempt)
         self.threads = ThreadTuner() if tune_threads else None
@@ -123,7 +113,7 @@ class Engine:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids: token id {t} is out of the vocabulary [0, {vocab})")
-        max_len = self.config.max_model_len
+        max_len = self.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "
                              f"(prompt + at least one generated token)")
@@ -131,7 +121,7 @@ class Engine:
         need = self.block_manager.blocks_for(lifetime)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"the KV pool is too small for this request: it needs {need} blocks of "
-                             f"{self.config.block_size} tokens ({lifetime} tokens) but the pool has "
+                             f"{self.block_manager.block_size} tokens ({lifetime} tokens) but the pool has "
                              f"{self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory or lower max_tokens")
 
     def abort(self, request_id: int) -> RequestOutput | None:
@@ -179,7 +169,7 @@ class Engine:
     def _step(self, seqs: list[Sequence]) -> list[RequestOutput]:
         try:
             proposals = self.speculator.propose(seqs)
-            batch = build_step_batch(seqs, proposals, self.config.block_size)
+            batch = build_step_batch(seqs, proposals, self.block_manager.block_size)
             self._step_tokens = batch.num_tokens
             forward_start = time.perf_counter()
             logits, hidden = self.runner.execute(batch, hidden_states=self.speculator.needs_hidden_states)
@@ -229,7 +219,7 @@ class Engine:
             may_stop = seq.num_output_tokens >= seq.params.min_tokens
             if seq.text_stream.add(token, check_stop=may_stop) or (may_stop and token in seq.stop_token_ids):
                 finish_reason = "stop"
-            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 finish_reason = "length"
             if finish_reason is not None:
                 if finish_reason != "stop" and seq.text_stream.finish():  # held-back text completed a stop string

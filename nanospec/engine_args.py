@@ -14,7 +14,7 @@ import torch
 
 from nanospec.cache.kv_cache import kv_bytes_per_block, pool_blocks
 from nanospec.device import resolve_device, resolve_dtype
-from nanospec.engine import Engine, EngineConfig
+from nanospec.engine import Engine
 from nanospec.log import logger
 from nanospec.model.commands import DRAFT, TARGET
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
@@ -144,10 +144,9 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
             proposer.runner = parallel.driver_runner(proposer.runner, DRAFT)
         parallel.send_setup(target, draft)
         runner = parallel.driver_runner(runner, TARGET)
-    engine_config = EngineConfig(num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                                 max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-                                 enable_prefix_caching=args.enable_prefix_caching)
-    return Engine(runner, tokenizer, engine_config, proposer=proposer, seed=args.seed,
+    return Engine(runner, tokenizer, num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
+                  enable_prefix_caching=args.enable_prefix_caching, proposer=proposer, seed=args.seed,
                   adaptive_speculation=args.speculative is None or args.speculative.adaptive,
                   tune_threads=device.type == "cpu" and parallel is None)
 

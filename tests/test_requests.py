@@ -166,7 +166,7 @@ def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config, devi
 def test_a_draft_with_a_shorter_context_caps_or_is_refused(paths, device):
     config = {"method": "draft", "model": str(paths[1]), "num_speculative_tokens": 2}
     capped = make_llm(paths[0], device, num_blocks=64, speculative_config=config)
-    assert capped.engine.config.max_model_len == 40
+    assert capped.engine.max_model_len == 40
     out = capped.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
     assert len(PROMPTS[0]) + len(out.token_ids) == 40 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="draft model's context"):

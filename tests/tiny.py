@@ -123,7 +123,7 @@ def _prefill(llm, ids: list[int]) -> torch.Tensor:
     table: list[int] = []
     engine.block_manager.reserve(table, len(ids))
     try:
-        batch = build_forward_batch([ids], [0], [table], engine.config.block_size, [list(range(len(ids)))],
+        batch = build_forward_batch([ids], [0], [table], engine.block_manager.block_size, [list(range(len(ids)))],
                                     llm.device)
         return llm.model.forward(batch, engine.kv_cache)
     finally:
