@@ -14,6 +14,8 @@ import jinja2.ext
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from nanospec.chat_messages import check_messages
+
 
 class Tokenizer:
     """A `tokenizers.Tokenizer` and its tokenizer_config.json; `extra_eos_token_ids` also end generation."""
@@ -60,18 +62,16 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
-        """Render a conversation ([{"role": ..., "content": ...}, ...]) to the prompt text, as transformers does."""
+        """Render a conversation ([{"role": ..., "content": ...}, ...]) to the prompt text, as transformers does; the
+        messages are checked and read as :func:`~nanospec.chat_messages.check_messages` does for every front."""
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')")
-        for index, message in enumerate(messages):
-            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str) \
-                    or not isinstance(message.get("content"), str):
-                raise ValueError(f"message {index} must be a dict with string 'role' and 'content', got {message!r}")
+        messages = check_messages(messages)
         if self._compiled_template is None:
             self._compiled_template = _compile_chat_template(self.chat_template)
         special_tokens = {name: _token_content(self.config.get(name))
                           for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return self._compiled_template.render(messages=[dict(m) for m in messages],
+        return self._compiled_template.render(messages=messages,
                                               add_generation_prompt=add_generation_prompt, **special_tokens)
 
     def save(self, directory: str | os.PathLike) -> None:

@@ -117,7 +117,7 @@ def test_chat_template_default_system_prompt(tokenizer):
     ["hello"],
 ])
 def test_malformed_messages(tokenizer, messages):
-    with pytest.raises(ValueError, match="message 0"):
+    with pytest.raises(ValueError, match=r"messages\[0\]"):
         tokenizer.apply_chat_template(messages)
 
 
