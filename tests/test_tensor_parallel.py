@@ -5,7 +5,7 @@ paths' K/V moved on every rank), a draft on the driver alone (draft TP 1), a sha
 head is replicated on both ranks) and an EAGLE-3 head on the driver; seeded sampling identical too; no KV block left
 in any pool (the block tables are the driver's alone: the workers' pools are indexed only through them); a worker
 that dies raises TensorParallelError within seconds; shutdown, the context manager, interpreter exit and a killed
-driver leave no process behind; torchrun runs example 07 with 2 processes. The target's vocabulary (321) does not
+driver leave no process behind; torchrun runs example 08 with 2 processes. The target's vocabulary (321) does not
 split evenly, so the head's padding is exercised.
 
 Why "identical" can be asked of fp32 that is summed differently: the row-parallel all-reduce adds two partial
@@ -317,7 +317,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_torchrun_runs_example_08(target_path, draft_path):
-    """The documented way across machines, here 2 processes on one: torchrun starts both ranks of example 07."""
+    """The documented way across machines, here 2 processes on one: torchrun starts both ranks of example 08."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
