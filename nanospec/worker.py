@@ -153,6 +153,8 @@ class TensorParallel:
                 runner.execute(command.batch())
             elif command.op == Op.COPY_KV:
                 runner.copy_kv_slots(*command.tensors)
+            elif command.op == Op.GATHER_EMBEDDING:
+                runner.model.embed.whole()
 
 
 def build_model(source, dtype: torch.dtype, max_len: int | None, device: torch.device, tp: ParallelGroup | None,

@@ -1,12 +1,12 @@
 """Tensor parallelism on a CPU with gloo: 2 ranks (the driver and one spawned worker) against 1.
 
 What must hold: greedy output identical to tensor_parallel_size=1 for plain decoding, n-gram (a tree: accepted
-paths' K/V moved on every rank), a draft on the driver alone (draft TP 1) and a sharded draft (draft TP 2, whose
-one KV head is replicated on both ranks); seeded sampling identical too; no KV block left in any pool (the block
-tables are the driver's alone: the workers' pools are indexed only through them); a worker that dies raises
-TensorParallelError within seconds; shutdown, the context manager, interpreter exit and a killed driver leave no
-process behind; torchrun runs example 07 with 2 processes. The target's vocabulary (321) does not split evenly,
-so the head's padding is exercised.
+paths' K/V moved on every rank), a draft on the driver alone (draft TP 1), a sharded draft (draft TP 2, whose one KV
+head is replicated on both ranks) and an EAGLE-3 head on the driver; seeded sampling identical too; no KV block left
+in any pool (the block tables are the driver's alone: the workers' pools are indexed only through them); a worker
+that dies raises TensorParallelError within seconds; shutdown, the context manager, interpreter exit and a killed
+driver leave no process behind; torchrun runs example 08 with 2 processes. The target's vocabulary (321) does not
+split evenly, so the head's padding is exercised.
 
 Why "identical" can be asked of fp32 that is summed differently: the row-parallel all-reduce adds two partial
 sums where one rank's matmul adds all terms in one order, a ~1e-7 relative difference; greedy tokens flip only
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from nanospec import LLM, SamplingParams
 from nanospec.model.parallel import TensorParallelError, check_shardable, head_range, vocab_range
+import test_eagle3
 from tiny import assert_no_leak, make_tiny_llama
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,6 +202,43 @@ def test_draft_on_the_driver_alone_equals_tp1(target_path):
     _assert_workers_gone(two)
 
 
+def test_eagle3_head_on_the_driver_equals_tp1(tmp_path, monkeypatch):
+    """An EAGLE-3 head at TP 2 runs on the driver alone: it fuses the residual streams that the driver's shard keeps
+    (the workers keep none) and embeds with the target's table gathered whole onto the driver (321 rows, split
+    unevenly). Greedy and seeded tokens, acceptance and every guess drafted equal TP 1's, and every block of the
+    target's pools and the head's returns: a head that guesses the most common successor drafting a chain (guesses
+    accepted and rejected), and a random head drafting EAGLE-2's tree (its guesses read every auxiliary state)."""
+    target = tmp_path / "target"
+    model = make_tiny_llama(target, seed=1, layers=3, vocab=321)  # 3 layers: the head's default (2, 1, 0)
+    plain = LLM(str(target), **KW)
+    ids = [plain.tokenizer.encode(p) for p in PROMPTS]
+    outputs = [out.token_ids for out in plain.generate(ids, GREEDY)]
+    monkeypatch.setattr(test_eagle3, "VOCAB", 321)  # the head's config names this target's vocabulary
+    successor = test_eagle3.build_successor_head(tmp_path / "successor", model, [i + o for i, o in zip(ids, outputs)])
+    config = test_eagle3.head_config(draft_vocab_size=100)
+    tensors = test_eagle3.random_tensors(config, seed=2, embedding=False, hot=list(range(3, 203, 2)))
+    random = test_eagle3.write_head(tmp_path / "random", tensors, config)
+    for head, tree in ((successor, {}), (random, {"tree_top_k": 2, "tree_budget": 5})):
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "adaptive": False, **tree}
+        one = LLM(str(target), **KW, speculative_config=spec)
+        steps = test_eagle3.record_trees(one)
+        expected = [_run(one, params) for params in (GREEDY, SAMPLED)]
+        assert expected[0] == outputs
+        with LLM(str(target), tensor_parallel_size=2, **KW, speculative_config=spec) as two:
+            assert two.engine.runner.aux_layers == (0, 1, 2)
+            assert torch.equal(two.engine.speculator.proposer.embed.weight, one.engine.model.embed.weight)
+            two_steps = test_eagle3.record_trees(two)
+            assert [_run(two, params) for params in (GREEDY, SAMPLED)] == expected
+            drafted = [[(t.token_ids, t.parents) for _, _, t in s if t is not None] for s in (steps, two_steps)]
+            assert drafted[0] == drafted[1] and len(drafted[0]) > 20
+            stats = two.stats()
+            assert stats["num_accepted_tokens"] == one.stats()["num_accepted_tokens"]
+            if head is successor:
+                assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+            test_eagle3.assert_head_blocks_returned(two)
+        _assert_workers_gone(two)
+
+
 def test_quantized_target_and_draft_under_tp(draft_path, tmp_path):
     """An int4 target (q/k/v and gate/up split by rows, o and down by columns on group boundaries) with a sharded
     int8 draft at TP 2: speculation equals plain decoding at TP 2, greedy and seeded, and the first token's
@@ -279,7 +317,7 @@ def _alive(pid: int) -> bool:
 
 
 def test_torchrun_runs_example_08(target_path, draft_path):
-    """The documented way across machines, here 2 processes on one: torchrun starts both ranks of example 07."""
+    """The documented way across machines, here 2 processes on one: torchrun starts both ranks of example 08."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

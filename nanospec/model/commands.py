@@ -28,6 +28,7 @@ class Op(IntEnum):
     EXECUTE = 1    # run a forward (and the logits) over the batch
     COPY_KV = 2    # copy K/V slots: tensors (src_slots, dst_slots), every layer
     SHUTDOWN = 3   # leave the worker loop
+    GATHER_EMBEDDING = 4  # all-gather the embedding's rows (the driver keeps the whole table)
 
 
 @dataclass

@@ -12,7 +12,7 @@ import torch
 
 from nanospec.model.commands import CommandChannel, Op
 from nanospec.model.forward_batch import ForwardBatch
-from nanospec.model.parallel import TensorParallelError
+from nanospec.model.parallel import TensorParallelError, VocabParallelEmbedding
 from nanospec.model.runner import ModelRunner
 
 
@@ -29,6 +29,25 @@ class DriverRunner:
         self.model = local.model
         self.kv_cache = local.kv_cache
         self.device = local.device
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        """The driver's alone: after each all-reduce every rank holds the whole residual stream, so the driver's shard
+        keeps the auxiliary states (``aux_hidden``) and the workers compute none."""
+        return self.local.aux_layers
+
+    @aux_layers.setter
+    def aux_layers(self, layers: tuple[int, ...]) -> None:
+        self.local.aux_layers = layers
+
+    @property
+    def aux_hidden(self) -> torch.Tensor | None:
+        return self.local.aux_hidden
+
+    def whole_embedding(self) -> VocabParallelEmbedding:
+        """The target's token embedding, whole on the driver: every rank's vocabulary rows gathered once."""
+        return self._mirrored(lambda: self.channel.send(Op.GATHER_EMBEDDING, self.model_id),
+                              lambda: self.model.embed.whole())
 
     def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return self.local.to_device(tensors)

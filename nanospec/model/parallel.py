@@ -100,6 +100,7 @@ class VocabParallelEmbedding:
         self.tp = tp if tp is not None and tp.communicates else None
         self.weight = weight
         self.dtype = dtype
+        self.vocab_size = vocab_size
         self.start, self.end = (0, vocab_size) if self.tp is None else vocab_range(vocab_size, tp.rank, tp.size)
         assert weight.shape[0] == self.end - self.start
 
@@ -112,6 +113,16 @@ class VocabParallelEmbedding:
             torch.zeros(ids.shape[0], self.weight.shape[1], dtype=self.dtype, device=ids.device)
         hidden = hidden * mine.unsqueeze(-1).to(hidden.dtype)
         return self.tp.all_reduce(hidden)
+
+    def whole(self) -> VocabParallelEmbedding:
+        """The whole table as an embedding of no group: every rank's rows in ``dtype``, all-gathered (a collective:
+        every rank of the group calls it)."""
+        table = self._lookup(torch.arange(self.weight.shape[0], device=self.weight.device))
+        if self.tp is not None:
+            per_rank = -(-self.vocab_size // self.tp.size)
+            padded = torch.nn.functional.pad(table, (0, 0, 0, per_rank - table.shape[0]))
+            table = self.tp.all_gather_last(padded.T).T[: self.vocab_size].contiguous()
+        return VocabParallelEmbedding(table, self.vocab_size, None, self.dtype)
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if isinstance(self.weight, torch.Tensor):

@@ -12,7 +12,9 @@ rule verifies them and output equals plain decoding's whatever the head's weight
 
 The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
 sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
-gives no hidden states) to the last committed token but one. Not yet: tensor parallelism.
+gives no hidden states) to the last committed token but one. Under tensor parallelism the head runs on the
+driver alone: its shard's forward keeps the auxiliary states (every rank holds the whole residual stream after
+its all-reduces), and a head without an embedding of its own gets the target's gathered whole onto the driver.
 """
 
 from __future__ import annotations
@@ -69,13 +71,10 @@ class Eagle3Proposer(Proposer):
         self.runner = None
 
     def bind(self, runner) -> None:
-        if not hasattr(runner, "aux_layers"):
-            raise ValueError("method 'eagle3' needs the target's own runner: it does not run under tensor "
-                             "parallelism yet")
         runner.aux_layers = self.aux_layers
         self.runner = runner
-        if self.embed is None:
-            self.embed = runner.model.embed
+        if self.embed is None:  # the target's (under tensor parallelism: its rows gathered whole on the driver)
+            self.embed = runner.model.embed if runner.model.tp is None else runner.whole_embedding()
 
     # ---------------------------------------------------------------- a sequence's life
     def start(self, seq: Sequence) -> None:
