@@ -606,6 +606,37 @@ def test_server_equals_offline(target, successor_head, expected, plain_features,
     assert_head_blocks_returned(llm)
 
 
+@pytest.mark.slow
+def test_the_shipped_head_serves_the_embedded_model():
+    """``--speculative-config '{"method": "eagle3"}'``, no model: the head shipped for the embedded SmolLM2 (with its
+    speculative_config.json's num_speculative_tokens), through the command line's arguments and the server; the
+    chat's answer is plain decoding's."""
+    from nanospec.model.embedded import embedded_model_path
+    from nanospec.serve.__main__ import parse_args
+    from nanospec.speculative.eagle3 import SHIPPED_FOR_EMBEDDED, Eagle3Proposer
+    from test_serve import _client, _idle, _wait_until, serving
+
+    try:
+        embedded_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    served = json.loads((SHIPPED_FOR_EMBEDDED / "speculative_config.json").read_text())
+    args = parse_args(["--speculative-config", '{"method": "eagle3", "adaptive": false}', "--dtype", "float32",
+                       "--device", "cpu", "--num-blocks", "64"])
+    llm = LLM.from_args(args.engine)
+    proposer = llm.engine.speculator.proposer
+    assert isinstance(proposer, Eagle3Proposer) and proposer.k == served["num_speculative_tokens"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with serving(llm) as url:
+        chat = _client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+        _wait_until(lambda: _idle(llm))
+    plain_answer = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, speculate=False))[0]
+    assert chat.choices[0].message.content == plain_answer.text
+    stats = llm.stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
+    assert_head_blocks_returned(llm)
+
+
 # ---------------------------------------------------------------- refused heads
 
 def _bad(config_changes: dict | None = None, tensor_changes: dict | None = None):
@@ -661,9 +692,11 @@ def test_default_aux_layers_out_of_range_name_the_field(tmp_path, device):
         eagle_llm((path, None), head, device)
 
 
-def test_config_errors(tmp_path):
+def test_config_errors(target, device, tmp_path):
+    with pytest.raises(ValueError, match="needs 'model'"):  # no shipped head for a tiny random target
+        LLM(str(target[0]), num_blocks=64, block_size=4, device=device, speculative_config={"method": "eagle3"})
     with pytest.raises(ValueError, match="needs 'model'"):
-        LLM(speculative_config={"method": "eagle3"})
+        LLM(speculative_config={"method": "eagle3", "model": 7})
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
