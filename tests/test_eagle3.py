@@ -7,6 +7,9 @@
   guesses after a prompt equal the head's formula written out again here in float64;
 * the engine: greedy and seeded output equal plain decoding's, alone and batched, eager and on the static path,
   under preemption and with a prompt served from the prefix cache; every head K/V block returns to its pool;
+* with penalties, log-probabilities, ``n``, stop strings, stop tokens and ``min_tokens``, chain and tree on the static
+  path, and behind the OpenAI-compatible server: plain decoding's outputs; ``{"method": "eagle3"}`` without a model
+  serves the embedded SmolLM2 with the head shipped for it;
 * a head that does not fit the target (hidden size, vocabulary, ``d2t`` length, auxiliary layer ids, head_dim) is
   refused with an error naming the field.
 
