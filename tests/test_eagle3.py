@@ -454,6 +454,34 @@ def test_trees_with_random_heads_and_preemption_equal_plain(target, expected, de
     assert_head_blocks_returned(llm)
 
 
+def test_a_full_head_pool_drafts_for_fewer_sequences_and_fails_no_step(target, weighted_successor_head, device):
+    """Many short sequences and a tree whose scratch rows (width x (depth - 1) = 12, 3 blocks) outnumber the blocks
+    each holds in the target's pool (1 or 2 of 24): the head's pool (twice the target's) cannot hold every
+    sequence's scratch at once. The head still runs over every sequence's rows, drafts for those whose scratch fits,
+    and no step fails (a failed step is run again one sequence at a time); the output is plain decoding's."""
+    prompts = [[(11 * i) % 300 + 3, (7 * i) % 300 + 3] for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(target[0]), num_blocks=24, block_size=4, device=device, dtype="float32",
+               max_num_seqs=32).generate(prompts, params)
+    llm = eagle_llm(target, weighted_successor_head, device, k=4, tree={"tree_top_k": 4, "tree_budget": 4},
+                    num_blocks=24, max_num_seqs=32)
+    isolate, failed = llm.engine._isolate, []
+    llm.engine._isolate = lambda seqs, error: failed.append(error) or isolate(seqs, error)
+    proposer, drafted = llm.engine.speculator.proposer, []
+    commit = proposer.commit
+
+    def recording(seq, proposal, verdict):
+        commit(seq, proposal, verdict)
+        drafted.append(seq.spec_state.drafted)
+
+    proposer.commit = recording
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in want]
+    assert failed == []
+    assert 0 < sum(drafted) < len(drafted)  # some sequences drafted, some waited
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_head_blocks_returned(llm)
+
+
 def test_first_tree_follows_eagle2(target, device, tmp_path):
     """After a prompt the engine's tree (tokens, shape, order, scores) is EAGLE-2's search written out node by
     node in float64 (each node fed its own path): depth 3 needs each node to attend to its ancestors only."""
@@ -614,10 +642,11 @@ def test_the_shipped_head_serves_the_embedded_model():
     """``--speculative-config '{"method": "eagle3"}'``, no model: the head shipped for the embedded SmolLM2 (with its
     speculative_config.json's num_speculative_tokens), through the command line's arguments and the server; the
     chat's answer is plain decoding's."""
+    from test_serve import _client, _idle, _wait_until, serving
+
     from nanospec.model.embedded import embedded_model_path
     from nanospec.serve.__main__ import parse_args
     from nanospec.speculative.eagle3 import SHIPPED_FOR_EMBEDDED, Eagle3Proposer
-    from test_serve import _client, _idle, _wait_until, serving
 
     try:
         embedded_model_path()

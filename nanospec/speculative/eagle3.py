@@ -12,7 +12,9 @@ rule verifies them and output equals plain decoding's whatever the head's weight
 
 The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
 sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
-gives no hidden states) to the last committed token but one. Not yet: tensor parallelism.
+gives no hidden states) to the last committed token but one. The rows the target ran always fit (the target's pool
+holds them too); where the scratch rows past them do not fit for every sequence at once, the sequences last in the
+batch draft nothing that step (their next step verifies no guesses), and no step fails. Not yet: tensor parallelism.
 
 Without a ``model`` a target of the embedded model's shape gets the head shipped for it (:func:`head_path`).
 """
@@ -67,6 +69,7 @@ class Eagle3State:
     num_cached: int = 0       # the head's K/V is exact for positions base .. num_cached - 1
     num_tokens: int = 0       # the sequence's length when its guesses were made
     tree: Proposal | None = None  # the guesses drafted then: a chain, or a ranked tree with each node's chance
+    drafted: bool = False     # whether the last step drafted for it (its scratch rows fit the head's pool)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a chain's alpha
     calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree's chances
 
@@ -125,11 +128,13 @@ class Eagle3Proposer(Proposer):
         st.num_tokens = seq.num_tokens
         if self.tree is None:  # (read_forward drafted behind the new last token)
             st.acceptance.observe_chain(proposal, verdict)
-            st.tree = Proposal.chain([int(t) for t in verdict.ahead[0]])
+            st.tree = Proposal.chain([int(t) for t in verdict.ahead[0]]) if st.drafted else None
         else:  # ranked in the drafted order
             st.calibration.observe(proposal.checked_paths(), verdict.emitted)
-            st.tree = Proposal([int(v) for v in verdict.ahead[0]], [int(v) for v in verdict.ahead[1]])
-            st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], verdict.ahead[2])
+            st.tree = None
+            if st.drafted:
+                st.tree = Proposal([int(v) for v in verdict.ahead[0]], [int(v) for v in verdict.ahead[1]])
+                st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], verdict.ahead[2])
         st.num_cached = seq.num_tokens - 1
         self.block_manager.truncate(st.block_table, st.num_cached - st.base)
 
@@ -164,7 +169,7 @@ class Eagle3Proposer(Proposer):
                 if st.base is None or st.num_cached != c:  # first run, or a step missed: start again at c
                     self.block_manager.free(st.block_table)
                     st.base = c
-                self.block_manager.reserve(st.block_table, c + size + self.scratch - st.base)
+                self.block_manager.reserve(st.block_table, c + size - st.base)  # the rows the target ran
                 prompt = seq.token_ids[c + 1:n]  # the next token of each row before the root
                 tokens.append(prompt + [0] * (size - len(prompt)))
                 emitted_at += [-1] * len(prompt) + [b * width + d for d in range(size - len(prompt))]
@@ -180,6 +185,14 @@ class Eagle3Proposer(Proposer):
                 node_roots += [row + len(prompt)] * (size - len(prompt) - 1)
                 head_row += size
             row += sizes[b]
+        drafting = []  # (indices into active) the sequences whose scratch rows fit, first come first served
+        for i, b in enumerate(active):
+            st = seqs[b].spec_state
+            need = seqs[b].num_cached_tokens + sizes[b] + self.scratch - st.base
+            st.drafted = self.block_manager.can_reserve(st.block_table, need)
+            if st.drafted:
+                self.block_manager.reserve(st.block_table, need)
+                drafting.append(i)
         batch = build_forward_batch(tokens, starts, tables, self.block_size, logits_rows, self.device,
                                     positions=positions)
         emitted_at = torch.tensor(emitted_at, device=self.device)
@@ -199,7 +212,13 @@ class Eagle3Proposer(Proposer):
         last = torch.tensor([seqs[b].num_tokens - 1 - seqs[b].spec_state.base for b in active],
                             device=self.device) + accepted
         offset = torch.tensor([seqs[b].spec_state.base for b in active], device=self.device)
-        for t, value in zip(out, self._draft(batch.block_tables, last, offset, state)):
+        tables = batch.block_tables
+        if len(drafting) < len(active):
+            if not drafting:
+                return out
+            pick = torch.tensor(drafting, device=self.device)
+            tables, last, offset, state, index = tables[pick], last[pick], offset[pick], state[pick], index[pick]
+        for t, value in zip(out, self._draft(tables, last, offset, state)):
             t[index] = value.to(t.dtype)
         return out
 
