@@ -482,6 +482,15 @@ def test_a_full_head_pool_drafts_for_fewer_sequences_and_fails_no_step(target, w
     assert_head_blocks_returned(llm)
 
 
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_a_small_pool_with_the_policy_on_equals_plain(target, weighted_successor_head, expected, device, tree):
+    """A target pool of 8 blocks of 4 (32 tokens; the head's: 64): the policy's measurement of a draft step (after
+    up to 64 positions, plus the scratch rows) fits the head's pool, and the output is plain decoding's."""
+    llm = eagle_llm(target, weighted_successor_head, device, adaptive=True, tree=tree, num_blocks=8)
+    assert llm.generate([PROMPTS[4]], GREEDY)[0].token_ids == expected[0][4]
+    assert_head_blocks_returned(llm)
+
+
 def test_first_tree_follows_eagle2(target, device, tmp_path):
     """After a prompt the engine's tree (tokens, shape, order, scores) is EAGLE-2's search written out node by
     node in float64 (each node fed its own path): depth 3 needs each node to attend to its ancestors only."""

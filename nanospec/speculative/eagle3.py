@@ -273,18 +273,21 @@ class Eagle3Proposer(Proposer):
         return self.head.to_target(self.head.logits(state).argmax(dim=-1))
 
     def measure_cost(self) -> float:
-        """Seconds of one draft depth at batch 1 after 64 positions (the real rows' forward is not counted): one
-        chain step, or a whole tree over its depth."""
+        """Seconds of one draft depth at batch 1 after 64 positions, or as many as the head's pool holds beside the
+        scratch rows (the real rows' forward is not counted): one chain step, or a whole tree over its depth."""
+        context = min(64, self.block_manager.num_free_blocks * self.block_size - 1 - self.scratch)
+        if context < 0:  # no sequence's scratch rows ever fit: the head never drafts
+            return 0.0
         table: list[int] = []
-        self.block_manager.reserve(table, 65 + self.scratch)
+        self.block_manager.reserve(table, context + 1 + self.scratch)
         try:
             tables = torch.tensor([table], dtype=torch.int32, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             state = torch.zeros(1, self.head.config.layer.hidden_size, device=self.device, dtype=self.dtype)
             if self.tree is not None:
-                step = lambda: [t.tolist() for t in self._draft(tables, zero + 64, zero, state)]  # noqa: E731
+                step = lambda: [t.tolist() for t in self._draft(tables, zero + context, zero, state)]  # noqa: E731
             else:
-                batch = self._step_batch(tables, zero + 64, zero, zero)
+                batch = self._step_batch(tables, zero + context, zero, zero)
                 step = lambda: self._guess(self._run(batch, state)).tolist()  # noqa: E731
             step()
             return best_seconds(step, self.device) / (self.k if self.tree is not None else 1)
