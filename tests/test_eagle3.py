@@ -7,6 +7,9 @@
   guesses after a prompt equal the head's formula written out again here in float64;
 * the engine: greedy and seeded output equal plain decoding's, alone and batched, eager and on the static path,
   under preemption and with a prompt served from the prefix cache; every head K/V block returns to its pool;
+* with penalties, log-probabilities, ``n``, stop strings, stop tokens and ``min_tokens``, chain and tree on the static
+  path, and behind the OpenAI-compatible server: plain decoding's outputs; ``{"method": "eagle3"}`` without a model
+  serves the embedded SmolLM2 with the head shipped for it;
 * a head that does not fit the target (hidden size, vocabulary, ``d2t`` length, auxiliary layer ids, head_dim) is
   refused with an error naming the field.
 
@@ -15,6 +18,7 @@ plain decoding (its attention reads the current token's embedding, its ``lm_head
 reduced vocabulary and ``d2t``), so guesses are accepted often but not always: acceptance, the bonus token and
 the head's K/V past rejected guesses all run."""
 
+import dataclasses
 import json
 import math
 from collections import Counter
@@ -347,8 +351,6 @@ def test_seeded_sampling_equals_plain(target, successor_head, expected, device, 
 
 
 def test_batch_mixing_speculating_and_plain_requests(target, successor_head, expected, device):
-    import dataclasses
-
     runs = [(i, j, p) for i in range(len(PROMPTS)) for j in range(len(ALL_PARAMS))
             for p in (ALL_PARAMS[j], dataclasses.replace(ALL_PARAMS[j], speculate=False))]
     llm = eagle_llm(target, successor_head, device)
@@ -452,6 +454,43 @@ def test_trees_with_random_heads_and_preemption_equal_plain(target, expected, de
     assert_head_blocks_returned(llm)
 
 
+def test_a_full_head_pool_drafts_for_fewer_sequences_and_fails_no_step(target, weighted_successor_head, device):
+    """Many short sequences and a tree whose scratch rows (width x (depth - 1) = 12, 3 blocks) outnumber the blocks
+    each holds in the target's pool (1 or 2 of 24): the head's pool (twice the target's) cannot hold every
+    sequence's scratch at once. The head still runs over every sequence's rows, drafts for those whose scratch fits,
+    and no step fails (a failed step is run again one sequence at a time); the output is plain decoding's."""
+    prompts = [[(11 * i) % 300 + 3, (7 * i) % 300 + 3] for i in range(24)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = LLM(str(target[0]), num_blocks=24, block_size=4, device=device, dtype="float32",
+               max_num_seqs=32).generate(prompts, params)
+    llm = eagle_llm(target, weighted_successor_head, device, k=4, tree={"tree_top_k": 4, "tree_budget": 4},
+                    num_blocks=24, max_num_seqs=32)
+    isolate, failed = llm.engine._isolate, []
+    llm.engine._isolate = lambda seqs, error: failed.append(error) or isolate(seqs, error)
+    proposer, drafted = llm.engine.speculator.proposer, []
+    commit = proposer.commit
+
+    def recording(seq, proposal, verdict):
+        commit(seq, proposal, verdict)
+        drafted.append(seq.spec_state.drafted)
+
+    proposer.commit = recording
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in want]
+    assert failed == []
+    assert 0 < sum(drafted) < len(drafted)  # some sequences drafted, some waited
+    assert llm.stats()["num_draft_tokens"] > 0
+    assert_head_blocks_returned(llm)
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_a_small_pool_with_the_policy_on_equals_plain(target, weighted_successor_head, expected, device, tree):
+    """A target pool of 8 blocks of 4 (32 tokens; the head's: 64): the policy's measurement of a draft step (after
+    up to 64 positions, plus the scratch rows) fits the head's pool, and the output is plain decoding's."""
+    llm = eagle_llm(target, weighted_successor_head, device, adaptive=True, tree=tree, num_blocks=8)
+    assert llm.generate([PROMPTS[4]], GREEDY)[0].token_ids == expected[0][4]
+    assert_head_blocks_returned(llm)
+
+
 def test_first_tree_follows_eagle2(target, device, tmp_path):
     """After a prompt the engine's tree (tokens, shape, order, scores) is EAGLE-2's search written out node by
     node in float64 (each node fed its own path): depth 3 needs each node to attend to its ancestors only."""
@@ -474,6 +513,168 @@ def test_first_tree_follows_eagle2(target, device, tmp_path):
         assert got == pytest.approx([score for score, _ in reference], abs=1e-4)
         while engine.has_unfinished():
             engine.step()
+    assert_head_blocks_returned(llm)
+
+
+# ---------------------------------------------------------------- penalties, log-probabilities, stops, n
+
+# negative frequency / presence penalties and a repetition penalty < 1 make the tiny target repeat itself, so the
+# penalized output differs from the unpenalized one the successor heads learned: guesses land and miss
+PENALTIES = {"repetition_penalty": 0.8, "frequency_penalty": -0.6, "presence_penalty": 0.3, "logprobs": 2}
+FEATURES = {"penalized_greedy": SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **PENALTIES),
+            "penalized_seeded": SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, seed=3, ignore_eos=True,
+                                               **PENALTIES),
+            "n3_seeded": SamplingParams(temperature=1.0, max_tokens=10, seed=7, n=3, logprobs=1, ignore_eos=True)}
+
+
+@pytest.fixture(scope="module")
+def plain_features(plain):
+    """Plain decoding's outputs for each of ``FEATURES``, and its free runs (greedy, then ``SAMPLED[0]``) to choose
+    stop strings and stop tokens from."""
+    outputs = {name: plain.generate(PROMPTS, params) for name, params in FEATURES.items()}
+    return outputs, [plain.generate(PROMPTS, params) for params in ALL_PARAMS[:2]]
+
+
+@pytest.fixture(scope="module", params=["chain", "tree"])
+def featured(request, target, successor_head, weighted_successor_head, device):
+    """An eagle3 LLM that verifies every guess: a chain of 3, or a tree of width 3 and 10 nodes; decode and verify
+    from static buffers (CUDA graphs on CUDA)."""
+    if request.param == "chain":
+        llm = eagle_llm(target, successor_head, device, max_num_seqs=8, enforce_eager=False)
+    else:
+        llm = eagle_llm(target, weighted_successor_head, device, tree=TREE, max_num_seqs=8, enforce_eager=False)
+    yield llm
+    assert llm.engine.runner.graphs  # the static path did run
+
+
+def assert_same_outputs(got, want, what) -> None:
+    """Token ids, text, finish reason and choice index equal; log-probabilities (the target's, here from verify
+    rows) equal within 1e-4 with the same top tokens."""
+    assert [(o.token_ids, o.text, o.finish_reason, o.index) for o in got] == \
+        [(o.token_ids, o.text, o.finish_reason, o.index) for o in want], what
+    for out, ref in zip(got, want):
+        assert (out.logprobs is None) == (ref.logprobs is None), what
+        for a, b in zip(out.logprobs or [], ref.logprobs or []):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4, what
+            assert [t for t, _ in a.top] == [t for t, _ in b.top], what
+
+
+def test_penalties_logprobs_and_n_equal_plain(featured, plain_features):
+    """Penalized greedy and seeded sampling with log-probabilities, and n = 3 seeded choices: plain decoding's
+    outputs, alone and batched, with guesses accepted and rejected."""
+    outputs, _ = plain_features
+    drafted = accepted = 0
+    for name, params in FEATURES.items():
+        got = featured.generate(PROMPTS, params)
+        assert_same_outputs(got, outputs[name], name)
+        drafted += sum(o.num_draft_tokens for o in got)
+        accepted += sum(o.num_accepted_tokens for o in got)
+        assert_same_outputs(featured.generate([PROMPTS[1]], params), outputs[name][params.n:2 * params.n], name)
+    assert 0 < accepted < drafted
+    assert_head_blocks_returned(featured)
+
+
+def test_stop_strings_stop_tokens_and_min_tokens_equal_plain(featured, plain, plain_features):
+    """A stop string met in the middle of a step's accepted guesses ends the text before it; a stop token ends the
+    output with it; ``min_tokens`` holds the stop token off: the same text, tokens and finish reason as plain
+    decoding, greedy and seeded."""
+    _, free_runs = plain_features
+    checked = accepted = 0
+    for base, free in zip(ALL_PARAMS[:2], free_runs):
+        stops = [out.text[6:8] or "never appears" for out in free]
+        for params in ([dataclasses.replace(base, stop=[stop, "never appears \x00"]) for stop in stops],
+                       [dataclasses.replace(base, stop_token_ids=[out.token_ids[6]]) for out in free],
+                       [dataclasses.replace(base, stop_token_ids=[out.token_ids[6]], min_tokens=12) for out in free]):
+            want, got = plain.generate(PROMPTS, params), featured.generate(PROMPTS, params)
+            assert_same_outputs(got, want, params[0])
+            checked += sum(out.finish_reason == "stop" and len(out.token_ids) < base.max_tokens for out in want)
+            accepted += sum(out.num_accepted_tokens for out in got)
+    assert checked >= 2 * 2 * len(PROMPTS)  # most requests did stop early
+    assert accepted > 0
+    assert_head_blocks_returned(featured)
+
+
+# ---------------------------------------------------------------- the server
+
+def test_server_equals_offline(target, successor_head, expected, plain_features, device):
+    """The OpenAI-compatible server over an eagle3 LLM: a batch of completions (token-id prompts), and concurrent
+    streams with penalties, log-probabilities, n and a stop string, equal plain decoding's."""
+    import asyncio
+
+    import openai
+    from test_serve import _client, _idle, _wait_until, serving
+
+    llm = eagle_llm(target, successor_head, device, max_num_seqs=8)
+    penalized = FEATURES["penalized_seeded"]
+    texts = [out.text for out in plain_features[0]["penalized_seeded"]]
+    i = max(range(len(PROMPTS)), key=lambda i: len(texts[i]))  # a stop string from the middle of the longest text
+    stop = texts[i][len(texts[i]) // 3:][:2]
+    requests = [*((prompt, penalized) for prompt in PROMPTS), (PROMPTS[0], dataclasses.replace(penalized, n=2)),
+                (PROMPTS[i], dataclasses.replace(penalized, stop=[stop]))]
+    want = [llm.generate([prompt], dataclasses.replace(params, speculate=False)) for prompt, params in requests]
+
+    async def stream(client, prompt, params):
+        chunks = await client.completions.create(
+            model="tiny", prompt=prompt, stream=True, max_tokens=params.max_tokens, temperature=params.temperature,
+            top_p=params.top_p, seed=params.seed, logprobs=params.logprobs, n=params.n, stop=params.stop,
+            frequency_penalty=params.frequency_penalty, presence_penalty=params.presence_penalty,
+            extra_body={"return_token_ids": True, "ignore_eos": True, "repetition_penalty": params.repetition_penalty})
+        ids, logprobs, reasons = {}, {}, {}
+        async for chunk in chunks:
+            for choice in chunk.choices:
+                ids.setdefault(choice.index, []).extend(choice.token_ids)
+                logprobs.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+                reasons[choice.index] = choice.finish_reason
+        return [(ids[i], logprobs[i], reasons[i]) for i in sorted(ids)]
+
+    async def streams():
+        async with _client(url, openai.AsyncOpenAI) as client:
+            return await asyncio.gather(*[stream(client, prompt, params) for prompt, params in requests])
+
+    with serving(llm) as url:
+        got = _client(url).completions.create(model="tiny", prompt=PROMPTS, max_tokens=20, temperature=0,
+                                              extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert [c.token_ids for c in got.choices] == expected[0]
+        streamed = asyncio.run(streams())
+        _wait_until(lambda: _idle(llm))
+    assert want[-1][0].finish_reason == "stop" and len(want[-1][0].token_ids) < penalized.max_tokens
+    for choices, outs in zip(streamed, want):
+        assert [(ids, reason) for ids, _, reason in choices] == [(o.token_ids, o.finish_reason) for o in outs]
+        for (_, logprobs, _), out in zip(choices, outs):
+            assert logprobs == pytest.approx([lp.logprob for lp in out.logprobs], abs=1e-4)
+    assert 0 < llm.stats()["num_accepted_tokens"] < llm.stats()["num_draft_tokens"]
+    assert_head_blocks_returned(llm)
+
+
+@pytest.mark.slow
+def test_the_shipped_head_serves_the_embedded_model():
+    """``--speculative-config '{"method": "eagle3"}'``, no model: the head shipped for the embedded SmolLM2 (with its
+    speculative_config.json's num_speculative_tokens), through the command line's arguments and the server; the
+    chat's answer is plain decoding's."""
+    from test_serve import _client, _idle, _wait_until, serving
+
+    from nanospec.model.embedded import embedded_model_path
+    from nanospec.serve.__main__ import parse_args
+    from nanospec.speculative.eagle3 import SHIPPED_FOR_EMBEDDED, Eagle3Proposer
+
+    try:
+        embedded_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    served = json.loads((SHIPPED_FOR_EMBEDDED / "speculative_config.json").read_text())
+    args = parse_args(["--speculative-config", '{"method": "eagle3", "adaptive": false}', "--dtype", "float32",
+                       "--device", "cpu", "--num-blocks", "64"])
+    llm = LLM.from_args(args.engine)
+    proposer = llm.engine.speculator.proposer
+    assert isinstance(proposer, Eagle3Proposer) and proposer.k == served["num_speculative_tokens"]
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    with serving(llm) as url:
+        chat = _client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
+        _wait_until(lambda: _idle(llm))
+    plain_answer = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, speculate=False))[0]
+    assert chat.choices[0].message.content == plain_answer.text
+    stats = llm.stats()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
     assert_head_blocks_returned(llm)
 
 
@@ -532,9 +733,11 @@ def test_default_aux_layers_out_of_range_name_the_field(tmp_path, device):
         eagle_llm((path, None), head, device)
 
 
-def test_config_errors(tmp_path):
+def test_config_errors(target, device, tmp_path):
+    with pytest.raises(ValueError, match="needs 'model'"):  # no shipped head for a tiny random target
+        LLM(str(target[0]), num_blocks=64, block_size=4, device=device, speculative_config={"method": "eagle3"})
     with pytest.raises(ValueError, match="needs 'model'"):
-        LLM(speculative_config={"method": "eagle3"})
+        LLM(speculative_config={"method": "eagle3", "model": 7})
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
     with pytest.raises(ValueError, match="unknown speculative_config keys"):

@@ -7,6 +7,7 @@
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
     {"method": "mlp_speculator", "model": PATH, "tree_top_k": 4, "prompt_lookup": True}
     {"method": "eagle3", "model": PATH, "num_speculative_tokens": 4}   # an EAGLE-3 head (vLLM / SGLang format)
+    {"method": "eagle3"}   # the head shipped for the embedded model
     {"method": "eagle3", "model": PATH, "tree_top_k": 4, "tree_budget": 24}   # its EAGLE-2 dynamic tree
 
 ``"adaptive": True`` (the default) verifies only the guesses that pay (:mod:`nanospec.speculative.policy`). The
@@ -28,7 +29,8 @@ from nanospec.model.mlp_speculator import load_mlp_speculator
 from nanospec.model.parallel import ParallelGroup
 from nanospec.model.quantization import parse_quantization
 from nanospec.speculative.draft import DraftProposer
-from nanospec.speculative.eagle3 import Eagle3Proposer
+from nanospec.speculative.eagle3 import SHIPPED_FOR_EMBEDDED as SHIPPED_EAGLE3
+from nanospec.speculative.eagle3 import Eagle3Proposer, head_path
 from nanospec.speculative.lookahead import LookaheadProposer
 from nanospec.speculative.mlp import MLPSpeculatorProposer, speculator_path
 from nanospec.speculative.ngram import NgramProposer
@@ -133,20 +135,21 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         tree_top_k = _optional_int(config, "tree_top_k")
         prompt_lookup = _bool(config, "prompt_lookup", False) if "prompt_lookup" in config else None
         return SpeculativeConfig(method, k, model=model, tree_top_k=tree_top_k, prompt_lookup=prompt_lookup, **fields)
-    if not model or not isinstance(model, (str, os.PathLike)):
+    if (method != "eagle3" or model is not None) and (not model or not isinstance(model, (str, os.PathLike))):
         what = ("the directory of an EAGLE-3 head (config.json + safetensors)" if method == "eagle3"
                 else "the path of a small Llama")
         raise ValueError(f"speculative_config for method {method!r} needs 'model': {what}, got {model!r}")
-    if method == "eagle3":
-        if not Path(model).is_dir():
+    if method == "eagle3":  # without a model: the shipped head, if the target is the embedded model
+        if model is not None and not Path(model).is_dir():
             raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head directory does not exist: {model}")
         shape = {"num_speculative_tokens", "tree_top_k", "tree_budget"}
         if not shape & set(config):  # none of them set: the head directory's speculative_config.json's (if any)
-            config = {**config, **_served(Path(model) / "speculative_config.json", shape)}
+            directory = Path(model) if model is not None else SHIPPED_EAGLE3
+            config = {**config, **_served(directory / "speculative_config.json", shape)}
         k = _positive_int(config, "num_speculative_tokens", 4)
         fields["tree_budget"] = _optional_int(config, "tree_budget")
-        return SpeculativeConfig(method, k, model=str(model), tree_top_k=_positive_int(config, "tree_top_k", 1),
-                                 **fields)
+        return SpeculativeConfig(method, k, model=None if model is None else str(model),
+                                 tree_top_k=_positive_int(config, "tree_top_k", 1), **fields)
     tree_top_k = _positive_int(config, "tree_top_k", 1)
     acceptance = config.get("acceptance", "rejection")
     if acceptance not in ("rejection", "coupled"):
@@ -233,7 +236,7 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         return MLPSpeculatorProposer(speculator, config.num_speculative_tokens, config.tree_top_k, lookup,
                                      config.adaptive)
     if config.method == "eagle3":
-        head, aux_layers = load_eagle3_head(config.model, target_config, device, dtype)
+        head, aux_layers = load_eagle3_head(head_path(config.model, target_config), target_config, device, dtype)
         return Eagle3Proposer(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
                               max_model_len or target_config.max_position_embeddings, config.tree_top_k or 1,
                               config.tree_budget)

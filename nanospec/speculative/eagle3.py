@@ -12,14 +12,20 @@ rule verifies them and output equals plain decoding's whatever the head's weight
 
 The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
 sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
-gives no hidden states) to the last committed token but one. Under tensor parallelism the head runs on the
-driver alone: its shard's forward keeps the auxiliary states (every rank holds the whole residual stream after
-its all-reduces), and a head without an embedding of its own gets the target's gathered whole onto the driver.
+gives no hidden states) to the last committed token but one. The rows the target ran always fit (the target's pool
+holds them too); where the scratch rows past them do not fit for every sequence at once, the sequences last in the
+batch draft nothing that step (their next step verifies no guesses), and no step fails. Under tensor parallelism the
+head runs on the driver alone: its shard's forward keeps the auxiliary states (every rank holds the whole residual
+stream after its all-reduces), and a head without an embedding of its own gets the target's gathered whole onto the
+driver.
+
+Without a ``model`` a target of the embedded model's shape gets the head shipped for it (:func:`head_path`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -33,9 +39,30 @@ from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
 from nanospec.speculative.eagle3_tree import TreeShape, grow_tree
+from nanospec.speculative.mlp import EMBEDDED_SHAPE
 from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, chain_ranking
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
+
+SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct-eagle3"
+
+
+def head_path(model: str | None, target_config) -> Path:
+    """The head directory: ``model``, or the one shipped for a target of the embedded model's shape."""
+    if model is not None:
+        return Path(model)
+    if any(getattr(target_config, name) != value for name, value in EMBEDDED_SHAPE.items()):
+        c = target_config
+        raise ValueError(f"speculative_config for method 'eagle3' needs 'model': the directory of an EAGLE-3 head for "
+                         f"this target (config.json + safetensors, hidden_size {c.hidden_size}, vocab_size "
+                         f"{c.vocab_size}). Only the embedded SmolLM2-135M-Instruct has a shipped one, and this target "
+                         f"(hidden_size {c.hidden_size}, {c.num_hidden_layers} layers, vocab_size {c.vocab_size}) is "
+                         f"not it")
+    if not (SHIPPED_FOR_EMBEDDED / "config.json").is_file():
+        raise FileNotFoundError(f"the EAGLE-3 head shipped for the embedded SmolLM2-135M-Instruct is missing from this "
+                                f"installation ({SHIPPED_FOR_EMBEDDED}); pass speculative_config['model'], the "
+                                f"directory of one (python -m nanospec.train --kind eagle3 trains one)")
+    return SHIPPED_FOR_EMBEDDED
 
 
 @dataclass
@@ -45,6 +72,7 @@ class Eagle3State:
     num_cached: int = 0       # the head's K/V is exact for positions base .. num_cached - 1
     num_tokens: int = 0       # the sequence's length when its guesses were made
     tree: Proposal | None = None  # the guesses drafted then: a chain, or a ranked tree with each node's chance
+    drafted: bool = False     # whether the last step drafted for it (its scratch rows fit the head's pool)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a chain's alpha
     calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree's chances
 
@@ -100,11 +128,13 @@ class Eagle3Proposer(Proposer):
         st.num_tokens = seq.num_tokens
         if self.tree is None:  # (read_forward drafted behind the new last token)
             st.acceptance.observe_chain(proposal, verdict)
-            st.tree = Proposal.chain([int(t) for t in verdict.ahead[0]])
+            st.tree = Proposal.chain([int(t) for t in verdict.ahead[0]]) if st.drafted else None
         else:  # ranked in the drafted order
             st.calibration.observe(proposal.checked_paths(), verdict.emitted)
-            st.tree = Proposal([int(v) for v in verdict.ahead[0]], [int(v) for v in verdict.ahead[1]])
-            st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], verdict.ahead[2])
+            st.tree = None
+            if st.drafted:
+                st.tree = Proposal([int(v) for v in verdict.ahead[0]], [int(v) for v in verdict.ahead[1]])
+                st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], verdict.ahead[2])
         st.num_cached = seq.num_tokens - 1
         self.block_manager.truncate(st.block_table, st.num_cached - st.base)
 
@@ -139,7 +169,7 @@ class Eagle3Proposer(Proposer):
                 if st.base is None or st.num_cached != c:  # first run, or a step missed: start again at c
                     self.block_manager.free(st.block_table)
                     st.base = c
-                self.block_manager.reserve(st.block_table, c + size + self.scratch - st.base)
+                self.block_manager.reserve(st.block_table, c + size - st.base)  # the rows the target ran
                 prompt = seq.token_ids[c + 1:n]  # the next token of each row before the root
                 tokens.append(prompt + [0] * (size - len(prompt)))
                 emitted_at += [-1] * len(prompt) + [b * width + d for d in range(size - len(prompt))]
@@ -155,6 +185,14 @@ class Eagle3Proposer(Proposer):
                 node_roots += [row + len(prompt)] * (size - len(prompt) - 1)
                 head_row += size
             row += sizes[b]
+        drafting = []  # (indices into active) the sequences whose scratch rows fit, first come first served
+        for i, b in enumerate(active):
+            st = seqs[b].spec_state
+            need = seqs[b].num_cached_tokens + sizes[b] + self.scratch - st.base
+            st.drafted = self.block_manager.can_reserve(st.block_table, need)
+            if st.drafted:
+                self.block_manager.reserve(st.block_table, need)
+                drafting.append(i)
         batch = build_forward_batch(tokens, starts, tables, self.block_size, logits_rows, self.device,
                                     positions=positions)
         emitted_at = torch.tensor(emitted_at, device=self.device)
@@ -174,7 +212,13 @@ class Eagle3Proposer(Proposer):
         last = torch.tensor([seqs[b].num_tokens - 1 - seqs[b].spec_state.base for b in active],
                             device=self.device) + accepted
         offset = torch.tensor([seqs[b].spec_state.base for b in active], device=self.device)
-        for t, value in zip(out, self._draft(batch.block_tables, last, offset, state)):
+        tables = batch.block_tables
+        if len(drafting) < len(active):
+            if not drafting:
+                return out
+            pick = torch.tensor(drafting, device=self.device)
+            tables, last, offset, state, index = tables[pick], last[pick], offset[pick], state[pick], index[pick]
+        for t, value in zip(out, self._draft(tables, last, offset, state)):
             t[index] = value.to(t.dtype)
         return out
 
@@ -229,18 +273,21 @@ class Eagle3Proposer(Proposer):
         return self.head.to_target(self.head.logits(state).argmax(dim=-1))
 
     def measure_cost(self) -> float:
-        """Seconds of one draft depth at batch 1 after 64 positions (the real rows' forward is not counted): one
-        chain step, or a whole tree over its depth."""
+        """Seconds of one draft depth at batch 1 after 64 positions, or as many as the head's pool holds beside the
+        scratch rows (the real rows' forward is not counted): one chain step, or a whole tree over its depth."""
+        context = min(64, self.block_manager.num_free_blocks * self.block_size - 1 - self.scratch)
+        if context < 0:  # no sequence's scratch rows ever fit: the head never drafts
+            return 0.0
         table: list[int] = []
-        self.block_manager.reserve(table, 65 + self.scratch)
+        self.block_manager.reserve(table, context + 1 + self.scratch)
         try:
             tables = torch.tensor([table], dtype=torch.int32, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             state = torch.zeros(1, self.head.config.layer.hidden_size, device=self.device, dtype=self.dtype)
             if self.tree is not None:
-                step = lambda: [t.tolist() for t in self._draft(tables, zero + 64, zero, state)]  # noqa: E731
+                step = lambda: [t.tolist() for t in self._draft(tables, zero + context, zero, state)]  # noqa: E731
             else:
-                batch = self._step_batch(tables, zero + 64, zero, zero)
+                batch = self._step_batch(tables, zero + context, zero, zero)
                 step = lambda: self._guess(self._run(batch, state)).tolist()  # noqa: E731
             step()
             return best_seconds(step, self.device) / (self.k if self.tree is not None else 1)
