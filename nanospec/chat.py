@@ -53,8 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--spec", default=None,
                    help="speculative decoding: 'ngram', 'draft:PATH' (a small Llama with the same vocabulary), "
-                        "'lookahead', 'mlp' (the MLP speculator shipped for the embedded model) or 'mlp:PATH' (an "
-                        "MLP speculator directory for this model)")
+                        "'lookahead', 'mlp' / 'eagle3' (the MLP speculator / EAGLE-3 head shipped for the embedded model) or "
+                        "'mlp:DIR' / 'eagle3:DIR' (one for this model)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
     p.add_argument("--quantization", default="auto",
@@ -73,6 +73,9 @@ def parse_args(argv=None):
     return args
 
 
+SHIPPED = {"mlp": "mlp_speculator", "eagle3": "eagle3"}  # --spec NAME[:DIR]: the method (no DIR: the shipped one)
+
+
 def spec_config_from_arg(spec: str | None, k: int | None) -> dict | None:
     """The speculative_config for --spec and -k; ValueError (one line) for a bad combination."""
     if spec is None:
@@ -87,14 +90,15 @@ def spec_config_from_arg(spec: str | None, k: int | None) -> dict | None:
         if k is not None:
             raise ValueError("-k does not apply to --spec lookahead (its window sizes set how much it guesses)")
         config = {"method": "lookahead"}
-    elif spec == "mlp" or spec.startswith("mlp:") and spec != "mlp:":
-        config = {"method": "mlp_speculator"}  # k: the speculator's number of stages unless -k says fewer
-        if spec != "mlp":
-            config["model"] = spec[len("mlp:"):]
+    elif (name := spec.partition(":")[0]) in SHIPPED and spec != f"{name}:":
+        config = {"method": SHIPPED[name]}  # k: the directory's own unless -k says otherwise
+        if spec != name:
+            config["model"] = spec[len(name) + 1:]
         if k is not None:
             config["num_speculative_tokens"] = k
     else:
-        raise ValueError(f"--spec {spec!r}: use 'ngram', 'draft:PATH', 'lookahead', 'mlp' or 'mlp:PATH'")
+        raise ValueError(f"--spec {spec!r}: use 'ngram', 'draft:PATH', 'lookahead', 'mlp', 'mlp:PATH', 'eagle3' or "
+                         f"'eagle3:DIR'")
     return config
 
 

@@ -169,6 +169,7 @@ def test_ctrl_c_while_loading_exits_130_in_process(monkeypatch, use_llm, capsys)
     (["--spec", "ngram", "-k", "0"], "must be >= 1"),
     (["--spec", "lookahead", "-k", "2"], "-k does not apply"),
     (["--spec", "mlp:"], "--spec 'mlp:'"),
+    (["--spec", "eagle3:"], "--spec 'eagle3:'"),
     (["--spec", "mlp", "-k", "0"], "must be >= 1"),
 ])
 def test_bad_arguments_exit_2_with_one_line_before_loading(monkeypatch, use_llm, capsys, argv, message):
@@ -182,6 +183,8 @@ def test_spec_mlp_configs():
     assert chat.spec_config_from_arg("mlp", None) == {"method": "mlp_speculator"}
     assert chat.spec_config_from_arg("mlp", 2) == {"method": "mlp_speculator", "num_speculative_tokens": 2}
     assert chat.spec_config_from_arg("mlp:some/dir", None) == {"method": "mlp_speculator", "model": "some/dir"}
+    assert chat.spec_config_from_arg("eagle3", None) == {"method": "eagle3"}
+    assert chat.spec_config_from_arg("eagle3:d", 3) == {"method": "eagle3", "model": "d", "num_speculative_tokens": 3}
 
 
 def test_spec_mlp_without_a_speculator_for_the_model_exits_2(tiny_path, capsys, monkeypatch):
