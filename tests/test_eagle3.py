@@ -340,6 +340,27 @@ def test_greedy_equals_plain(target, successor_head, expected, device, k, enforc
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["every_guess", "adaptive"])
+def test_the_head_drafts_one_depth_deeper_than_the_policy_verified(target, successor_head, expected, device, adaptive):
+    """Each depth drafted costs a head forward: with the policy on the chain is drafted one depth deeper than the
+    step verified (at most k), so the policy may verify one more next step; without it, k deep."""
+    llm = eagle_llm(target, successor_head, device, k=4, adaptive=adaptive, max_num_seqs=1)
+    proposer, seen = llm.engine.speculator.proposer, []
+    read_forward = proposer.read_forward
+
+    def recording(proposals, logits, hidden, verification):
+        out = read_forward(proposals, logits, hidden, verification)
+        seen.append((proposals[0].max_depth(), verification.seqs[0].spec_state.drafted))
+        return out
+
+    proposer.read_forward = recording
+    for i in (0, 2):
+        assert llm.generate([PROMPTS[i]], GREEDY)[0].token_ids == expected[0][i]
+    assert seen and all(drafted == (min(verified + 1, 4) if adaptive else 4) for verified, drafted in seen), seen
+    assert {drafted for _, drafted in seen} != {4} or not adaptive, seen  # the policy did not verify every guess
+    assert_head_blocks_returned(llm)
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["every_guess", "adaptive"])
 def test_seeded_sampling_equals_plain(target, successor_head, expected, device, adaptive):
     llm = eagle_llm(target, successor_head, device, adaptive=adaptive)
     for j, params in enumerate(SAMPLED, 1):
@@ -477,7 +498,7 @@ def test_a_full_head_pool_drafts_for_fewer_sequences_and_fails_no_step(target, w
     proposer.commit = recording
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in want]
     assert failed == []
-    assert 0 < sum(drafted) < len(drafted)  # some sequences drafted, some waited
+    assert 0 < sum(map(bool, drafted)) < len(drafted)  # some sequences drafted, some waited
     assert llm.stats()["num_draft_tokens"] > 0
     assert_head_blocks_returned(llm)
 

@@ -239,6 +239,6 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         head, aux_layers = load_eagle3_head(head_path(config.model, target_config), target_config, device, dtype)
         return Eagle3Proposer(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
                               max_model_len or target_config.max_position_embeddings, config.tree_top_k or 1,
-                              config.tree_budget)
+                              config.tree_budget, config.adaptive)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
                          draft_tp, enable_prefix_caching)

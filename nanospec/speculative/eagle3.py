@@ -7,7 +7,9 @@ one read, the head runs over exactly the rows the target ran for each sequence, 
 fed the fused states at ``j`` (a tree's row at depth ``d``: those of the accepted path's node at depth ``d``) and
 the token at ``j + 1`` (a prompt token, else the emitted one). Rows past the last accepted one write K/V that is
 written again before it is read. From its output there it drafts a chain (``k - 1`` one-row steps) or EAGLE-2's
-tree (:mod:`nanospec.speculative.eagle3_tree`). Guesses are argmaxes mapped to target ids: one-hot, so the matched
+tree (:mod:`nanospec.speculative.eagle3_tree`), ``k`` deep; with the goodput policy on, one depth deeper than the
+step verified (at most ``k``): the policy rarely verifies all ``k``, and each depth drafted costs a head forward.
+Guesses are argmaxes mapped to target ids: one-hot, so the matched
 rule verifies them and output equals plain decoding's whatever the head's weights.
 
 The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
@@ -24,7 +26,7 @@ Without a ``model`` a target of the embedded model's shape gets the head shipped
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -72,7 +74,7 @@ class Eagle3State:
     num_cached: int = 0       # the head's K/V is exact for positions base .. num_cached - 1
     num_tokens: int = 0       # the sequence's length when its guesses were made
     tree: Proposal | None = None  # the guesses drafted then: a chain, or a ranked tree with each node's chance
-    drafted: bool = False     # whether the last step drafted for it (its scratch rows fit the head's pool)
+    drafted: int = 0          # nodes the last step drafted for it (0: none, its scratch rows did not fit the pool)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a chain's alpha
     calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree's chances
 
@@ -81,9 +83,11 @@ class Eagle3Proposer(Proposer):
     ranked = True
 
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
-                 max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None):
+                 max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True):
+        """``adaptive``: the goodput policy chooses what to verify, so the head drafts one depth deeper than the step
+        verified (at most ``k``), as deep as the policy may want next; else ``k`` deep."""
         c = head.config.layer
-        self.head, self.aux_layers, self.k = head, aux_layers, k
+        self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.tree = _tree_shape(k, tree_top_k, tree_budget, head.config.draft_vocab_size)
         self.max_tokens_per_step = self.tree.num_nodes if self.tree else k
@@ -110,7 +114,8 @@ class Eagle3Proposer(Proposer):
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
         if self.tree is None:
-            return [chain_ranking(seq.spec_state.acceptance.alpha(), self.k) for seq in seqs]
+            return [chain_ranking(seq.spec_state.acceptance.alpha(), len(p.token_ids))
+                    for seq, p in zip(seqs, self.propose(seqs, [self.k] * len(seqs)))]
         return super().rank(seqs, depths)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
@@ -128,13 +133,14 @@ class Eagle3Proposer(Proposer):
         st.num_tokens = seq.num_tokens
         if self.tree is None:  # (read_forward drafted behind the new last token)
             st.acceptance.observe_chain(proposal, verdict)
-            st.tree = Proposal.chain([int(t) for t in verdict.ahead[0]]) if st.drafted else None
+            st.tree = Proposal.chain([int(t) for t in verdict.ahead[0][:st.drafted]]) if st.drafted else None
         else:  # ranked in the drafted order
             st.calibration.observe(proposal.checked_paths(), verdict.emitted)
             st.tree = None
             if st.drafted:
-                st.tree = Proposal([int(v) for v in verdict.ahead[0]], [int(v) for v in verdict.ahead[1]])
-                st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], verdict.ahead[2])
+                token_ids, parents, scores = (row[:st.drafted] for row in verdict.ahead)
+                st.tree = Proposal([int(v) for v in token_ids], [int(v) for v in parents])
+                st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], scores)
         st.num_cached = seq.num_tokens - 1
         self.block_manager.truncate(st.block_table, st.num_cached - st.base)
 
@@ -185,11 +191,13 @@ class Eagle3Proposer(Proposer):
                 node_roots += [row + len(prompt)] * (size - len(prompt) - 1)
                 head_row += size
             row += sizes[b]
+        depth = min(max((p.max_depth() for p in proposals), default=0) + 1, self.k) if self.adaptive else self.k
+        num_drafted = replace(self.tree, depth=depth).num_nodes if self.tree is not None else depth
         drafting = []  # (indices into active) the sequences whose scratch rows fit, first come first served
         for i, b in enumerate(active):
             st = seqs[b].spec_state
             need = seqs[b].num_cached_tokens + sizes[b] + self.scratch - st.base
-            st.drafted = self.block_manager.can_reserve(st.block_table, need)
+            st.drafted = num_drafted if self.block_manager.can_reserve(st.block_table, need) else 0
             if st.drafted:
                 self.block_manager.reserve(st.block_table, need)
                 drafting.append(i)
@@ -218,21 +226,21 @@ class Eagle3Proposer(Proposer):
                 return out
             pick = torch.tensor(drafting, device=self.device)
             tables, last, offset, state, index = tables[pick], last[pick], offset[pick], state[pick], index[pick]
-        for t, value in zip(out, self._draft(tables, last, offset, state)):
-            t[index] = value.to(t.dtype)
+        for t, value in zip(out, self._draft(tables, last, offset, state, depth)):
+            t[index, :value.shape[1]] = value.to(t.dtype)
         return out
 
-    def _draft(self, tables: torch.Tensor, last: torch.Tensor, offset: torch.Tensor,
-               state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """From the head's output at each sequence's last accepted row (storage ``last``): the chain ``(guesses,)``,
-        or the tree ``(token_ids, parents, scores)``."""
+    def _draft(self, tables: torch.Tensor, last: torch.Tensor, offset: torch.Tensor, state: torch.Tensor,
+               depth: int) -> tuple[torch.Tensor, ...]:
+        """From the head's output at each sequence's last accepted row (storage ``last``), ``depth`` deep: the chain
+        ``(guesses,)``, or the tree ``(token_ids, parents, scores)``."""
         if self.tree is not None:
             def feed(input_ids, hidden, depths, ancestors):
                 batch = self._tree_batch(tables, last, offset, input_ids, depths, ancestors)
                 return self._run(batch, hidden.flatten(0, 1)).view(*input_ids.shape, -1)
-            return grow_tree(self.head, state, self.tree, feed)
+            return grow_tree(self.head, state, replace(self.tree, depth=depth), feed)
         guesses = [self._guess(state)]
-        for step in range(1, self.k):
+        for step in range(1, depth):
             state = self._run(self._step_batch(tables, last + step, offset, guesses[-1]), state)
             guesses.append(self._guess(state))
         return (torch.stack(guesses, dim=1),)
@@ -285,7 +293,7 @@ class Eagle3Proposer(Proposer):
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             state = torch.zeros(1, self.head.config.layer.hidden_size, device=self.device, dtype=self.dtype)
             if self.tree is not None:
-                step = lambda: [t.tolist() for t in self._draft(tables, zero + context, zero, state)]  # noqa: E731
+                step = lambda: [t.tolist() for t in self._draft(tables, zero + context, zero, state, self.k)]  # noqa: E731
             else:
                 batch = self._step_batch(tables, zero + context, zero, zero)
                 step = lambda: self._guess(self._run(batch, state)).tolist()  # noqa: E731
