@@ -30,9 +30,10 @@ from nanospec.model.parallel import ParallelGroup
 from nanospec.model.quantization import parse_quantization
 from nanospec.speculative.draft import DraftProposer
 from nanospec.speculative.eagle3 import SHIPPED_FOR_EMBEDDED as SHIPPED_EAGLE3
-from nanospec.speculative.eagle3 import Eagle3Proposer, head_path
+from nanospec.speculative.eagle3 import Eagle3Proposer
 from nanospec.speculative.lookahead import LookaheadProposer
-from nanospec.speculative.mlp import MLPSpeculatorProposer, speculator_path
+from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED as SHIPPED_MLP
+from nanospec.speculative.mlp import MLPSpeculatorProposer
 from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.proposer import Proposer
 
@@ -135,7 +136,8 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         tree_top_k = _optional_int(config, "tree_top_k")
         prompt_lookup = _bool(config, "prompt_lookup", False) if "prompt_lookup" in config else None
         return SpeculativeConfig(method, k, model=model, tree_top_k=tree_top_k, prompt_lookup=prompt_lookup, **fields)
-    if (method != "eagle3" or model is not None) and (not model or not isinstance(model, (str, os.PathLike))):
+    shipped = method == "eagle3" and model is None  # the head shipped for the embedded model (checked when built)
+    if not shipped and (not model or not isinstance(model, (str, os.PathLike))):
         what = ("the directory of an EAGLE-3 head (config.json + safetensors)" if method == "eagle3"
                 else "the path of a small Llama")
         raise ValueError(f"speculative_config for method {method!r} needs 'model': {what}, got {model!r}")
@@ -210,6 +212,38 @@ def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel
     return size
 
 
+# The embedded model's shape (SmolLM2-135M-Instruct): a target of this shape (the embedded GGUF, an HF or converted
+# copy) gets the speculator shipped for it when speculative_config names no model.
+EMBEDDED_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                  "num_attention_heads": 9, "num_key_value_heads": 3}
+# method -> (the directory shipped for the embedded model, what it holds, its files and width, how to train one)
+SHIPPED = {
+    "mlp_speculator": (SHIPPED_MLP, "an MLP speculator", "config.json + model.safetensors, emb_dim",
+                       "python -m nanospec.train"),
+    "eagle3": (SHIPPED_EAGLE3, "an EAGLE-3 head", "config.json + safetensors, hidden_size",
+               "python -m nanospec.train --kind eagle3"),
+}
+
+
+def shipped_path(method: str, model: str | None, target_config) -> Path:
+    """The speculator directory of ``method`` ("mlp_speculator" or "eagle3"): ``model``, or the one shipped for a
+    target of the embedded model's shape (ValueError for another target, FileNotFoundError if it is missing)."""
+    if model is not None:
+        return Path(model)
+    shipped, what, files, train = SHIPPED[method]
+    if any(getattr(target_config, name) != value for name, value in EMBEDDED_SHAPE.items()):
+        c = target_config
+        raise ValueError(f"speculative_config for method {method!r} needs 'model': the directory of {what} for this "
+                         f"target ({files} {c.hidden_size}, vocab_size {c.vocab_size}). Only the embedded "
+                         f"SmolLM2-135M-Instruct has a shipped one, and this target (hidden_size {c.hidden_size}, "
+                         f"{c.num_hidden_layers} layers, vocab_size {c.vocab_size}) is not it")
+    if not (shipped / "config.json").is_file():
+        raise FileNotFoundError(f"the {what.split(' ', 1)[1]} shipped for the embedded SmolLM2-135M-Instruct is missing "
+                                f"from this installation ({shipped}); pass speculative_config['model'], the directory "
+                                f"of one ({train} trains one)")
+    return shipped
+
+
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
                   dtype, max_model_len: int | None = None, draft_tp: ParallelGroup | None = None,
                   enable_prefix_caching: bool = True, matmul_dtype: torch.dtype | None = None) -> Proposer:
@@ -226,7 +260,7 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
     if config.method == "lookahead":
         return LookaheadProposer(config.window_size, config.ngram_size, config.guess_set_size)
     if config.method == "mlp_speculator":
-        path = speculator_path(config.model, target_config)
+        path = shipped_path(config.method, config.model, target_config)
         config = with_served_defaults(config, path)
         speculator = load_mlp_speculator(path, emb_dim=target_config.hidden_size, vocab_size=target_config.vocab_size,
                                          device=device, dtype=dtype)
@@ -236,7 +270,7 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         return MLPSpeculatorProposer(speculator, config.num_speculative_tokens, config.tree_top_k, lookup,
                                      config.adaptive)
     if config.method == "eagle3":
-        head, aux_layers = load_eagle3_head(head_path(config.model, target_config), target_config, device, dtype)
+        head, aux_layers = load_eagle3_head(shipped_path(config.method, config.model, target_config), target_config, device, dtype)
         return Eagle3Proposer(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
                               max_model_len or target_config.max_position_embeddings, config.tree_top_k or 1,
                               config.tree_budget, config.adaptive)

@@ -9,8 +9,8 @@ the token at ``j + 1`` (a prompt token, else the emitted one). Rows past the las
 written again before it is read. From its output there it drafts a chain (``k - 1`` one-row steps) or EAGLE-2's
 tree (:mod:`nanospec.speculative.eagle3_tree`), ``k`` deep; with the goodput policy on, one depth deeper than the
 step verified (at most ``k``): the policy rarely verifies all ``k``, and each depth drafted costs a head forward.
-Guesses are argmaxes mapped to target ids: one-hot, so the matched
-rule verifies them and output equals plain decoding's whatever the head's weights.
+Guesses are argmaxes mapped to target ids: one-hot, so the matched rule verifies them and output equals plain
+decoding's whatever the head's weights.
 
 The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
 sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
@@ -21,7 +21,8 @@ head runs on the driver alone: its shard's forward keeps the auxiliary states (e
 stream after its all-reduces), and a head without an embedding of its own gets the target's gathered whole onto the
 driver.
 
-Without a ``model`` a target of the embedded model's shape gets the head shipped for it (:func:`head_path`).
+Without a ``model`` a target of the embedded model's shape gets the head shipped for it
+(:func:`nanospec.speculative.config.shipped_path`).
 """
 
 from __future__ import annotations
@@ -41,30 +42,11 @@ from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
 from nanospec.speculative.eagle3_tree import TreeShape, grow_tree
-from nanospec.speculative.mlp import EMBEDDED_SHAPE
 from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, chain_ranking
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
 SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct-eagle3"
-
-
-def head_path(model: str | None, target_config) -> Path:
-    """The head directory: ``model``, or the one shipped for a target of the embedded model's shape."""
-    if model is not None:
-        return Path(model)
-    if any(getattr(target_config, name) != value for name, value in EMBEDDED_SHAPE.items()):
-        c = target_config
-        raise ValueError(f"speculative_config for method 'eagle3' needs 'model': the directory of an EAGLE-3 head for "
-                         f"this target (config.json + safetensors, hidden_size {c.hidden_size}, vocab_size "
-                         f"{c.vocab_size}). Only the embedded SmolLM2-135M-Instruct has a shipped one, and this target "
-                         f"(hidden_size {c.hidden_size}, {c.num_hidden_layers} layers, vocab_size {c.vocab_size}) is "
-                         f"not it")
-    if not (SHIPPED_FOR_EMBEDDED / "config.json").is_file():
-        raise FileNotFoundError(f"the EAGLE-3 head shipped for the embedded SmolLM2-135M-Instruct is missing from this "
-                                f"installation ({SHIPPED_FOR_EMBEDDED}); pass speculative_config['model'], the "
-                                f"directory of one (python -m nanospec.train --kind eagle3 trains one)")
-    return SHIPPED_FOR_EMBEDDED
 
 
 @dataclass

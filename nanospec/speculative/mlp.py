@@ -25,29 +25,6 @@ from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
 SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct"
-# The embedded model's shape (SmolLM2-135M-Instruct): a target of this shape (the embedded GGUF, an HF or converted
-# copy) gets the shipped speculator when speculative_config names no model.
-EMBEDDED_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
-                  "num_attention_heads": 9, "num_key_value_heads": 3}
-
-
-def speculator_path(model: str | None, target_config) -> Path:
-    """The speculator directory: ``model``, or the shipped one for a target of the embedded model's shape."""
-    if model is not None:
-        return Path(model)
-    if any(getattr(target_config, name) != value for name, value in EMBEDDED_SHAPE.items()):
-        c = target_config
-        raise ValueError(f"speculative_config for method 'mlp_speculator' needs 'model': the directory of an MLP "
-                         f"speculator for this target (config.json + model.safetensors, emb_dim {c.hidden_size}, "
-                         f"vocab_size {c.vocab_size}). Only the embedded SmolLM2-135M-Instruct has a shipped one, and "
-                         f"this target (hidden_size {c.hidden_size}, {c.num_hidden_layers} layers, vocab_size "
-                         f"{c.vocab_size}) is not it")
-    if not (SHIPPED_FOR_EMBEDDED / "config.json").is_file():
-        raise FileNotFoundError(f"the MLP speculator shipped for the embedded SmolLM2-135M-Instruct is missing from "
-                                f"this installation ({SHIPPED_FOR_EMBEDDED}); pass speculative_config['model'], the "
-                                f"directory of one (python -m nanospec.train trains one)")
-    return SHIPPED_FOR_EMBEDDED
-
 
 LOOKUP_PRIOR = 0.6  # a before the chain has been tried (the n-gram proposer's prior)
 
