@@ -3,8 +3,9 @@
 import importlib
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput"]
-_MODULES = {"LLM": "nanospec.llm", "SamplingParams": "nanospec.sampling_params", "RequestOutput": "nanospec.outputs"}
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+_MODULES = {"LLM": "nanospec.llm", "SamplingParams": "nanospec.sampling_params", "RequestOutput": "nanospec.outputs",
+            "CompletionOutput": "nanospec.outputs"}
 
 
 def __getattr__(name):  # lazy, so `import nanospec.kernels.x` does not load the engine

@@ -196,7 +196,7 @@ class CtrlC:
 
 
 def stream_answer(llm, messages, params):
-    """Print the answer as it streams; returns (text, last RequestOutput or None, interrupted)."""
+    """Print the answer as it streams; returns (text, last CompletionOutput or None, interrupted)."""
     text, out = "", None
     with CtrlC() as ctrl_c:
         stream = llm.stream_chat(messages, params)

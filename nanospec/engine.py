@@ -25,7 +25,7 @@ from nanospec.cpu_threads import Contention, ThreadTuner
 from nanospec.detokenizer import TextStream
 from nanospec.model.parallel import TensorParallelError
 from nanospec.model.runner import ModelRunner
-from nanospec.outputs import RequestOutput
+from nanospec.outputs import CompletionOutput
 from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Scheduler
 from nanospec.sequence import Sequence
@@ -124,7 +124,7 @@ class Engine:
                              f"{self.block_manager.block_size} tokens ({lifetime} tokens) but the pool has "
                              f"{self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory or lower max_tokens")
 
-    def abort(self, request_id: int) -> RequestOutput | None:
+    def abort(self, request_id: int) -> CompletionOutput | None:
         """End a request now (finish reason "abort"); its final output, or None if unknown or finished."""
         seq = self.sequences.pop(request_id, None)
         return None if seq is None or seq.is_finished else self._finish(seq, "abort")
@@ -146,7 +146,7 @@ class Engine:
         self.sequences.pop(request_id, None)
 
     # ---------------------------------------------------------------- the loop
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[CompletionOutput]:
         """schedule -> propose -> build the batch -> ONE target forward -> verify -> commit, at ``self.threads``'
         count."""
         saved = torch.get_num_threads()
@@ -166,7 +166,7 @@ class Engine:
             self.threads.observe(threads, self._step_tokens, timed.seconds, timed.waiting)
         return outputs
 
-    def _step(self, seqs: list[Sequence]) -> list[RequestOutput]:
+    def _step(self, seqs: list[Sequence]) -> list[CompletionOutput]:
         try:
             proposals = self.speculator.propose(seqs)
             batch = build_step_batch(seqs, proposals, self.block_manager.block_size)
@@ -182,7 +182,7 @@ class Engine:
         self.stats.num_steps += 1
         return [self._commit(seq, proposal, verdict) for seq, proposal, verdict in zip(seqs, proposals, verdicts)]
 
-    def _isolate(self, seqs: list[Sequence], error: Exception) -> list[RequestOutput]:
+    def _isolate(self, seqs: list[Sequence], error: Exception) -> list[CompletionOutput]:
         """After a failed step: reset each sequence's speculative state, then fail it if alone, else run each alone."""
         for seq in seqs:
             self.speculator.preempt(seq)
@@ -190,11 +190,11 @@ class Engine:
             return [self._fail(seqs[0], error)]
         return [output for seq in seqs for output in self._step([seq])]
 
-    def _fail(self, seq: Sequence, error: Exception) -> RequestOutput:
+    def _fail(self, seq: Sequence, error: Exception) -> CompletionOutput:
         seq.error = f"{type(error).__name__}: {error}"
         return self._finish(seq, "error")
 
-    def _commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> RequestOutput:
+    def _commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> CompletionOutput:
         try:
             finish_reason = self._append(seq, proposal, verdict)
             self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_cached_tokens)
@@ -237,15 +237,15 @@ class Engine:
         self.stats.num_accepted_tokens += num_accepted
         return finish_reason
 
-    def _finish(self, seq: Sequence, reason: str) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str) -> CompletionOutput:
         if not seq.is_finished:
             self.scheduler.finish(seq, reason)
             self.speculator.free(seq)
         return self._output(seq)
 
-    def _output(self, seq: Sequence) -> RequestOutput:
+    def _output(self, seq: Sequence) -> CompletionOutput:
         delta = seq.text_stream.take_delta(finished=seq.is_finished)
-        return RequestOutput(
+        return CompletionOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,
             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,

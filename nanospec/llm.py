@@ -1,8 +1,9 @@
 """The public entry point, shaped like vLLM's ``LLM``.
 
     llm = LLM()                                            # the embedded SmolLM2-135M-Instruct
-    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=64))[0]   # .text, .token_ids
-    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64))[0].text
+    out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=64))[0]
+    out.outputs[0].text, out.outputs[0].token_ids          # a RequestOutput per prompt, its n completions
+    llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(max_tokens=64))[0].outputs[0].text
     for chunk in llm.stream("Hello", SamplingParams(max_tokens=32)): print(chunk.delta_text, end="")
 """
 
@@ -19,7 +20,7 @@ from nanospec.chat_messages import check_messages
 from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine_args import EngineArgs, build_engine
 from nanospec.model.random_model import random_checkpoint
-from nanospec.outputs import RequestOutput
+from nanospec.outputs import CompletionOutput, RequestOutput
 from nanospec.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -27,8 +28,8 @@ Prompt = str | list[int]
 
 class LLM:
     """``LLM(model=None, dtype=None, device=None, **engine_args)``: the engine :class:`~nanospec.engine_args.EngineArgs`
-    describes, and ``generate``, ``chat``, ``stream``, ``abort``. With ``tensor_parallel_size`` > 1 this process is the
-    driver (:mod:`nanospec.worker`); ``shutdown()`` or leaving a ``with`` block ends the workers."""
+    describes, and ``generate``, ``chat``, ``stream``, ``abort``, ``get_tokenizer``. With ``tensor_parallel_size`` > 1
+    this process is the driver (:mod:`nanospec.worker`); ``shutdown()`` or leaving a ``with`` block ends the workers."""
 
     def __init__(self, model=None, dtype=None, device=None, **engine_args):
         self._start(EngineArgs(model, dtype, device, **engine_args))
@@ -47,7 +48,7 @@ class LLM:
         self.config, self.device, self.dtype = self.model.config, self.model.device, self.model.dtype
         # outputs not yet taken by the call that owns their request: every engine step serves every
         # request, so a generate() call also advances an open stream (and the stream must get them)
-        self._outputs: dict[int, list[RequestOutput]] = {}
+        self._outputs: dict[int, list[CompletionOutput]] = {}
 
     @classmethod
     def with_random_weights(cls, shape: dict, dtype=None, device=None, **kwargs) -> LLM:
@@ -83,17 +84,18 @@ class LLM:
         if params is None or isinstance(params, SamplingParams):
             return [params or SamplingParams()] * n
         if not isinstance(params, (list, tuple)):
-            raise ValueError(f"params must be a SamplingParams or a list of them, got {type(params).__name__}")
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
         for p in params:
             if not isinstance(p, SamplingParams):
-                raise ValueError(f"params must be SamplingParams, got {type(p).__name__}")
+                raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         return params
 
-    def _add_all(self, prompts, params) -> list[tuple[int, int]]:
-        """Encode and validate every prompt, then queue ``n`` requests per prompt; a bad one queues nothing."""
+    def _add_all(self, prompts, params) -> list[tuple[Prompt, list[int]]]:
+        """Encode and validate every prompt, then queue ``n`` requests per prompt; a bad one queues nothing. Per prompt:
+        the prompt and its requests' ids, one per completion in ``index`` order."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._params_list(params, len(prompt_list))
         encoded = []
@@ -103,8 +105,8 @@ class LLM:
                 self.engine.validate_prompt(encoded[-1], p.for_choice(0))
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return [(self.engine.add_request(ids, p.for_choice(c)), c)
-                for ids, p in zip(encoded, params_list) for c in range(p.n)]
+        return [(prompt, [self.engine.add_request(ids, p.for_choice(c)) for c in range(p.n)])
+                for prompt, ids, p in zip(prompt_list, encoded, params_list)]
 
     # ---------------------------------------------------------------- generation
     def _step(self) -> None:
@@ -115,7 +117,7 @@ class LLM:
             if out.request_id in self._outputs:
                 self._outputs[out.request_id].append(out)
 
-    def _take(self, request_id: int) -> list[RequestOutput]:
+    def _take(self, request_id: int) -> list[CompletionOutput]:
         taken, self._outputs[request_id] = self._outputs[request_id], []
         return taken
 
@@ -129,14 +131,14 @@ class LLM:
         if final is not None and request_id in self._outputs:
             self._outputs[request_id].append(final)
 
-    def generate(self, prompts, params: SamplingParams | Seq[SamplingParams] | None = None,
+    def generate(self, prompts, sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in prompt order (a prompt's ``n`` choices one after another). A
-        request that fails inside a step ends with ``finish_reason == "error"``."""
-        ids_and_choices = self._add_all(prompts, params)
-        ids = [rid for rid, _ in ids_and_choices]
+        """Run every prompt to completion: one ``RequestOutput`` per prompt, in order, its ``n`` completions in
+        ``outputs``. A completion that fails inside a step ends with ``finish_reason == "error"``."""
+        added = self._add_all(prompts, sampling_params)
+        ids = [rid for _, rids in added for rid in rids]
         self._outputs.update((rid, []) for rid in ids)
-        finished: dict[int, RequestOutput] = {}
+        finished: dict[int, CompletionOutput] = {}
         bar = tqdm(total=len(ids), desc="generating", disable=not use_tqdm)
         try:
             while len(finished) < len(ids):
@@ -154,34 +156,38 @@ class LLM:
             for rid in ids:
                 self._release(rid)
             bar.close()
-        for rid, choice in ids_and_choices:
-            finished[rid].index = choice
-        return [finished[i] for i in ids]
+        outputs = []
+        for prompt, rids in added:
+            for index, rid in enumerate(rids):
+                finished[rid].index = index
+            outputs.append(RequestOutput(rids[0], prompt if isinstance(prompt, str) else None,
+                                         finished[rids[0]].prompt_token_ids, [finished[rid] for rid in rids]))
+        return outputs
 
-    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> RequestStream:
-        """A ``RequestStream`` of one request's outputs, one per step that produced tokens."""
+    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestStream:
+        """A ``RequestStream`` of one completion's outputs, one per step that produced tokens."""
         if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
             raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
-        if isinstance(params, SamplingParams) and params.n != 1:
-            raise ValueError(f"stream() serves one completion: n must be 1, got {params.n} (use generate())")
-        ((rid, _),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
+        if isinstance(sampling_params, SamplingParams) and sampling_params.n != 1:
+            raise ValueError(f"stream() serves one completion: n must be 1, got {sampling_params.n} (use generate())")
+        ((_, (rid,)),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, sampling_params)
         self._outputs[rid] = []
         return RequestStream(self, rid)
 
-    def _render_chat(self, messages, where: str = "messages") -> list[int]:
-        """The checked conversation through the chat template, the assistant's turn opened, as token ids."""
-        text = self.tokenizer.apply_chat_template(check_messages(messages, where), add_generation_prompt=True)
-        return self.tokenizer.encode(text)
+    def _render_chat(self, messages, where: str = "messages") -> str:
+        """The checked conversation through the chat template, the assistant's turn opened."""
+        return self.tokenizer.apply_chat_template(check_messages(messages, where), add_generation_prompt=True)
 
-    def chat(self, messages, params: SamplingParams | None = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, checked as the server checks
-        them."""
+        them; a ``RequestOutput`` per conversation, its ``prompt`` the rendered conversation."""
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
-            return self.generate([self._render_chat(c, f"messages[{i}]") for i, c in enumerate(messages)], params)
-        return self.generate([self._render_chat(messages)], params)
+            return self.generate([self._render_chat(c, f"messages[{i}]") for i, c in enumerate(messages)],
+                                 sampling_params)
+        return self.generate([self._render_chat(messages)], sampling_params)
 
-    def stream_chat(self, messages, params: SamplingParams | None = None) -> RequestStream:
-        return self.stream(self._render_chat(messages), params)
+    def stream_chat(self, messages, sampling_params: SamplingParams | None = None) -> RequestStream:
+        return self.stream(self._render_chat(messages), sampling_params)
 
     # ---------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
@@ -196,6 +202,10 @@ class LLM:
         self.shutdown()
 
     # ---------------------------------------------------------------- introspection
+    def get_tokenizer(self):
+        """The model's tokenizer (``encode``, ``decode``, ``apply_chat_template``)."""
+        return self.tokenizer
+
     def kv_cache_stats(self) -> dict:
         """``free_blocks``: blocks a request can take, free or holding a cached prefix (``cached_blocks``)."""
         bm = self.engine.block_manager
@@ -217,19 +227,19 @@ class LLM:
 
 
 class RequestStream:
-    """One request's outputs as an iterator, the last finished. ``close()``, or dropping the stream, aborts the
+    """One completion's outputs as an iterator, the last finished. ``close()``, or dropping the stream, aborts the
     request."""
 
     def __init__(self, llm: LLM, request_id: int):
         self.request_id = request_id
         self._llm = llm
-        self._pending: deque[RequestOutput] = deque()
+        self._pending: deque[CompletionOutput] = deque()
         self._done = False
 
     def __iter__(self) -> RequestStream:
         return self
 
-    def __next__(self) -> RequestOutput:
+    def __next__(self) -> CompletionOutput:
         while not self._pending:
             if self._done:
                 raise StopIteration

@@ -1,4 +1,8 @@
-"""What a finished (or streaming) request returns."""
+"""What generation returns, in vLLM's shape: a ``RequestOutput`` per prompt holding its ``n`` ``CompletionOutput`` s.
+
+The engine, a stream and the server deal in ``CompletionOutput`` s (each completion is one sequence of the engine);
+``LLM.generate`` and ``LLM.chat`` gather a prompt's completions into its ``RequestOutput``.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +19,9 @@ class TokenLogprob:
 
 
 @dataclass
-class RequestOutput:
-    request_id: int
+class CompletionOutput:
+    """One completion (one sequence of the engine), finished or as it stands after a step."""
+    request_id: int                 # the engine's id of this completion's sequence
     prompt_token_ids: list[int]
     text: str
     token_ids: list[int]            # generated tokens only
@@ -39,7 +44,31 @@ class RequestOutput:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the generated tokens' log-probabilities, when ``SamplingParams.logprobs`` asked for them."""
+        return sum(t.logprob for t in self.logprobs) if self.logprobs is not None else None
+
+    @property
     def tau(self) -> float:
         """Mean tokens produced per target step after prefill (1.0 without speculation)."""
         decode_steps = self.num_steps - 1
         return (len(self.token_ids) - 1) / decode_steps if decode_steps > 0 else float(len(self.token_ids) > 0)
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's outcome, as vLLM's: ``outputs`` holds its ``n`` completions in ``index`` order."""
+    request_id: int                 # the engine's id of the first completion's sequence
+    prompt: str | None              # the prompt's text (a chat's rendered conversation); None for token ids
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def finished(self) -> bool:
+        return all(out.finished for out in self.outputs)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        """Prompt tokens whose K/V the first completion found in the prefix cache (later completions of the same
+        prompt usually find all of it there)."""
+        return self.outputs[0].num_cached_tokens

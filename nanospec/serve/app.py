@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanospec.chat_messages import check_messages
 from nanospec.llm import LLM
-from nanospec.outputs import RequestOutput
+from nanospec.outputs import CompletionOutput
 from nanospec.sampling_params import SamplingParams
 from nanospec.serve.engine_loop import EngineLoop, QueueFull, ServedEngine, ServedRequest
 from nanospec.serve.metrics import ServerMetrics
@@ -252,7 +252,7 @@ class Server:
         yield sse("[DONE]")
 
     async def _outputs(self, served: list[ServedRequest], outputs: asyncio.Queue):
-        """``(choice index, RequestOutput)`` as they come, until every choice has finished."""
+        """``(choice index, CompletionOutput)`` as they come, until every choice has finished."""
         remaining = len(served)
         while remaining:
             item = await outputs.get()
@@ -262,9 +262,9 @@ class Server:
             yield item
 
     async def _wait_for_all(self, request: Request, served: list[ServedRequest],
-                            outputs: asyncio.Queue) -> list[RequestOutput] | None:
+                            outputs: asyncio.Queue) -> list[CompletionOutput] | None:
         """Every choice's last output, in choice order; None if the client disconnected first (then aborted)."""
-        finals: dict[int, RequestOutput] = {}
+        finals: dict[int, CompletionOutput] = {}
 
         async def collect():
             async for index, out in self._outputs(served, outputs):

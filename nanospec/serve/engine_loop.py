@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from nanospec.engine import EngineLoad
-from nanospec.outputs import RequestOutput
+from nanospec.outputs import CompletionOutput
 from nanospec.sampling_params import SamplingParams
 from nanospec.serve.metrics import RequestProgress, ServerMetrics
 from nanospec.tokenizer import Tokenizer
@@ -52,9 +52,9 @@ class ServedEngine(Protocol):
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int: ...
-    def step(self) -> list[RequestOutput]: ...
+    def step(self) -> list[CompletionOutput]: ...
     def has_unfinished(self) -> bool: ...
-    def abort(self, request_id: int) -> RequestOutput | None: ...
+    def abort(self, request_id: int) -> CompletionOutput | None: ...
     def pop_finished(self, request_id: int) -> None: ...
     def load(self) -> EngineLoad: ...
 
@@ -65,7 +65,7 @@ class QueueFull(Exception):
 
 @dataclass(eq=False)
 class ServedRequest:
-    """One completion (one choice) in flight: its outputs go to ``queue`` as ``(index, RequestOutput)``; an
+    """One completion (one choice) in flight: its outputs go to ``queue`` as ``(index, CompletionOutput)``; an
     exception put there means the engine died."""
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -134,7 +134,7 @@ class EngineLoop:
         self.closing = True
         self._commands.put(("abort_all", None))
 
-    def _deliver(self, request: ServedRequest, item: RequestOutput | Exception) -> None:
+    def _deliver(self, request: ServedRequest, item: CompletionOutput | Exception) -> None:
         if request.finished:
             return
         if isinstance(item, Exception) or item.finished:
@@ -193,7 +193,7 @@ class EngineLoop:
             self._send(requests, final, time.perf_counter())
         self.metrics.observe_load(self.engine.load())
 
-    def _send(self, requests: dict[int, ServedRequest], out: RequestOutput, now: float) -> None:
+    def _send(self, requests: dict[int, ServedRequest], out: CompletionOutput, now: float) -> None:
         request = requests.get(out.request_id)
         if request is None:
             return

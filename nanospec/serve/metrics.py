@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from nanospec.engine import EngineLoad
-from nanospec.outputs import RequestOutput
+from nanospec.outputs import CompletionOutput
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0)
@@ -115,7 +115,7 @@ class ServerMetrics:
                 counter.labels(m).inc(total - self._counted[name])
                 self._counted[name] = total
 
-    def observe_output(self, progress: RequestProgress, out: RequestOutput, now: float | None = None) -> None:
+    def observe_output(self, progress: RequestProgress, out: CompletionOutput, now: float | None = None) -> None:
         """One output of a request (its counts are cumulative): what is new since the last one."""
         m = self.model_name
         now = time.perf_counter() if now is None else now

@@ -1,12 +1,12 @@
-"""OpenAI's response shapes, built from nanospec's ``RequestOutput`` s: completions, chat completions, their stream
-chunks (server-sent events), log-probabilities, usage and errors."""
+"""OpenAI's response shapes, built from nanospec's ``CompletionOutput`` s: completions, chat completions, their
+stream chunks (server-sent events), log-probabilities, usage and errors."""
 
 from __future__ import annotations
 
 import json
 import time
 
-from nanospec.outputs import RequestOutput, TokenLogprob
+from nanospec.outputs import CompletionOutput, TokenLogprob
 from nanospec.tokenizer import Tokenizer
 
 
@@ -59,7 +59,7 @@ class Formatter:
                 "top_logprobs": [{self._token(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
 
     # ---------------------------------------------------------------- whole responses
-    def response(self, outputs: list[RequestOutput], prompt_tokens: int) -> dict:
+    def response(self, outputs: list[CompletionOutput], prompt_tokens: int) -> dict:
         """The non-streaming response; ``outputs[i]`` is choice ``i``."""
         choices = []
         for index, out in enumerate(outputs):
