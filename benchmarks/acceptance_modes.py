@@ -71,7 +71,7 @@ def main() -> int:
     params = [SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=i)
               for i in range(len(prompts))]
     outputs = target.generate(prompt_ids, params)  # the target's own continuations
-    texts = [(ids, out.token_ids) for ids, out in zip(prompt_ids, outputs)]
+    texts = [(ids, out.outputs[0].token_ids) for ids, out in zip(prompt_ids, outputs)]
     n = len(texts)
     temperature = torch.tensor([args.temperature])
     top_p = torch.tensor([args.top_p])

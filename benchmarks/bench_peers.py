@@ -88,7 +88,7 @@ class NanospecEngine:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
         start = time.perf_counter()
         outs = self.llm.generate(batch, params)
-        return sum(len(o.token_ids) for o in outs), time.perf_counter() - start
+        return sum(len(o.outputs[0].token_ids) for o in outs), time.perf_counter() - start
 
 
 class LlamaCppEngine:

@@ -86,7 +86,7 @@ def load_prompts() -> list[list[dict]]:
 def offline_outputs(llm, conversations, max_tokens):
     """Each conversation alone through ``LLM.chat``, greedy: what every finished stream must equal."""
     params = SamplingParams(temperature=0, max_tokens=max_tokens)
-    return [llm.chat(c, params)[0] for c in conversations]
+    return [llm.chat(c, params)[0].outputs[0] for c in conversations]
 
 
 def offline_throughput(llm, conversations, clients, max_tokens) -> float:
@@ -94,7 +94,7 @@ def offline_throughput(llm, conversations, clients, max_tokens) -> float:
     batch = [conversations[i % len(conversations)] for i in range(clients)]
     start = time.perf_counter()
     outs = llm.chat(batch, SamplingParams(temperature=0, max_tokens=max_tokens))
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+    return sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
 
 
 class ServerProcess:

@@ -178,7 +178,7 @@ def nanospec_runner(llm: LLM, method: str, prompt_ids, max_tokens: int, device, 
                   for index, _, _ in batch]
         sync(device)
         start = time.perf_counter()
-        outs = llm.generate([ids for _, _, ids in batch], params)
+        outs = [out.outputs[0] for out in llm.generate([ids for _, _, ids in batch], params)]
         sync(device)
         seconds = share_time(time.perf_counter() - start, [o.token_ids for o in outs])
         return [Result("nanospec", method, category, index, o.token_ids, s, o.num_steps, o.num_draft_tokens,

@@ -62,14 +62,14 @@ def run(args) -> dict:
                   quantization=quantization(args))
         chat = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                 for _, _, p in prompts]
-        greedy = [llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=args.max_tokens))[0].token_ids
+        greedy = [llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=args.max_tokens))[0].outputs[0].token_ids
                   for ids in chat]
         if config is not None and "adaptive" not in config and config["method"] != "lookahead":
             llm = LLM(str(model), dtype="float32", device="cpu", speculative_config={**config, "adaptive": False},
                       quantization=quantization(args))
         sampled_params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=index)
                           for index, _, _ in prompts]
-        sampled = [o.token_ids for o in llm.generate(chat, sampled_params)]
+        sampled = [o.outputs[0].token_ids for o in llm.generate(chat, sampled_params)]
         record[name] = {"greedy": greedy, "sampled": sampled}
         if llm_plain is None:
             llm_plain = record[name]

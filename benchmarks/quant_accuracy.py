@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     chats = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": q}],
                                                             add_generation_prompt=True)) for q in prompts]
     greedy = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    ref_out = [o.token_ids for o in reference.generate(chats, greedy)]
+    ref_out = [o.outputs[0].token_ids for o in reference.generate(chats, greedy)]
     ref_logits = [teacher_forced_logits(reference, ids + out)[len(ids) - 1:-1] for ids, out in zip(chats, ref_out)]
     print(f"{len(prompts)} prompts, {sum(map(len, ref_out))} reference tokens (float32, greedy)")
     print(f"{'variant':8s} {'weights':32s} {'top-1 agreement':>16s} {'mean KL':>9s} {'same greedy text':>17s}")
@@ -74,7 +74,7 @@ def main(argv=None) -> int:
             total += len(out)
             kl += float(torch.nn.functional.kl_div(logits.log_softmax(-1), ref.log_softmax(-1), log_target=True,
                                                    reduction="sum"))
-        outs = [o.token_ids for o in llm.generate(chats, greedy)]
+        outs = [o.outputs[0].token_ids for o in llm.generate(chats, greedy)]
         texts[variant] = [tokenizer.decode(o) for o in outs]
         same = sum(a == b for a, b in zip(outs, ref_out))
         print(f"{variant:8s} {llm.model.quantization:32s} {agree / total:16.4f} {kl / total:9.4f} "

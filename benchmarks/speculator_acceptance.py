@@ -106,7 +106,7 @@ def main(argv=None) -> None:
         llm = LLM(args.model, dtype="float32", device="cpu", max_num_seqs=64)
         prompt_ids = [encode_chat(llm.tokenizer, row["prompt"]) for row in rows]
         outputs = llm.generate(prompt_ids, SamplingParams(temperature=0, max_tokens=args.max_tokens))
-        answers = [list(o.token_ids) for o in outputs]
+        answers = [list(o.outputs[0].token_ids) for o in outputs]
         hidden = teacher_forced_hidden(llm.model, [ids + answer for ids, answer in zip(prompt_ids, answers)])
         if states_file is not None:
             save_file({**{f"prompt.{i}": torch.tensor(p) for i, p in enumerate(prompt_ids)},

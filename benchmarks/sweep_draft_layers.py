@@ -29,7 +29,7 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=4))  # warm-up
     tokens = steps = drafted = accepted = 0
     start = time.perf_counter()
-    outs = [llm.generate([p], params)[0] for p in prompts]
+    outs = [llm.generate([p], params)[0].outputs[0] for p in prompts]
     seconds = time.perf_counter() - start
     for o in outs:
         tokens += len(o.token_ids)

@@ -56,7 +56,7 @@ with tempfile.TemporaryDirectory() as draft_dir:
         llm = LLM(speculative_config=spec)
         llm.chat(MESSAGES, SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
         start = time.perf_counter()
-        out = llm.chat(MESSAGES, PARAMS)[0]
+        out = llm.chat(MESSAGES, PARAMS)[0].outputs[0]
         seconds = time.perf_counter() - start
         outputs[name] = out
         first_line = next((line for line in out.text.splitlines() if line.strip()), "")

@@ -84,7 +84,7 @@ while not seq.is_finished:
     print(f"step {step_no:>2}: +{len(new)} token(s) {llm.tokenizer.decode(new)!r:<28} pool {pool_before:>3} -> "
           f"{pool_after:>3} n-grams" + ("   <- n-gram accepted" if len(new) > 1 else ""))
 engine.pop_finished(request)
-plain = LLM().generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0]
+plain = LLM().generate([prompt], SamplingParams(temperature=0, max_tokens=48))[0].outputs[0]
 print(f"\n{seq.num_output_tokens} tokens in {seq.num_steps} target steps "
       f"(tau {(seq.num_output_tokens - 1) / max(seq.num_steps - 1, 1):.2f}); identical to plain greedy decoding: "
       f"{plain.token_ids == seq.output_token_ids}")

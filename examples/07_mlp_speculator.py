@@ -89,7 +89,7 @@ for i in range(K):
     conditional = accepted[i] / reached[i] if reached[i] else 0.0
     print(f"  stage {i + 1}: {accepted[i]:>3} / {proposed[i]:<3} ({rate:5.1%})    {accepted[i]:>3} / {reached[i]:<3} "
           f"({conditional:5.1%})")
-plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=args.max_tokens, speculate=False))[0]
+plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=args.max_tokens, speculate=False))[0].outputs[0]
 tau = (seq.num_output_tokens - 1) / max(seq.num_steps - 1, 1)  # tokens per target step after the prefill
 print(f"\n{seq.num_output_tokens} tokens in {seq.num_steps} target steps (tau {tau:.2f}); identical to plain "
       f"greedy decoding: {plain.token_ids == seq.output_token_ids}")

@@ -50,10 +50,11 @@ def main():
         split = llm.generate(prompts, params)
         stats = llm.stats()
     whole = build(args, 1).generate(prompts, params)  # the same model on this one process
-    for a, b in zip(split, whole):
-        print(repr(a.text))
+    split_tokens = [out.outputs[0].token_ids for out in split]
+    for out in split:
+        print(repr(out.outputs[0].text))
     print(f"{stats['num_steps']} steps, {stats['forward_seconds']:.2f} s in target forwards")
-    print("same tokens as tensor_parallel_size=1:", [a.token_ids for a in split] == [b.token_ids for b in whole])
+    print("same tokens as tensor_parallel_size=1:", split_tokens == [out.outputs[0].token_ids for out in whole])
 
 
 if __name__ == "__main__":

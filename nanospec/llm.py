@@ -59,6 +59,15 @@ class LLM:
         return cls(random_checkpoint(shape, device=device, dtype=dtype), dtype=dtype, device=device, **kwargs)
 
     # ---------------------------------------------------------------- inputs
+    @staticmethod
+    def _unwrap(prompt) -> Prompt:
+        """vLLM's prompt dicts, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, as the text or ids."""
+        if not isinstance(prompt, dict):
+            return prompt
+        if len(prompt) != 1 or not {"prompt", "prompt_token_ids"} & prompt.keys():
+            raise ValueError(f"a prompt dict takes one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
+        return next(iter(prompt.values()))
+
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
@@ -69,15 +78,16 @@ class LLM:
             if bad is not None:
                 raise ValueError(f"token ids must be ints, got {bad!r} ({type(bad).__name__})")
             return list(prompt)
-        raise ValueError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        raise ValueError("a prompt must be a string, a list of token ids or a dict of one; "
+                         f"got {type(prompt).__name__}")
 
     @staticmethod
     def _as_prompt_list(prompts) -> list[Prompt]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             return [prompts]
         if isinstance(prompts, (list, tuple)):  # one list of token ids, or a list of prompts
             return [list(prompts)] if prompts and all(isinstance(t, int) for t in prompts) else list(prompts)
-        raise ValueError("prompts must be a string, a list of token ids, or a list of those; "
+        raise ValueError("prompts must be a string, a list of token ids, a prompt dict, or a list of those; "
                          f"got {type(prompts).__name__}")
 
     def _params_list(self, params, n: int) -> list[SamplingParams]:
@@ -101,6 +111,7 @@ class LLM:
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
             try:
+                prompt_list[i] = prompt = self._unwrap(prompt)
                 encoded.append(self._encode(prompt))
                 self.engine.validate_prompt(encoded[-1], p.for_choice(0))
             except ValueError as e:
