@@ -46,6 +46,7 @@ class TextStream:
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str]):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = stop
+        self.matched_stop: str | None = None  # the stop string that ended the text
         self.text = ""
         self.num_streamed = 0  # characters of ``text`` already handed out
 
@@ -67,9 +68,10 @@ class TextStream:
         previous = len(self.text)
         self.text += delta
         # a stop string may straddle the previous text: search from just before the delta; the earliest wins
-        found = [i for stop in self.stop if (i := self.text.find(stop, max(0, previous - len(stop) + 1))) >= 0]
+        found = [(i, stop) for stop in self.stop if (i := self.text.find(stop, max(0, previous - len(stop) + 1))) >= 0]
         if found:
-            self.text = self.text[:min(found)]
+            end, self.matched_stop = min(found, key=lambda hit: hit[0])
+            self.text = self.text[:end]
         return bool(found)
 
     def take_delta(self, finished: bool) -> str:

@@ -217,13 +217,16 @@ class Engine:
             if seq.logprobs is not None:
                 seq.logprobs.append(verdict.logprobs[i])
             may_stop = seq.num_output_tokens >= seq.params.min_tokens
-            if seq.text_stream.add(token, check_stop=may_stop) or (may_stop and token in seq.stop_token_ids):
+            if seq.text_stream.add(token, check_stop=may_stop):
+                finish_reason, seq.stop_reason = "stop", seq.text_stream.matched_stop
+            elif may_stop and token in seq.stop_token_ids:
                 finish_reason = "stop"
+                seq.stop_reason = token if token in seq.params.stop_token_ids else None  # None: eos
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 finish_reason = "length"
             if finish_reason is not None:
                 if finish_reason != "stop" and seq.text_stream.finish():  # held-back text completed a stop string
-                    finish_reason = "stop"
+                    finish_reason, seq.stop_reason = "stop", seq.text_stream.matched_stop
                 break
         num_new = seq.num_tokens - num_old
         # K/V now exists for every old token and the accepted path; the last emitted token has none yet
@@ -247,7 +250,8 @@ class Engine:
         delta = seq.text_stream.take_delta(finished=seq.is_finished)
         return CompletionOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
-            token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, num_steps=seq.num_steps,
+            token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            num_steps=seq.num_steps,
             num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,
             error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             num_cached_tokens=seq.num_prefix_cached_tokens or 0)

@@ -34,6 +34,7 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when SamplingParams.logprobs is set
     index: int = 0                  # which of the prompt's n completions this is
     num_cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache (not computed)
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: eos, or not "stop")
 
     @property
     def finished(self) -> bool:

@@ -33,6 +33,7 @@ class Sequence:
         self.num_cached_tokens = 0
         self.num_prefix_cached_tokens: int | None = None  # tokens the prefix cache held at its first admission
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
         self.error: str | None = None  # why it failed, when finish_reason is "error"
         self.text_stream = text_stream  # the output text, stop strings, what is streamed
         self.num_steps = 0
