@@ -21,7 +21,7 @@ import pytest
 
 import nanospec
 from nanospec import chat
-from nanospec.outputs import RequestOutput
+from nanospec.outputs import CompletionOutput
 from tiny import make_tiny_llama
 
 
@@ -66,8 +66,8 @@ class ScriptedLLM:
         try:
             for i, piece in enumerate(self.PIECES):
                 last = i == len(self.PIECES) - 1
-                yield RequestOutput(request_id=call, prompt_token_ids=[1], text="", token_ids=list(range(i + 1)),
-                                    finish_reason="stop" if last else None, num_steps=i + 1, delta_text=piece)
+                yield CompletionOutput(request_id=call, prompt_token_ids=[1], text="", token_ids=list(range(i + 1)),
+                                       finish_reason="stop" if last else None, num_steps=i + 1, delta_text=piece)
                 if i == 1:
                     for _ in range(self.ctrl_c.get(call, 0)):
                         signal.raise_signal(signal.SIGINT)

@@ -53,4 +53,4 @@ def test_llm_chat_refuses_before_any_work(llm):
     assert not llm.engine.has_unfinished() and llm.kv_cache_stats()["free_blocks"] == 32
     (one,) = llm.chat([{"role": "user", "content": "hi"}], params)
     two = llm.chat([[{"role": "user", "content": "hi"}], [{"role": "user", "content": "ho"}]], params)
-    assert len(one.token_ids) == 2 and len(two) == 2
+    assert len(one.outputs[0].token_ids) == 2 and len(two) == 2

@@ -110,7 +110,7 @@ def plain(target, device):
 @pytest.fixture(scope="module")
 def expected(plain):
     """Plain decoding's tokens: ``expected[j][i]`` for ``ALL_PARAMS[j]`` and ``PROMPTS[i]``."""
-    return [[o.token_ids for o in plain.generate(PROMPTS, params)] for params in ALL_PARAMS]
+    return [[o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)] for params in ALL_PARAMS]
 
 
 def build_successor_head(directory: Path, model, sequences: list[list[int]], weighted: bool = False) -> Path:
@@ -321,8 +321,8 @@ def test_random_heads_in_each_style_equal_plain(target, expected, device, tmp_pa
     tensors = random_tensors(config, seed=2, embedding=style == "midlayer", hot=list(range(3, 203, 2)))
     llm = eagle_llm(target, write_head(tmp_path / style, tensors, config, style), device, k=3, max_num_seqs=8)
     for j, params in enumerate(ALL_PARAMS):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
-    assert llm.generate([PROMPTS[0]], GREEDY)[0].token_ids == expected[0][0]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+    assert llm.generate([PROMPTS[0]], GREEDY)[0].outputs[0].token_ids == expected[0][0]
     assert llm.stats()["num_draft_tokens"] > 0
     assert_head_blocks_returned(llm)
 
@@ -330,9 +330,9 @@ def test_random_heads_in_each_style_equal_plain(target, expected, device, tmp_pa
 @pytest.mark.parametrize("k, enforce_eager", [(3, True), (2, False)], ids=["k3-eager", "k2-static"])
 def test_greedy_equals_plain(target, successor_head, expected, device, k, enforce_eager):
     llm = eagle_llm(target, successor_head, device, k=k, enforce_eager=enforce_eager, max_num_seqs=8)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
     for i in (0, 5):  # alone, the one-token prompt too
-        assert llm.generate([PROMPTS[i]], GREEDY)[0].token_ids == expected[0][i]
+        assert llm.generate([PROMPTS[i]], GREEDY)[0].outputs[0].token_ids == expected[0][i]
     assert_guesses_accepted_and_rejected(llm)
     if not enforce_eager:
         assert llm.engine.runner.graphs  # the static path did run
@@ -354,7 +354,7 @@ def test_the_head_drafts_one_depth_deeper_than_the_policy_verified(target, succe
 
     proposer.read_forward = recording
     for i in (0, 2):
-        assert llm.generate([PROMPTS[i]], GREEDY)[0].token_ids == expected[0][i]
+        assert llm.generate([PROMPTS[i]], GREEDY)[0].outputs[0].token_ids == expected[0][i]
     assert seen and all(drafted == (min(verified + 1, 4) if adaptive else 4) for verified, drafted in seen), seen
     assert {drafted for _, drafted in seen} != {4} or not adaptive, seen  # the policy did not verify every guess
     assert_head_blocks_returned(llm)
@@ -364,8 +364,8 @@ def test_the_head_drafts_one_depth_deeper_than_the_policy_verified(target, succe
 def test_seeded_sampling_equals_plain(target, successor_head, expected, device, adaptive):
     llm = eagle_llm(target, successor_head, device, adaptive=adaptive)
     for j, params in enumerate(SAMPLED, 1):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
-        assert llm.generate([PROMPTS[1]], params)[0].token_ids == expected[j][1], j
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids == expected[j][1], j
     if not adaptive:
         assert_guesses_accepted_and_rejected(llm)
     assert_head_blocks_returned(llm)
@@ -375,7 +375,7 @@ def test_batch_mixing_speculating_and_plain_requests(target, successor_head, exp
     runs = [(i, j, p) for i in range(len(PROMPTS)) for j in range(len(ALL_PARAMS))
             for p in (ALL_PARAMS[j], dataclasses.replace(ALL_PARAMS[j], speculate=False))]
     llm = eagle_llm(target, successor_head, device)
-    outs = llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])
+    outs = [o.outputs[0] for o in llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])]
     assert [o.token_ids for o in outs] == [expected[j][i] for i, j, _ in runs]
     assert all(o.num_draft_tokens == 0 for o, (_, _, p) in zip(outs, runs) if not p.speculate)
     assert_guesses_accepted_and_rejected(llm)
@@ -385,7 +385,7 @@ def test_batch_mixing_speculating_and_plain_requests(target, successor_head, exp
 def test_preemption_keeps_outputs_and_frees_every_block(target, successor_head, expected, device):
     llm = eagle_llm(target, successor_head, device, num_blocks=24, max_num_seqs=8)
     for j, params in enumerate(ALL_PARAMS[:2]):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
     assert llm.stats()["num_preemptions"] > 0
     assert_guesses_accepted_and_rejected(llm)
     assert_head_blocks_returned(llm)
@@ -396,8 +396,8 @@ def test_a_prompt_from_the_prefix_cache_still_guesses(target, successor_head, ex
     forward starts, guesses, and the output is plain decoding's."""
     llm = eagle_llm(target, successor_head, device)
     prompt = PROMPTS[1]
-    assert llm.generate([prompt], GREEDY)[0].token_ids == expected[0][1]
-    out = llm.generate([prompt], GREEDY)[0]
+    assert llm.generate([prompt], GREEDY)[0].outputs[0].token_ids == expected[0][1]
+    out = llm.generate([prompt], GREEDY)[0].outputs[0]
     assert out.num_cached_tokens > 0
     assert out.token_ids == expected[0][1]
     assert out.num_accepted_tokens > 0
@@ -450,8 +450,8 @@ def test_trees_equal_plain_and_accept_side_branches(target, weighted_successor_h
     llm = eagle_llm(target, weighted_successor_head, device, adaptive=adaptive, tree=TREE, max_num_seqs=8)
     steps = record_trees(llm)
     for j, params in enumerate(ALL_PARAMS):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
-        assert llm.generate([PROMPTS[1]], params)[0].token_ids == expected[j][1], j
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids == expected[j][1], j
     drafted = [tree for _, _, tree in steps if tree is not None]
     assert len(drafted) > 20
     for tree in drafted:
@@ -469,7 +469,7 @@ def test_trees_with_random_heads_and_preemption_equal_plain(target, expected, de
     head = write_head(tmp_path / "head", tensors, config)
     llm = eagle_llm(target, head, device, k=4, tree={"tree_top_k": 2}, num_blocks=30, max_num_seqs=8)
     for j, params in enumerate(ALL_PARAMS[:2]):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
     assert llm.stats()["num_preemptions"] > 0
     assert llm.engine.speculator.proposer.max_tokens_per_step == 8  # the default budget: k * tree_top_k
     assert_head_blocks_returned(llm)
@@ -496,7 +496,7 @@ def test_a_full_head_pool_drafts_for_fewer_sequences_and_fails_no_step(target, w
         drafted.append(seq.spec_state.drafted)
 
     proposer.commit = recording
-    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in want]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == [o.outputs[0].token_ids for o in want]
     assert failed == []
     assert 0 < sum(map(bool, drafted)) < len(drafted)  # some sequences drafted, some waited
     assert llm.stats()["num_draft_tokens"] > 0
@@ -508,7 +508,7 @@ def test_a_small_pool_with_the_policy_on_equals_plain(target, weighted_successor
     """A target pool of 8 blocks of 4 (32 tokens; the head's: 64): the policy's measurement of a draft step (after
     up to 64 positions, plus the scratch rows) fits the head's pool, and the output is plain decoding's."""
     llm = eagle_llm(target, weighted_successor_head, device, adaptive=True, tree=tree, num_blocks=8)
-    assert llm.generate([PROMPTS[4]], GREEDY)[0].token_ids == expected[0][4]
+    assert llm.generate([PROMPTS[4]], GREEDY)[0].outputs[0].token_ids == expected[0][4]
     assert_head_blocks_returned(llm)
 
 
@@ -568,9 +568,16 @@ def featured(request, target, successor_head, weighted_successor_head, device):
     assert llm.engine.runner.graphs  # the static path did run
 
 
+def completions(outputs) -> list:
+    """The completions of a list of ``RequestOutput`` s, one prompt's after another."""
+    return [out for request in outputs for out in request.outputs]
+
+
 def assert_same_outputs(got, want, what) -> None:
-    """Token ids, text, finish reason and choice index equal; log-probabilities (the target's, here from verify
-    rows) equal within 1e-4 with the same top tokens."""
+    """``RequestOutput`` s with as many completions each, whose token ids, text, finish reason and choice index are
+    equal; log-probabilities (the target's, here from verify rows) equal within 1e-4 with the same top tokens."""
+    assert [len(r.outputs) for r in got] == [len(r.outputs) for r in want], what
+    got, want = completions(got), completions(want)
     assert [(o.token_ids, o.text, o.finish_reason, o.index) for o in got] == \
         [(o.token_ids, o.text, o.finish_reason, o.index) for o in want], what
     for out, ref in zip(got, want):
@@ -588,9 +595,10 @@ def test_penalties_logprobs_and_n_equal_plain(featured, plain_features):
     for name, params in FEATURES.items():
         got = featured.generate(PROMPTS, params)
         assert_same_outputs(got, outputs[name], name)
-        drafted += sum(o.num_draft_tokens for o in got)
-        accepted += sum(o.num_accepted_tokens for o in got)
-        assert_same_outputs(featured.generate([PROMPTS[1]], params), outputs[name][params.n:2 * params.n], name)
+        assert len(got) == len(PROMPTS) and all(len(r.outputs) == params.n for r in got), name
+        drafted += sum(o.num_draft_tokens for o in completions(got))
+        accepted += sum(o.num_accepted_tokens for o in completions(got))
+        assert_same_outputs(featured.generate([PROMPTS[1]], params), outputs[name][1:2], name)
     assert 0 < accepted < drafted
     assert_head_blocks_returned(featured)
 
@@ -601,15 +609,16 @@ def test_stop_strings_stop_tokens_and_min_tokens_equal_plain(featured, plain, pl
     decoding, greedy and seeded."""
     _, free_runs = plain_features
     checked = accepted = 0
-    for base, free in zip(ALL_PARAMS[:2], free_runs):
+    for base, free in zip(ALL_PARAMS[:2], map(completions, free_runs)):
         stops = [out.text[6:8] or "never appears" for out in free]
         for params in ([dataclasses.replace(base, stop=[stop, "never appears \x00"]) for stop in stops],
                        [dataclasses.replace(base, stop_token_ids=[out.token_ids[6]]) for out in free],
                        [dataclasses.replace(base, stop_token_ids=[out.token_ids[6]], min_tokens=12) for out in free]):
             want, got = plain.generate(PROMPTS, params), featured.generate(PROMPTS, params)
             assert_same_outputs(got, want, params[0])
-            checked += sum(out.finish_reason == "stop" and len(out.token_ids) < base.max_tokens for out in want)
-            accepted += sum(out.num_accepted_tokens for out in got)
+            checked += sum(out.finish_reason == "stop" and len(out.token_ids) < base.max_tokens
+                           for out in completions(want))
+            accepted += sum(out.num_accepted_tokens for out in completions(got))
     assert checked >= 2 * 2 * len(PROMPTS)  # most requests did stop early
     assert accepted > 0
     assert_head_blocks_returned(featured)
@@ -627,12 +636,13 @@ def test_server_equals_offline(target, successor_head, expected, plain_features,
 
     llm = eagle_llm(target, successor_head, device, max_num_seqs=8)
     penalized = FEATURES["penalized_seeded"]
-    texts = [out.text for out in plain_features[0]["penalized_seeded"]]
+    texts = [out.outputs[0].text for out in plain_features[0]["penalized_seeded"]]
     i = max(range(len(PROMPTS)), key=lambda i: len(texts[i]))  # a stop string from the middle of the longest text
     stop = texts[i][len(texts[i]) // 3:][:2]
     requests = [*((prompt, penalized) for prompt in PROMPTS), (PROMPTS[0], dataclasses.replace(penalized, n=2)),
                 (PROMPTS[i], dataclasses.replace(penalized, stop=[stop]))]
-    want = [llm.generate([prompt], dataclasses.replace(params, speculate=False)) for prompt, params in requests]
+    want = [llm.generate([prompt], dataclasses.replace(params, speculate=False))[0].outputs
+            for prompt, params in requests]
 
     async def stream(client, prompt, params):
         chunks = await client.completions.create(
@@ -692,7 +702,7 @@ def test_the_shipped_head_serves_the_embedded_model():
     with serving(llm) as url:
         chat = _client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
         _wait_until(lambda: _idle(llm))
-    plain_answer = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, speculate=False))[0]
+    plain_answer = llm.chat(messages, SamplingParams(temperature=0, max_tokens=24, speculate=False))[0].outputs[0]
     assert chat.choices[0].message.content == plain_answer.text
     stats = llm.stats()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats

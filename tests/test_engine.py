@@ -28,18 +28,18 @@ PROMPTS = [[5, 9, 33], list(range(40, 61)), [7] * 9, [100, 101, 102, 103, 104, 1
 
 
 def test_batch_gives_each_prompt_what_it_gets_alone(llm):
-    alone = [llm.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-    together = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    alone = [llm.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    together = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)]
     assert together == alone
     assert_no_leak(llm)
 
 
 def test_preemption_under_a_small_pool_gives_the_same_tokens(tiny_path, llm, device):
-    expected = [o.token_ids for o in llm.generate(PROMPTS * 2, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, GREEDY)]
     # 48 slots: not enough for all at once
     small = LLM(str(tiny_path), num_blocks=12, block_size=4, device=device, **FP32)
     outs = small.generate(PROMPTS * 2, GREEDY)
-    assert [o.token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     assert small.stats()["num_preemptions"] > 0
     assert_no_leak(small)
 
@@ -47,6 +47,7 @@ def test_preemption_under_a_small_pool_gives_the_same_tokens(tiny_path, llm, dev
 def test_per_prompt_params_and_finish_reasons(llm):
     outs = llm.generate([[5, 6], [5, 6]], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                                            SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)])
+    outs = [o.outputs[0] for o in outs]
     assert [len(o.token_ids) for o in outs] == [3, 7]
     assert all(o.finish_reason == "length" for o in outs)
     assert outs[1].token_ids[:3] == outs[0].token_ids
@@ -54,10 +55,11 @@ def test_per_prompt_params_and_finish_reasons(llm):
 
 
 def test_stop_string_truncates_text(llm):
-    full = llm.generate([[5, 9, 33]], GREEDY)[0]
+    full = llm.generate([[5, 9, 33]], GREEDY)[0].outputs[0]
     assert len(full.text) > 4
     stop = full.text[2:4]
-    out = llm.generate([[5, 9, 33]], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop])
+    out = llm.generate([[5, 9, 33]], params)[0].outputs[0]
     assert out.finish_reason == "stop"
     assert out.text == full.text[: full.text.find(stop)]
     assert_no_leak(llm)
@@ -65,17 +67,19 @@ def test_stop_string_truncates_text(llm):
 
 def test_context_limit_ends_with_length(tiny_path, device):
     small = LLM(str(tiny_path), num_blocks=64, block_size=4, max_model_len=24, device=device, **FP32)
-    out = small.generate([list(range(10, 30))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True))[0]
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    out = small.generate([list(range(10, 30))], params)[0].outputs[0]
     assert out.finish_reason == "length" and len(out.token_ids) == 4
     assert_no_leak(small)
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(llm):
     params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=7, ignore_eos=True)
-    a = llm.generate([[5, 9, 33]], params)[0].token_ids
-    b = llm.generate([[5, 9, 33], [1, 2, 3, 4]], [params, SamplingParams(temperature=1.0, max_tokens=16)])[0].token_ids
+    a = llm.generate([[5, 9, 33]], params)[0].outputs[0].token_ids
+    b = llm.generate([[5, 9, 33], [1, 2, 3, 4]],
+                     [params, SamplingParams(temperature=1.0, max_tokens=16)])[0].outputs[0].token_ids
     c = llm.generate([[5, 9, 33]], SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=8,
-                                                  ignore_eos=True))[0].token_ids
+                                                  ignore_eos=True))[0].outputs[0].token_ids
     assert a == b
     assert a != c
 
@@ -84,7 +88,7 @@ def test_stream_yields_deltas_that_add_up(llm):
     chunks = list(llm.stream([5, 9, 33], GREEDY))
     assert chunks[-1].finished
     assert "".join(c.delta_text for c in chunks) == chunks[-1].text
-    assert chunks[-1].token_ids == llm.generate([[5, 9, 33]], GREEDY)[0].token_ids
+    assert chunks[-1].token_ids == llm.generate([[5, 9, 33]], GREEDY)[0].outputs[0].token_ids
     # abandoning a stream aborts its request and frees its blocks
     stream = llm.stream([5, 9, 33], GREEDY)
     next(stream)
@@ -93,7 +97,7 @@ def test_stream_yields_deltas_that_add_up(llm):
 
 
 def test_a_stream_gets_the_outputs_a_generate_call_stepped_for_it(llm):
-    expected = llm.generate([[5, 9, 33]], GREEDY)[0]
+    expected = llm.generate([[5, 9, 33]], GREEDY)[0].outputs[0]
     stream = llm.stream([5, 9, 33], GREEDY)
     chunks = [next(stream)]
     llm.generate([[7] * 9], GREEDY)  # steps the stream's request too; its outputs must not be lost
@@ -104,7 +108,7 @@ def test_a_stream_gets_the_outputs_a_generate_call_stepped_for_it(llm):
 
 
 def test_streamed_text_never_includes_the_start_of_a_stop_string(llm):
-    full = llm.generate([[5, 9, 33]], GREEDY)[0].text
+    full = llm.generate([[5, 9, 33]], GREEDY)[0].outputs[0].text
     assert len(full) > 8
     for stop in (full[3:6], full[5:9] + "\x00"):  # a stop that occurs, and one whose start occurs but not all
         chunks = list(llm.stream([5, 9, 33], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True,
@@ -127,7 +131,7 @@ def test_stream_checks_its_prompt_when_called(llm):
 
 def test_chat_renders_template(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
-    assert len(out) == 1 and len(out[0].token_ids) == 5
+    assert len(out) == 1 and len(out[0].outputs) == 1 and len(out[0].outputs[0].token_ids) == 5
     expected = llm.tokenizer.encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert out[0].prompt_token_ids == expected
 
@@ -144,14 +148,14 @@ def test_bad_prompts_raise_before_any_work(llm, prompt, match):
     with pytest.raises(ValueError, match=match):
         llm.generate([[5, 6], prompt], GREEDY)
     assert_no_leak(llm)
-    assert llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=2))[0].token_ids  # still usable
+    assert llm.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids  # still usable
 
 
 def test_pool_too_small_for_one_request(tiny_path, device):
     small = LLM(str(tiny_path), num_blocks=3, block_size=4, device=device, **FP32)
     with pytest.raises(ValueError, match="KV pool is too small"):
         small.generate([[5, 6, 7]], SamplingParams(max_tokens=20))
-    assert small.generate([[5, 6, 7]], SamplingParams(max_tokens=5))[0].token_ids
+    assert small.generate([[5, 6, 7]], SamplingParams(max_tokens=5))[0].outputs[0].token_ids
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -192,5 +196,5 @@ def test_missing_model_path(tmp_path):
 def test_random_weight_model_of_a_given_shape_generates(device):
     llm = LLM.with_random_weights(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2), num_blocks=16, block_size=16, device=device, **FP32)
-    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0].outputs[0]
     assert len(out.token_ids) == 4 and llm.config.vocab_size == 49152

@@ -33,6 +33,7 @@ def test_cuda_engine_matches_the_cpu_engine(target_path, speculative_config):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     compared = 0
     for prompt, ours, theirs in zip(PROMPTS, cuda.generate(PROMPTS, params), cpu.generate(PROMPTS, params)):
+        ours, theirs = ours.outputs[0], theirs.outputs[0]
         text = prompt + theirs.token_ids[:-1]
         reference = forward_logits(cpu, text)
         torch.testing.assert_close(forward_logits(cuda, text).cpu(), reference, **LOGITS_TOLERANCE)

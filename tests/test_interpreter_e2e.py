@@ -40,7 +40,7 @@ def run(llm, params, backend_name):
         outs = llm.generate(PROMPTS, params)
     stats = llm.kv_cache_stats()
     assert stats["free_blocks"] == stats["total_blocks"]
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def engine_pick(params, prompt_len):

@@ -308,7 +308,7 @@ def plain(target, device):
 @pytest.fixture(scope="module")
 def expected(plain):
     """Plain decoding's tokens: ``expected[j][i]`` for ``ALL_PARAMS[j]`` and ``PROMPTS[i]``."""
-    return [[o.token_ids for o in plain.generate(PROMPTS, params)] for params in ALL_PARAMS]
+    return [[o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)] for params in ALL_PARAMS]
 
 
 @pytest.fixture(scope="module")
@@ -338,9 +338,9 @@ def assert_guesses_accepted_and_rejected(llm) -> None:
 @pytest.mark.parametrize("k, enforce_eager", [(3, True), (2, False)], ids=["k3-eager", "k2-static"])
 def test_greedy_equals_plain(target, speculator, expected, device, k, enforce_eager):
     llm = mlp_llm(target, speculator, device, k=k, enforce_eager=enforce_eager, max_num_seqs=8)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
     for i in (0, 5):  # alone, the one-token prompt too (it may guess at once, with no hidden state yet)
-        assert llm.generate([PROMPTS[i]], GREEDY)[0].token_ids == expected[0][i]
+        assert llm.generate([PROMPTS[i]], GREEDY)[0].outputs[0].token_ids == expected[0][i]
     assert_guesses_accepted_and_rejected(llm)
     if not enforce_eager:
         assert llm.engine.runner.graphs  # the static path did run
@@ -376,7 +376,7 @@ def test_trees_and_prompt_lookup_equal_plain(target, speculator, expected, devic
         assert policy is None
     shapes = recorded_shapes(proposer)
     for j, params in enumerate(ALL_PARAMS):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
     if not TREES[tree].get("adaptive"):  # (with the policy on, a tiny target on a CPU may find few worth verifying)
         assert False in shapes  # some proposals were trees
         assert_guesses_accepted_and_rejected(llm)
@@ -469,7 +469,7 @@ def test_the_replay_benchmark_counts_the_engines_steps(target, speculator, plain
 
     llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True)
     model = llm.engine.speculator.proposer.model
-    for prompt, answer, out in zip(PROMPTS, expected[0], llm.generate(PROMPTS, GREEDY)):
+    for prompt, answer, out in zip(PROMPTS, expected[0], (o.outputs[0] for o in llm.generate(PROMPTS, GREEDY))):
         states = forward_hidden(plain, prompt + answer)[len(prompt) - 1:len(prompt) - 1 + len(answer)]
         steps, _, _ = simulate(model, states.to(device), answer, 3, 2, NgramIndex(1, 4, prompt))
         assert out.num_steps == steps + 1 < len(answer), (prompt, out.num_steps, steps)
@@ -514,7 +514,7 @@ def test_tied_hot_vocabulary_speculator_is_lossless(target, expected, tmp_path, 
     config = published_config(emb_dim=64, vocab=320, inner_dim=32, tie=True, scale_input=True, hot=100)
     speculator = write_checkpoint(tmp_path, tensors, config, prefix="speculator.")
     llm = mlp_llm(target, speculator, device)
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected[0]
     assert llm.stats()["num_draft_tokens"] > 0
     assert_no_leak(llm)
 
@@ -523,8 +523,8 @@ def test_tied_hot_vocabulary_speculator_is_lossless(target, expected, tmp_path, 
 def test_seeded_sampling_equals_plain(target, speculator, expected, device, adaptive):
     llm = mlp_llm(target, speculator, device, adaptive=adaptive)
     for j, params in enumerate(SAMPLED, 1):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
-        assert llm.generate([PROMPTS[1]], params)[0].token_ids == expected[j][1], j
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert llm.generate([PROMPTS[1]], params)[0].outputs[0].token_ids == expected[j][1], j
     if not adaptive:  # (with the policy on, a tiny target on a CPU may find few guesses worth verifying)
         assert_guesses_accepted_and_rejected(llm)
     assert_no_leak(llm)
@@ -535,7 +535,7 @@ def test_batch_mixing_speculating_and_plain_requests(target, speculator, expecte
     runs = [(i, j, params) for i in range(len(PROMPTS)) for j in range(len(ALL_PARAMS))
             for params in (ALL_PARAMS[j], plain_params[j])]
     llm = mlp_llm(target, speculator, device)
-    outs = llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])
+    outs = [o.outputs[0] for o in llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])]
     assert [o.token_ids for o in outs] == [expected[j][i] for i, j, _ in runs]
     assert all(o.num_draft_tokens == 0 for o, (_, _, p) in zip(outs, runs) if not p.speculate)
     assert_guesses_accepted_and_rejected(llm)
@@ -548,7 +548,7 @@ def test_preemption_keeps_outputs_and_frees_every_block(target, speculator, expe
     once: requests are preempted, recomputed, and guess again from the recompute's hidden state."""
     llm = mlp_llm(target, speculator, device, num_blocks=24, enforce_eager=enforce_eager, max_num_seqs=8)
     for j, params in enumerate(ALL_PARAMS[:2]):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
     assert llm.stats()["num_preemptions"] > 0
     assert_guesses_accepted_and_rejected(llm)
     assert_no_leak(llm)
@@ -609,7 +609,7 @@ def test_sampled_tokens_converge_to_the_target_distribution(target, speculator, 
     shapes = recorded_shapes(llm.engine.speculator.proposer)
     params = [SamplingParams(temperature=1.0, top_k=top_k, max_tokens=3, seed=seed, ignore_eos=True)
               for seed in range(n)]
-    counts = Counter(tuple(o.token_ids) for o in llm.generate([prompt] * n, params))
+    counts = Counter(tuple(o.outputs[0].token_ids) for o in llm.generate([prompt] * n, params))
     assert_guesses_accepted_and_rejected(llm)
     assert (False in shapes) == bool(tree)  # the beam's proposals were trees
 
@@ -749,7 +749,7 @@ def test_shipped_speculator_for_the_embedded_model():
     speculative = llm.generate(prompts, params)
     stats = llm.stats()
     baseline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=48, speculate=False))
-    assert [o.token_ids for o in speculative] == [o.token_ids for o in baseline]
+    assert [o.outputs[0].token_ids for o in speculative] == [o.outputs[0].token_ids for o in baseline]
     # measured on this CPU: 23 of the 56 tokens were accepted guesses; a speculator with
     # random weights gets next to none accepted
     assert stats["num_accepted_tokens"] > 0.25 * stats["num_generated_tokens"], stats

@@ -62,7 +62,7 @@ def test_greedy_generation_matches_transformers(tiny, device):
     llm = LLM(str(path), num_blocks=64, block_size=4, device=device, dtype="float32")
     prompts = [[5, 9, 33, 100, 7], [42] * 11, list(range(50, 70))]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-    for prompt, out in zip(prompts, outs):
+    for prompt, out in zip(prompts, (o.outputs[0] for o in outs)):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
                               pad_token_id=0, eos_token_id=None, output_logits=True, return_dict_in_generate=True)

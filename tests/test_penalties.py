@@ -40,7 +40,7 @@ def target(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain(target):
     llm = LLM(target, num_blocks=256, block_size=4)
-    return {name: llm.generate(PROMPTS, params) for name, params in
+    return {name: [o.outputs[0] for o in llm.generate(PROMPTS, params)] for name, params in
             (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED))}
 
 
@@ -80,7 +80,7 @@ def test_speculation_with_penalties_equals_plain(target, plain, method):
         config["model"] = target
     llm = LLM(target, num_blocks=256, block_size=4, speculative_config=config)
     for name, params in (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED)):
-        outs = llm.generate(PROMPTS, params)
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain[name]], (method, name)
         if params.logprobs is not None:  # the target's log-probs of the same tokens, from verify rows
             for out, ref in zip(outs, plain[name]):
@@ -102,7 +102,7 @@ def test_penalties_and_logprobs_match_transformers(target):
     llm = LLM(target, num_blocks=64, block_size=4)
     prompt = PROMPTS[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.7, logprobs=3)
-    out = llm.generate([prompt], params)[0]
+    out = llm.generate([prompt], params)[0].outputs[0]
     with torch.no_grad():
         ref = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, repetition_penalty=1.7,
                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
@@ -120,13 +120,14 @@ def test_n_completions_are_seeded_choices(target):
     llm = LLM(target, num_blocks=128, block_size=4)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3, ignore_eos=True)
     outs = llm.generate([PROMPTS[0], PROMPTS[2]], params)
-    assert [o.index for o in outs] == [0, 1, 2, 0, 1, 2]
-    for k, prompt in enumerate([PROMPTS[0], PROMPTS[2]]):
+    assert len(outs) == 2 and [[o.index for o in out.outputs] for out in outs] == [[0, 1, 2], [0, 1, 2]]
+    for out, prompt in zip(outs, [PROMPTS[0], PROMPTS[2]]):
+        assert out.prompt_token_ids == prompt
         for i in range(3):
             alone = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=8, seed=7 + i,
-                                                          ignore_eos=True))[0]
-            assert outs[3 * k + i].token_ids == alone.token_ids
-    assert len({tuple(o.token_ids) for o in outs[:3]}) > 1
+                                                          ignore_eos=True))[0].outputs[0]
+            assert out.outputs[i].token_ids == alone.token_ids
+    assert len({tuple(o.token_ids) for o in outs[0].outputs}) > 1
     with pytest.raises(ValueError, match="n must be 1"):
         llm.stream(PROMPTS[0], params)
     assert_no_leak(llm)

@@ -46,7 +46,7 @@ def speculator(tmp_path_factory, target, device):
     """An MLP speculator that guesses the token that most often followed each token in plain greedy decoding."""
     plain = make_llm(target, device, enable_prefix_caching=False)
     outs = plain.generate(PROMPTS, GREEDY)
-    model = successor_speculator(most_common_successors([p + o.token_ids for p, o in zip(PROMPTS, outs)]),
+    model = successor_speculator(most_common_successors([p + o.outputs[0].token_ids for p, o in zip(PROMPTS, outs)]),
                                  plain.config.hidden_size, plain.config.vocab_size)
     return str(save_mlp_speculator(model, tmp_path_factory.mktemp("prefix_mlp"), dtype=torch.float32))
 
@@ -88,12 +88,13 @@ def test_outputs_with_the_cache_equal_outputs_without(name, target, draft, specu
     on = make_llm(target, device, speculative_config=config)
     off = make_llm(target, device, speculative_config=config, enable_prefix_caching=False)
     for params in [GREEDY, SEEDED]:
-        expected = [off.generate([p], params)[0].token_ids for p in PROMPTS]
-        assert [on.generate([p], params)[0].token_ids for p in PROMPTS] == expected
-        assert [o.token_ids for o in on.generate(PROMPTS, params)] == expected
-        assert [o.token_ids for o in on.generate(PROMPTS[::-1], params)] == expected[::-1]
+        expected = [off.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS]
+        assert [on.generate([p], params)[0].outputs[0].token_ids for p in PROMPTS] == expected
+        assert [o.outputs[0].token_ids for o in on.generate(PROMPTS, params)] == expected
+        assert [o.outputs[0].token_ids for o in on.generate(PROMPTS[::-1], params)] == expected[::-1]
         turns = [p + answer + [7, 8] for p, answer in zip(PROMPTS, expected)]
-        assert [o.token_ids for o in on.generate(turns, params)] == [o.token_ids for o in off.generate(turns, params)]
+        assert [o.outputs[0].token_ids for o in on.generate(turns, params)] == \
+            [o.outputs[0].token_ids for o in off.generate(turns, params)]
     stats = on.stats()
     assert stats["prefix_cache_hits"] > stats["prefix_cache_queries"] / 2, stats
     assert off.stats()["prefix_cache_hits"] == off.stats()["prefix_cache_queries"] == 0
@@ -116,13 +117,13 @@ def test_a_request_that_hits_a_prefix_another_running_request_is_still_filling(n
     off = make_llm(target, device, speculative_config=config, enable_prefix_caching=False)
     on = make_llm(target, device, speculative_config=config)
     a_prompt = BASE + [5]
-    expected_a = off.generate([a_prompt], params)[0].token_ids
+    expected_a = off.generate([a_prompt], params)[0].outputs[0].token_ids
     stream = on.stream(a_prompt, params)
     got_a = []
     while len(got_a) < 6:
         got_a = next(stream).token_ids
     b_prompt = a_prompt + got_a[:6]
-    expected_b = off.generate([b_prompt], params)[0].token_ids
+    expected_b = off.generate([b_prompt], params)[0].outputs[0].token_ids
     b = on.stream(b_prompt, params)
     got_b = next(b).token_ids  # B's first step (A steps with it): B now holds A's blocks
     bm = on.engine.block_manager
@@ -168,7 +169,7 @@ def test_cached_blocks_hold_the_kv_of_their_tokens(name, target, draft, speculat
     config = spec_config(name, draft, speculator)
     llm = make_llm(target, device, speculative_config=config, num_blocks=256)
     outs = llm.generate(PROMPTS, GREEDY)
-    turns = [p + o.token_ids + [7, 8] for p, o in zip(PROMPTS, outs)]
+    turns = [p + o.outputs[0].token_ids + [7, 8] for p, o in zip(PROMPTS, outs)]
     outs = llm.generate(turns, GREEDY)
     pools = [(llm.engine.block_manager, llm.engine.kv_cache, llm.model)]
     proposer = llm.engine.speculator.proposer
@@ -177,7 +178,7 @@ def test_cached_blocks_hold_the_kv_of_their_tokens(name, target, draft, speculat
     for bm, kv, model in pools:
         checked = 0
         for prompt, out in zip(turns, outs):
-            tokens = prompt + out.token_ids
+            tokens = prompt + out.outputs[0].token_ids
             named = bm.cached_prefix(tokens + [0])  # the blocks that hold tokens' full blocks
             if len(named) < 1:
                 continue
@@ -197,11 +198,11 @@ def test_preemption_and_recompute_with_the_cache(target, draft, device):
     """A pool too small for the batch: preempted requests are recomputed (taking cached blocks, their own
     included) and every output is the cache-off one."""
     config = spec_config("draft", draft, None)
-    expected = [o.token_ids for o in make_llm(target, device, speculative_config=config,
-                                              enable_prefix_caching=False).generate(PROMPTS * 2, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in make_llm(target, device, speculative_config=config,
+                                                         enable_prefix_caching=False).generate(PROMPTS * 2, GREEDY)]
     small = make_llm(target, device, speculative_config=config, num_blocks=24)
     outs = small.generate(PROMPTS * 2, GREEDY)
-    assert [o.token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     stats = small.stats()
     assert stats["num_preemptions"] > 0 and stats["prefix_cache_hits"] > 0
     assert_no_leak(small)
@@ -214,9 +215,9 @@ def test_the_static_buffer_runner_with_the_cache(name, target, draft, speculator
     config = spec_config(name, draft, speculator)
     off = make_llm(target, device, speculative_config=config, enable_prefix_caching=False)
     on = make_llm(target, device, speculative_config=config, enforce_eager=False)
-    expected = [off.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-    assert [on.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == expected
-    assert [o.token_ids for o in on.generate(PROMPTS, GREEDY)] == expected
+    expected = [off.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS]
+    assert [on.generate([p], GREEDY)[0].outputs[0].token_ids for p in PROMPTS] == expected
+    assert [o.outputs[0].token_ids for o in on.generate(PROMPTS, GREEDY)] == expected
     assert on.stats()["prefix_cache_hits"] > 0
     assert_no_leak(on)
 
@@ -229,10 +230,10 @@ def test_counts_the_last_prompt_token_is_computed_and_reset(target, device):
     # K/V exists for the prompt and all but the last output token: (30 + 12 - 1) // 4 = 10 full blocks, named
     assert llm.kv_cache_stats()["cached_blocks"] == 10
     again = llm.generate([BASE], GREEDY)[0]
-    assert again.token_ids == first.token_ids
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert again.num_cached_tokens == 28  # 7 full blocks; the 30th token is computed for its logits
     assert llm.generate([BASE[:16]], GREEDY)[0].num_cached_tokens == 12  # 4 full blocks, the last one computed
-    assert llm.generate([BASE + first.token_ids[:3]], GREEDY)[0].num_cached_tokens == 32
+    assert llm.generate([BASE + first.outputs[0].token_ids[:3]], GREEDY)[0].num_cached_tokens == 32
     assert llm.stats()["prefix_cache_queries"] == 30 + 30 + 16 + 33
     assert llm.stats()["prefix_cache_hits"] == 28 + 12 + 32
     stream = llm.stream(BASE, GREEDY)
@@ -252,9 +253,10 @@ def test_a_new_llm_starts_with_an_empty_cache(target, tmp_path, device):
     other_path = tmp_path / "other"
     make_tiny_llama(other_path, seed=5, max_pos=256)
     other = make_llm(str(other_path), device)
-    expected = make_llm(str(other_path), device, enable_prefix_caching=False).generate([BASE], GREEDY)[0].token_ids
+    plain = make_llm(str(other_path), device, enable_prefix_caching=False)
+    expected = plain.generate([BASE], GREEDY)[0].outputs[0].token_ids
     out = other.generate([BASE], GREEDY)[0]
-    assert out.num_cached_tokens == 0 and out.token_ids == expected
+    assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == expected
 
 
 def test_enable_prefix_caching_must_be_a_bool(target):

@@ -28,7 +28,7 @@ def engines():
 
 
 def answers(outputs):
-    return [(o.token_ids, [t.logprob for t in o.logprobs]) for o in outputs]
+    return [(o.token_ids, [t.logprob for t in o.logprobs]) for out in outputs for o in out.outputs]
 
 
 def test_a_conversation_with_the_cache_equals_without(engines):
@@ -49,7 +49,7 @@ def test_a_batch_sharing_a_conversation_with_the_cache_equals_without(engines, p
     the cache on they share the blocks the answered request left, its answer's computed by decode steps."""
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTIONS[0]}]
     engines[True].reset_prefix_cache()
-    answer = engines[True].chat(first, SamplingParams(temperature=0, max_tokens=40))[0].text
+    answer = engines[True].chat(first, SamplingParams(temperature=0, max_tokens=40))[0].outputs[0].text
     conversations = [first + [{"role": "assistant", "content": answer}, {"role": "user", "content": q}]
                      for q in QUESTIONS[1:]]
     conversations += [first[:1] + [{"role": "user", "content": q}] for q in QUESTIONS[1:3]]

@@ -42,7 +42,7 @@ def quantized(path, **kwargs) -> LLM:
 def plain_outputs(paths):
     llm = quantized(paths[0])
     assert llm.model.quantization == "int4-g32 (13)"
-    return [[o.token_ids for o in llm.generate(PROMPTS, params)] for params in PARAMS]
+    return [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] for params in PARAMS]
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +62,9 @@ def test_speculation_over_a_quantized_target_equals_its_plain_decoding(paths, pl
         config["model"] = str(speculator)
     llm = quantized(paths[0], speculative_config=config)
     for j, params in enumerate(PARAMS):
-        alone = [llm.generate([prompt], params)[0].token_ids for prompt in PROMPTS]
+        alone = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in PROMPTS]
         assert alone == plain_outputs[j], (method, j)
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain_outputs[j], (method, j)
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == plain_outputs[j], (method, j)
     stats = llm.stats()
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0, stats
     if config["method"] == "mlp_speculator":  # bfloat16 as the target's CPU matmuls, where the CPU has it natively
@@ -81,6 +81,6 @@ def test_static_buffers_over_a_quantized_target(paths, plain_outputs):
     eagerly on a CPU) give the same tokens."""
     llm = quantized(paths[0], enforce_eager=False, speculative_config=METHODS["ngram"])
     for j, params in enumerate(PARAMS):
-        assert [o.token_ids for o in llm.generate(PROMPTS, params)] == plain_outputs[j]
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == plain_outputs[j]
     assert llm.stats()["num_accepted_tokens"] > 0
     assert_no_leak(llm)

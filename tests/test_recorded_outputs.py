@@ -50,5 +50,5 @@ def test_greedy_outputs_are_as_recorded(method, draft_path):
              for i in indices]
     params = SamplingParams(temperature=0, max_tokens=RECORD["max_tokens"])
     for i, ids in zip(indices, chats):  # one at a time, as recorded
-        assert llm.generate([ids], params)[0].token_ids == RECORD["outputs"][i], f"prompt {i}"
+        assert llm.generate([ids], params)[0].outputs[0].token_ids == RECORD["outputs"][i], f"prompt {i}"
     assert_no_leak(llm)

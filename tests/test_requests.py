@@ -84,16 +84,17 @@ def test_close_and_drop_streams(llm):
     del unstarted
     gc.collect()
     assert_no_leak(llm)
-    assert llm.generate(PROMPTS[:1], GREEDY)[0].finish_reason == "length"  # the engine still serves
+    assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].finish_reason == "length"  # the engine still serves
 
 
 def test_a_failing_request_fails_alone(llm, plain):
-    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     stream = llm.stream(PROMPTS[3], GREEDY)  # an open stream beside the failing batch
     next(stream)
     outs = llm.generate([PROMPTS[0], [BAD, 5, 9, 5, 9], PROMPTS[1], PROMPTS[2]], GREEDY)
-    assert [o.token_ids for o in outs[:1] + outs[2:]] == [expected[0], expected[1], expected[2]]
-    assert outs[1].finish_reason == "error" and "injected failure" in outs[1].error
+    assert [o.outputs[0].token_ids for o in outs[:1] + outs[2:]] == [expected[0], expected[1], expected[2]]
+    failed = outs[1].outputs[0]
+    assert failed.finish_reason == "error" and "injected failure" in failed.error
     rest = list(stream)
     assert rest[-1].finish_reason == "length" and rest[-1].token_ids == expected[3]
     assert_no_leak(llm)
@@ -103,7 +104,7 @@ def test_out_of_vocabulary_guesses_fail_their_request_clearly(llm, plain):
     proposer = llm.engine.speculator.proposer
     proposer.chain = lambda index, k=None: [llm.config.vocab_size + 3]
     outs = llm.generate(PROMPTS[:2], GREEDY)
-    assert all(o.finish_reason == "error" and "outside the vocabulary" in o.error for o in outs)
+    assert all(o.finish_reason == "error" and "outside the vocabulary" in o.error for out in outs for o in out.outputs)
     assert_no_leak(llm)
 
 
@@ -129,7 +130,7 @@ def test_no_block_is_lost_whatever_the_mix(llm, ops):
         elif op == "abort" and streams:
             llm.abort(streams[n % len(streams)].request_id)
         elif op == "fail":
-            out = llm.generate([[BAD, 1 + n, 2, 3]], params)[0]
+            out = llm.generate([[BAD, 1 + n, 2, 3]], params)[0].outputs[0]
             assert out.finish_reason in ("error", "length")  # a 2-token answer may end before it guesses
     for stream in streams:
         last = None
@@ -139,6 +140,56 @@ def test_no_block_is_lost_whatever_the_mix(llm, ops):
     streams.clear()
     gc.collect()
     assert_no_leak(llm)
+
+
+# ---------------------------------------------------------------- vLLM's quickstart, as a vLLM user writes it
+
+
+def test_vllm_quickstart(plain):
+    llm = plain
+    tokenizer = llm.get_tokenizer()
+    prompts = ["Hello, my name is", "The capital of France is"]
+    sampling_params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=8, seed=3)
+    outputs = llm.generate(prompts, sampling_params)
+    assert len(outputs) == len(prompts)
+    for text, output in zip(prompts, outputs):
+        prompt = output.prompt
+        generated_text = output.outputs[0].text
+        assert prompt == text and output.prompt_token_ids == tokenizer.encode(text)
+        assert isinstance(generated_text, str) and output.finished and len(output.outputs) == 1
+        assert output.outputs[0].logprobs is None and output.outputs[0].cumulative_logprob is None
+
+    # n completions of a prompt sit under its one RequestOutput, in index order (choice i seeded seed + i)
+    two = llm.generate(prompts, SamplingParams(n=2, temperature=0.8, max_tokens=8, seed=3))
+    assert len(two) == len(prompts)
+    for output in two:
+        assert [c.index for c in output.outputs] == [0, 1]
+        alone = [llm.generate(output.prompt, SamplingParams(temperature=0.8, max_tokens=8, seed=seed))[0].outputs[0]
+                 for seed in (3, 4)]
+        assert [c.token_ids for c in output.outputs] == [c.token_ids for c in alone]
+
+    conversation = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+    chat = llm.chat(conversation, sampling_params=sampling_params)
+    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
+    assert len(chat) == 1 and chat[0].prompt == rendered and chat[0].prompt_token_ids == tokenizer.encode(rendered)
+    assert rendered.endswith("<|im_start|>assistant\n") and isinstance(chat[0].outputs[0].text, str)
+
+    ids = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0]
+    assert ids.prompt is None and ids.prompt_token_ids == PROMPTS[0]
+    logprobs = ids.outputs[0].logprobs
+    assert len(logprobs) == len(ids.outputs[0].token_ids) > 0
+    assert ids.outputs[0].cumulative_logprob == pytest.approx(sum(t.logprob for t in logprobs))
+    assert ids.outputs[0].cumulative_logprob <= 0
+
+    # vLLM's prompt dicts: {"prompt": text} is the text, {"prompt_token_ids": ids} the ids
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    by_dict = llm.generate([{"prompt": prompts[0]}, {"prompt_token_ids": PROMPTS[0]}], greedy)
+    by_value = llm.generate([prompts[0], PROMPTS[0]], greedy)
+    assert [o.prompt for o in by_dict] == [prompts[0], None]
+    assert [o.outputs[0].token_ids for o in by_dict] == [o.outputs[0].token_ids for o in by_value]
+    for bad in ({"text": "hi"}, {"prompt": "hi", "prompt_token_ids": [1]}):
+        with pytest.raises(ValueError, match="prompt 0: a prompt dict takes one key"):
+            llm.generate(bad, greedy)
 
 
 # ---------------------------------------------------------------- odd but valid inputs
@@ -157,8 +208,8 @@ def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config, devi
     short = make_llm(paths[0], device, num_blocks=128, max_model_len=24)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # runs into the context's end
     prompts = [[42], [7, 8], PROMPTS[0]]
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [o.token_ids for o in short.generate(prompts, params)]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in outs] == [o.outputs[0].token_ids for o in short.generate(prompts, params)]
     assert all(o.finish_reason == "length" and len(p) + len(o.token_ids) == 24 for p, o in zip(prompts, outs))
     assert_no_leak(llm)
 
@@ -167,7 +218,7 @@ def test_a_draft_with_a_shorter_context_caps_or_is_refused(paths, device):
     config = {"method": "draft", "model": str(paths[1]), "num_speculative_tokens": 2}
     capped = make_llm(paths[0], device, num_blocks=64, speculative_config=config)
     assert capped.engine.max_model_len == 40
-    out = capped.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0]
+    out = capped.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))[0].outputs[0]
     assert len(PROMPTS[0]) + len(out.token_ids) == 40 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="draft model's context"):
         make_llm(paths[0], device, num_blocks=64, max_model_len=100, speculative_config=config)
@@ -176,18 +227,21 @@ def test_a_draft_with_a_shorter_context_caps_or_is_refused(paths, device):
 def test_adaptive_speculation_with_a_small_pool(paths, plain, device):
     llm = make_llm(paths[0], device, num_blocks=6, speculative_config={"method": "ngram"})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    assert llm.generate([PROMPTS[0][:6]], params)[0].token_ids == plain.generate([PROMPTS[0][:6]], params)[0].token_ids
+    assert llm.generate([PROMPTS[0][:6]], params)[0].outputs[0].token_ids == \
+        plain.generate([PROMPTS[0][:6]], params)[0].outputs[0].token_ids
 
 
 def test_huge_top_k_and_seeds_of_any_size(plain):
     base = dict(temperature=0.9, max_tokens=10, ignore_eos=True)
-    whole = plain.generate(PROMPTS[:2], SamplingParams(**base, seed=5))
-    assert [o.token_ids for o in plain.generate(PROMPTS[:2], SamplingParams(**base, seed=5, top_k=2**40))] == \
-        [o.token_ids for o in whole]
-    assert [o.token_ids for o in plain.generate(PROMPTS[:2], SamplingParams(**base, seed=5 + 2**64))] == \
-        [o.token_ids for o in whole]  # seeds are taken modulo 2**64
+
+    def token_ids(**kwargs):
+        return [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:2], SamplingParams(**base, **kwargs))]
+
+    whole = token_ids(seed=5)
+    assert token_ids(seed=5, top_k=2**40) == whole
+    assert token_ids(seed=5 + 2**64) == whole  # seeds are taken modulo 2**64
     for seed in (2**63, -(2**80), 2**200):
-        assert len(plain.generate(PROMPTS[:1], SamplingParams(**base, seed=seed))[0].token_ids) == 10
+        assert len(plain.generate(PROMPTS[:1], SamplingParams(**base, seed=seed))[0].outputs[0].token_ids) == 10
 
 
 # ---------------------------------------------------------------- bad inputs, refused before any work

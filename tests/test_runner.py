@@ -76,7 +76,7 @@ def test_static_path_generates_what_eager_generates(target, device, name):
                   enforce_eager=eager, speculative_config=config)
         greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
         sampled = SamplingParams(temperature=0.8, max_tokens=16, seed=3, ignore_eos=True)
-        outs[eager] = [[o.token_ids for o in llm.generate(PROMPTS[:n], params)]
+        outs[eager] = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS[:n], params)]
                        for params in (greedy, sampled) for n in (1, 3, 5)]  # buckets of 1, 4 and 8 sequences
         if not eager:
             assert any(key[0] > 1 for key in llm.engine.runner.graphs)  # the static path did run
@@ -92,6 +92,6 @@ def test_cuda_graphs_are_captured_and_replayed(target):
     eager = LLM(str(target), num_blocks=256, block_size=4, device="cuda", dtype="float32", enforce_eager=True,
                 speculative_config={"method": "ngram", "num_speculative_tokens": 3, "adaptive": False})
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == \
-        [o.token_ids for o in eager.generate(PROMPTS, params)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == \
+        [o.outputs[0].token_ids for o in eager.generate(PROMPTS, params)]
     assert llm.engine.runner.graphs and all(g.graph is not None for g in llm.engine.runner.graphs.values())

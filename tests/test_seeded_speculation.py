@@ -45,7 +45,7 @@ def paths(tmp_path_factory):
 @pytest.fixture(scope="module")
 def plain_outputs(paths, device):
     llm = LLM(str(paths[0]), num_blocks=256, block_size=4, device=device, dtype="float32")
-    return {(i, j): llm.generate([prompt], params)[0].token_ids
+    return {(i, j): llm.generate([prompt], params)[0].outputs[0].token_ids
             for i, prompt in enumerate(PROMPTS) for j, params in enumerate(PARAMS)}
 
 
@@ -57,9 +57,9 @@ def test_seeded_outputs_equal_plain_alone_and_batched(paths, plain_outputs, meth
     llm = LLM(str(paths[0]), num_blocks=256, block_size=4, speculative_config=config, device=device,
               dtype="float32")
     for j, params in enumerate(PARAMS):
-        alone = [llm.generate([prompt], params)[0] for prompt in PROMPTS]
+        alone = [llm.generate([prompt], params)[0].outputs[0] for prompt in PROMPTS]
         assert [o.token_ids for o in alone] == [plain_outputs[i, j] for i in range(len(PROMPTS))], (method, j)
-        batched = llm.generate(PROMPTS, params)
+        batched = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
         assert [o.token_ids for o in batched] == [plain_outputs[i, j] for i in range(len(PROMPTS))], (method, j)
     stats = llm.stats()
     if method != "draft_coupled":  # (with adaptive k a tiny random draft may not pay: the policy stops it)
@@ -76,8 +76,8 @@ def test_mixed_params_in_one_batch_equal_plain(paths, plain_outputs, device):
     prompts = [p for p in PROMPTS for _ in PARAMS]
     params = [q for _ in PROMPTS for q in PARAMS]
     outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == [plain_outputs[i, j] for i in range(len(PROMPTS)) for j in
-                                           range(len(PARAMS))]
+    assert [o.outputs[0].token_ids for o in outs] == [plain_outputs[i, j] for i in range(len(PROMPTS)) for j in
+                                                      range(len(PARAMS))]
 
 
 def _sequence(seed: int, temperature: float = 1.0) -> Sequence:

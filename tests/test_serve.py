@@ -95,7 +95,7 @@ def test_sync_completions_and_chat_equal_offline(server, offline):
     client = _client(url)
     for extra in ({}, REPEAT):
         params = SamplingParams(temperature=0, max_tokens=20, **extra)
-        expected = offline.generate(PROMPTS, params)
+        expected = [o.outputs[0] for o in offline.generate(PROMPTS, params)]
         got = client.completions.create(model="tiny", prompt=PROMPTS, max_tokens=20, temperature=0,
                                         extra_body={"return_token_ids": True, **extra})
         assert [c.index for c in got.choices] == list(range(len(PROMPTS)))
@@ -105,7 +105,7 @@ def test_sync_completions_and_chat_equal_offline(server, offline):
         assert got.usage.completion_tokens == sum(len(o.token_ids) for o in expected)
         assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in expected)
     chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=16, temperature=0)
-    expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16))[0]
+    expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     assert chat.choices[0].message.content == expected.text and chat.choices[0].message.role == "assistant"
     assert chat.usage.completion_tokens == len(expected.token_ids)
     _wait_until(lambda: _idle(llm))
@@ -116,8 +116,8 @@ def test_async_streams_equal_offline(server, offline):
     """Concurrent streaming completions and chats (one batch on the server) add up to the offline outputs."""
     url, llm = server
     params = SamplingParams(temperature=0, max_tokens=24, **REPEAT)
-    expected = offline.generate(PROMPTS, params)
-    expected_chat = offline.chat(MESSAGES, params)[0]
+    expected = [o.outputs[0] for o in offline.generate(PROMPTS, params)]
+    expected_chat = offline.chat(MESSAGES, params)[0].outputs[0]
 
     async def complete(client, prompt):
         stream = await client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0,
@@ -161,7 +161,8 @@ def test_n_seed_logprobs_equal_offline(server, offline):
     url, _ = server
     client = _client(url)
     params = SamplingParams(temperature=1.0, max_tokens=10, seed=5, n=3, logprobs=2, stop=["c"])
-    expected = offline.generate([PROMPTS[0]], params)
+    (request,) = offline.generate([PROMPTS[0]], params)
+    expected = request.outputs  # the prompt's n completions, as the server's choices
     got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=5, n=3,
                                     logprobs=2, stop=["c"], extra_body={"return_token_ids": True})
     assert [c.token_ids for c in got.choices] == [o.token_ids for o in expected]
@@ -172,7 +173,7 @@ def test_n_seed_logprobs_equal_offline(server, offline):
     chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
                                           top_logprobs=3)
     content = chat.choices[0].logprobs.content
-    expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0]
+    expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=6, logprobs=3))[0].outputs[0]
     assert [c.logprob for c in content] == pytest.approx([lp.logprob for lp in expected.logprobs], abs=1e-4)
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob == pytest.approx(c.logprob) for c in content)
 
@@ -258,7 +259,7 @@ def test_tokenize_detokenize_health_metrics(server, offline):
     r = httpx.post(f"{url}/tokenize", json={"prompt": "hello"}).json()
     assert r["tokens"] == offline.tokenizer.encode("hello") and r["count"] == 5 and r["max_model_len"] == 256
     r = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
-    assert r["tokens"] == offline._render_chat(MESSAGES)
+    assert r["tokens"] == offline.tokenizer.encode(offline._render_chat(MESSAGES))  # what LLM.chat feeds the model
     assert httpx.post(f"{url}/detokenize", json={"tokens": r["tokens"]}).json()["prompt"]
     bad = httpx.post(f"{url}/detokenize", json={"tokens": [1, 100000]})
     assert bad.status_code == 400 and "100000" in bad.json()["error"]["message"]
@@ -304,7 +305,7 @@ def test_mlp_speculator_server_equals_offline(model_path, offline, tmp_path, cap
     the command line, ``{"method": "mlp_speculator"}`` for a model with no shipped speculator exits 2 saying what
     to pass."""
     params = SamplingParams(temperature=0, max_tokens=20)
-    expected = offline.generate(PROMPTS, params)
+    expected = [o.outputs[0] for o in offline.generate(PROMPTS, params)]
     ids = [offline.tokenizer.encode(p) + o.token_ids for p, o in zip(PROMPTS, expected)]
     speculator = save_mlp_speculator(successor_speculator(most_common_successors(ids), offline.config.hidden_size,
                                                           offline.config.vocab_size), tmp_path / "speculator")
@@ -374,8 +375,8 @@ def test_command_line_tensor_parallel(model_path, offline):
         assert workers, "no worker process"
         out = httpx.post(f"{url}/v1/completions", json={"prompt": "hello", "max_tokens": 8, "temperature": 0,
                                                        "ignore_eos": True}, timeout=60).json()
-        want = offline.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0].text
-        assert out["choices"][0]["text"] == want
+        want = offline.generate(["hello"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+        assert out["choices"][0]["text"] == want.outputs[0].text
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
         deadline = time.monotonic() + 10
@@ -480,8 +481,8 @@ def test_default_sampling_applies_to_what_a_request_leaves_out(model_path, offli
     """With the model's default temperature 0 (greedy), a request without temperature is greedy; one that gives
     its own temperature and seed samples as offline with those; max_tokens comes from the defaults too."""
     llm = LLM(model_path, num_blocks=64, block_size=4)
-    greedy = offline.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6))[0]
-    sampled = offline.generate(PROMPTS[:1], SamplingParams(temperature=1.0, seed=7, max_tokens=6))[0]
+    greedy = offline.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=6))[0].outputs[0]
+    sampled = offline.generate(PROMPTS[:1], SamplingParams(temperature=1.0, seed=7, max_tokens=6))[0].outputs[0]
     with serving(llm, default_sampling={"temperature": 0.0, "max_tokens": 6}) as url:
         client = _client(url)
         got = client.completions.create(model="tiny", prompt=PROMPTS[0], extra_body={"return_token_ids": True})

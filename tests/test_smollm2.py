@@ -77,7 +77,7 @@ def plain_on_device(device, prompts):
 def test_served_model_keeps_the_files_4bit_weights_and_answers(plain_on_device):
     llm = LLM(dtype="float32", device="cpu", num_blocks=64)
     assert llm.model.quantization == "int4-g32 (120), int8 (1)"  # Q4_1 layers, the Q8_0 embedding as the head
-    assert "Paris" in plain_on_device[0].text
+    assert "Paris" in plain_on_device[0].outputs[0].text
 
 
 def test_logits_match_transformers(llm, hf, prompts):
@@ -100,14 +100,14 @@ def test_greedy_chat_matches_transformers(llm, hf, prompts, plain_outputs):
         with torch.no_grad():
             ref = hf.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                               eos_token_id=llm.tokenizer.eos_token_ids, pad_token_id=2)[0, len(ids):].tolist()
-        assert out.token_ids == ref, f"prompt {llm.tokenizer.decode(ids)!r}"
-    assert "Paris" in plain_outputs[0].text
+        assert out.outputs[0].token_ids == ref, f"prompt {llm.tokenizer.decode(ids)!r}"
+    assert "Paris" in plain_outputs[0].outputs[0].text
 
 
 def test_batch_matches_alone(llm, prompts, plain_outputs):
     for ids, out in zip(prompts[:3], plain_outputs[:3]):
         alone = llm.generate([ids], SamplingParams(temperature=0, max_tokens=NEW_TOKENS))[0]
-        assert alone.token_ids == out.token_ids
+        assert alone.outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def test_ngram_greedy_equals_plain_on_real_prompts(prompts, plain_on_device, device):
@@ -115,10 +115,10 @@ def test_ngram_greedy_equals_plain_on_real_prompts(prompts, plain_on_device, dev
                                   "adaptive": False}, dtype="float32", device=device)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     for out, plain in zip(outs, plain_on_device):
-        assert out.token_ids == plain.token_ids
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     stats = llm.stats()
     assert stats["num_accepted_tokens"] > 0
-    assert sum(o.num_steps for o in outs) < sum(o.num_steps for o in plain_on_device)
+    assert sum(o.outputs[0].num_steps for o in outs) < sum(o.outputs[0].num_steps for o in plain_on_device)
     assert_no_leak(llm)
 
 
@@ -138,7 +138,7 @@ def test_truncated_draft_greedy_equals_plain_on_real_prompts(draft_dir, prompts,
     llm = LLM(speculative_config=config, dtype="float32", device=device)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     for out, plain in zip(outs, plain_on_device):
-        assert out.token_ids == plain.token_ids
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     assert llm.stats()["num_accepted_tokens"] > 0
     assert_no_leak(llm)
 
@@ -151,6 +151,6 @@ def test_tree_methods_greedy_equal_plain_on_real_prompts(prompts, plain_on_devic
     llm = LLM(speculative_config=config, dtype="float32", device=device)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))
     for out, plain in zip(outs, plain_on_device):
-        assert out.token_ids == plain.token_ids
+        assert out.outputs[0].token_ids == plain.outputs[0].token_ids
     assert llm.stats()["num_accepted_tokens"] > 0
     assert_no_leak(llm)

@@ -44,9 +44,9 @@ def spec_llm(target_path, device, config, **kwargs):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_ngram_greedy_is_lossless(target_path, device, plain, k):
-    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     llm = spec_llm(target_path, device, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3})
-    outs = llm.generate(PROMPTS, GREEDY)
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
     assert [o.token_ids for o in outs] == expected
     stats = llm.stats()
     assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0
@@ -56,9 +56,9 @@ def test_ngram_greedy_is_lossless(target_path, device, plain, k):
 
 @pytest.mark.parametrize("k", [1, 4])
 def test_draft_greedy_is_lossless(target_path, device, draft_path, plain, k):
-    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     llm = spec_llm(target_path, device, {"method": "draft", "model": str(draft_path), "num_speculative_tokens": k})
-    outs = llm.generate(PROMPTS, GREEDY)
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY)]
     assert [o.token_ids for o in outs] == expected
     assert llm.stats()["num_draft_tokens"] > 0
     assert_no_leak(llm)
@@ -67,9 +67,9 @@ def test_draft_greedy_is_lossless(target_path, device, draft_path, plain, k):
 @pytest.mark.parametrize("k", [2, 4])
 def test_target_as_its_own_draft_accepts_everything(target_path, device, plain, k):
     params = SamplingParams(temperature=0, max_tokens=1 + 5 * (k + 1), ignore_eos=True)
-    expected = [o.token_ids for o in plain.generate(PROMPTS, params)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params)]
     llm = spec_llm(target_path, device, {"method": "draft", "model": str(target_path), "num_speculative_tokens": k})
-    outs = llm.generate(PROMPTS, params)
+    outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
     assert [o.token_ids for o in outs] == expected
     for o in outs:
         assert o.num_accepted_tokens == o.num_draft_tokens == 5 * k
@@ -82,7 +82,7 @@ def test_no_guess_past_max_tokens_and_only_emitted_drafts_count(target_path, dev
     k = 4
     params = SamplingParams(temperature=0, max_tokens=1 + (k + 1) + 2, ignore_eos=True)
     llm = spec_llm(target_path, device, {"method": "draft", "model": str(target_path), "num_speculative_tokens": k})
-    for o in llm.generate(PROMPTS, params):
+    for o in (out.outputs[0] for out in llm.generate(PROMPTS, params)):
         assert len(o.token_ids) == 8 and o.num_steps == 3
         assert o.num_draft_tokens == o.num_accepted_tokens == k + 1
     assert_no_leak(llm)
@@ -120,9 +120,9 @@ def test_draft_kv_after_many_steps_equals_a_fresh_prefill(target_path, device, d
 def test_mixed_batch_spec_and_opt_out(target_path, device, plain):
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculate=False)] * 2
     prompts = PROMPTS[:4]
-    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = spec_llm(target_path, device, {"method": "ngram", "num_speculative_tokens": 4})
-    outs = llm.generate(prompts, params)
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
     assert [o.token_ids for o in outs] == expected
     assert outs[1].num_draft_tokens == 0 and outs[3].num_draft_tokens == 0
     assert outs[0].num_draft_tokens > 0
@@ -136,8 +136,8 @@ def test_seeded_sampling_with_speculation_is_reproducible(target_path, device, d
         config["model"] = str(draft_path)
     llm = spec_llm(target_path, device, config)
     params = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True)
-    a = llm.generate(PROMPTS[:2], params)
-    b = llm.generate(PROMPTS[:2], params)
+    a = [o.outputs[0] for o in llm.generate(PROMPTS[:2], params)]
+    b = [o.outputs[0] for o in llm.generate(PROMPTS[:2], params)]
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert all(len(o.token_ids) == 30 for o in a)
     assert_no_leak(llm)
@@ -152,17 +152,17 @@ def test_adaptive_speculation_is_lossless(target_path, device, draft_path, plain
               dtype="float32")
     policy = llm.engine.speculator.policy
     assert policy is not None and len(policy.target_cost) == 5
-    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert_no_leak(llm)
 
 
 def test_preemption_with_speculation_is_lossless(target_path, device, draft_path, plain):
-    expected = [o.token_ids for o in plain.generate(PROMPTS * 2, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS * 2, GREEDY)]
     for config in ({"method": "ngram", "num_speculative_tokens": 3},
                    {"method": "draft", "model": str(draft_path), "num_speculative_tokens": 3}):
         llm = spec_llm(target_path, device, config, num_blocks=24)
-        outs = llm.generate(PROMPTS * 2, GREEDY)
+        outs = [o.outputs[0] for o in llm.generate(PROMPTS * 2, GREEDY)]
         assert [o.token_ids for o in outs] == expected
         assert llm.stats()["num_preemptions"] > 0
         assert_no_leak(llm)

@@ -44,10 +44,10 @@ def make(paths, name, device, **kwargs):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_greedy_is_lossless(paths, plain, name, device):
-    expected = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     llm = make(paths, name, device)
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == expected
+    assert [o.outputs[0].token_ids for o in outs] == expected
     assert llm.stats()["num_draft_tokens"] > 0
     assert_no_leak(llm)
 
@@ -56,8 +56,8 @@ def test_greedy_is_lossless(paths, plain, name, device):
 def test_seeded_sampling_is_reproducible(paths, name, device):
     llm = make(paths, name, device)
     params = SamplingParams(temperature=0.8, top_k=40, max_tokens=24, seed=3, ignore_eos=True)
-    a = [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
-    b = [o.token_ids for o in llm.generate(PROMPTS[:3], params)]
+    a = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
+    b = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)]
     assert a == b and all(len(t) == 24 for t in a)
     assert_no_leak(llm)
 
@@ -65,9 +65,9 @@ def test_seeded_sampling_is_reproducible(paths, name, device):
 def test_lookahead_with_preemption_and_plain_requests(paths, plain, device):
     params = [GREEDY, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, speculate=False)] * 3
     prompts = (PROMPTS * 2)[:6]
-    expected = [o.token_ids for o in plain.generate(prompts, params)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = make(paths, "lookahead", device, num_blocks=40)
-    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
     assert_no_leak(llm)
 
 
@@ -79,7 +79,8 @@ def test_accepted_tree_path_kv_equals_plain_decoding(paths, device):
     wrong slot or RoPE position would be off by order 1, and assert_same_kv checks the bound can tell."""
     llm = LLM(str(paths[0]), num_blocks=64, block_size=4, device=device, dtype="float32")
     engine = llm.engine
-    _, a, b = llm.generate([[5, 9, 33, 7]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0].token_ids
+    greedy_3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    _, a, b = llm.generate([[5, 9, 33, 7]], greedy_3)[0].outputs[0].token_ids
     rid = engine.add_request([5, 9, 33, 7], GREEDY)
     seq = engine.sequences[rid]
     engine.step()  # prefill

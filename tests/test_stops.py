@@ -42,12 +42,13 @@ def llms(target, device):
 @pytest.fixture(scope="module")
 def free_runs(llms):
     """Plain outputs without any stop, to choose stops from."""
-    return {kind: llms["plain"].generate(PROMPTS, SamplingParams(**kind_params))
+    return {kind: [o.outputs[0] for o in llms["plain"].generate(PROMPTS, SamplingParams(**kind_params))]
             for kind, kind_params in (("greedy", GREEDY), ("sampled", SAMPLED))}
 
 
 def _same_everywhere(llms, params_list):
-    results = {name: [(o.text, o.token_ids, o.finish_reason) for o in llm.generate(PROMPTS, params_list)]
+    results = {name: [(o.text, o.token_ids, o.finish_reason, o.stop_reason)
+                      for out in llm.generate(PROMPTS, params_list) for o in out.outputs]
                for name, llm in llms.items()}
     for name, result in results.items():
         assert result == results["plain"], name
@@ -62,9 +63,10 @@ def test_stop_strings(llms, free_runs, kind):
     for out in free_runs[kind]:
         stop = out.text[10:13]  # a string the free run produces in the middle of its text
         params_list.append(SamplingParams(**base, stop=[stop, "never appears \x00"]))
-    for (text, token_ids, reason), out, params in zip(_same_everywhere(llms, params_list), free_runs[kind],
-                                                      params_list):
+    for (text, token_ids, reason, stop_reason), out, params in zip(_same_everywhere(llms, params_list),
+                                                                   free_runs[kind], params_list):
         assert reason == "stop" and text == out.text[: out.text.index(params.stop_list[0])]
+        assert stop_reason == params.stop_list[0] and out.stop_reason is None  # vLLM's: the string that ended it
         assert len(token_ids) < len(out.token_ids)  # the tokens end with the one that completed the stop string
         assert token_ids == out.token_ids[: len(token_ids)]
 
@@ -75,12 +77,12 @@ def test_stop_token_ids_and_min_tokens(llms, free_runs, kind):
     stops = [out.token_ids[6] for out in free_runs[kind]]
     # stop at the first occurrence of the token (kept in the output, like eos)
     results = _same_everywhere(llms, [SamplingParams(**base, stop_token_ids=[t]) for t in stops])
-    for (_, token_ids, reason), out, t in zip(results, free_runs[kind], stops):
+    for (_, token_ids, reason, stop_reason), out, t in zip(results, free_runs[kind], stops):
         first = out.token_ids.index(t)
-        assert reason == "stop" and token_ids == out.token_ids[: first + 1]
+        assert reason == "stop" and token_ids == out.token_ids[: first + 1] and stop_reason == t
     # min_tokens: the stop token cannot be drawn before min_tokens tokens (its probability is zeroed), nor end it
     results = _same_everywhere(llms, [SamplingParams(**base, stop_token_ids=[t], min_tokens=20) for t in stops])
-    for (_, token_ids, _), t in zip(results, stops):
+    for (_, token_ids, _, _), t in zip(results, stops):
         assert len(token_ids) >= 20 and t not in token_ids[:19]
 
 
@@ -89,9 +91,9 @@ def test_min_tokens_holds_back_eos(target, device):
     llm = LLM(str(target), num_blocks=256, block_size=4, device=device, dtype="float32")
     eos = llm.tokenizer.eos_token_ids
     free = llm.generate(PROMPTS, SamplingParams(**{**GREEDY, "ignore_eos": False}))
-    forced = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[o.token_ids[0]], min_tokens=5)
+    forced = [SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[o.outputs[0].token_ids[0]], min_tokens=5)
               for o in free]
-    for out in llm.generate(PROMPTS, forced):
+    for out in (o.outputs[0] for o in llm.generate(PROMPTS, forced)):
         assert len(out.token_ids) >= 5 and not set(out.token_ids[:4]) & set(eos)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=3, min_tokens=4)

@@ -60,7 +60,7 @@ def draft_path(tmp_path_factory):
 
 def _run(llm, params, **overrides):
     params = dataclasses.replace(params, **overrides)
-    return [out.token_ids for out in llm.generate(PROMPTS, params)]
+    return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, params)]
 
 
 def _assert_workers_gone(llm):
@@ -138,7 +138,8 @@ class TestDraftOnTwoRanks:
         hits = two.stats()["prefix_cache_hits"]
         draft_hits = two.engine.speculator.proposer.block_manager.stats.hits
         assert _run(two, GREEDY) == _run(off, GREEDY)
-        assert [o.token_ids for o in two.generate(turns, GREEDY)] == [o.token_ids for o in off.generate(turns, GREEDY)]
+        assert [o.outputs[0].token_ids for o in two.generate(turns, GREEDY)] == \
+            [o.outputs[0].token_ids for o in off.generate(turns, GREEDY)]
         assert two.stats()["prefix_cache_hits"] > hits
         assert two.engine.speculator.proposer.block_manager.stats.hits > draft_hits
         assert_no_leak(two)
@@ -152,10 +153,11 @@ def test_ngram_tree_equals_tp1(target_path):
     prompts = []
     for prompt in PROMPTS:
         ids = one.tokenizer.encode(prompt)
-        prompts.append(ids + one.generate([ids], dataclasses.replace(GREEDY, speculate=False))[0].token_ids + ids)
-    expected = [out.token_ids for out in one.generate(prompts, GREEDY)]
+        own = one.generate([ids], dataclasses.replace(GREEDY, speculate=False))[0].outputs[0].token_ids
+        prompts.append(ids + own + ids)
+    expected = [out.outputs[0].token_ids for out in one.generate(prompts, GREEDY)]
     with LLM(target_path, tensor_parallel_size=2, **KW, speculative_config=spec, enforce_eager=False) as two:
-        assert [out.token_ids for out in two.generate(prompts, GREEDY)] == expected
+        assert [out.outputs[0].token_ids for out in two.generate(prompts, GREEDY)] == expected
         assert two.stats()["num_accepted_tokens"] == one.stats()["num_accepted_tokens"] > 0
         assert_no_leak(two)
     _assert_workers_gone(two)
@@ -169,7 +171,7 @@ def test_mlp_speculator_equals_tp1(target_path, tmp_path):
 
     plain = LLM(target_path, **KW)
     ids = [plain.tokenizer.encode(p) for p in PROMPTS]
-    outputs = [out.token_ids for out in plain.generate(ids, GREEDY)]
+    outputs = [out.outputs[0].token_ids for out in plain.generate(ids, GREEDY)]
     model = successor_speculator(most_common_successors([i + o for i, o in zip(ids, outputs)]),
                                  plain.config.hidden_size, plain.config.vocab_size)
     spec = {"method": "mlp_speculator", "model": str(save_mlp_speculator(model, tmp_path, dtype=torch.float32)),
@@ -212,7 +214,7 @@ def test_eagle3_head_on_the_driver_equals_tp1(tmp_path, monkeypatch):
     model = make_tiny_llama(target, seed=1, layers=3, vocab=321)  # 3 layers: the head's default (2, 1, 0)
     plain = LLM(str(target), **KW)
     ids = [plain.tokenizer.encode(p) for p in PROMPTS]
-    outputs = [out.token_ids for out in plain.generate(ids, GREEDY)]
+    outputs = [out.outputs[0].token_ids for out in plain.generate(ids, GREEDY)]
     monkeypatch.setattr(test_eagle3, "VOCAB", 321)  # the head's config names this target's vocabulary
     successor = test_eagle3.build_successor_head(tmp_path / "successor", model, [i + o for i, o in zip(ids, outputs)])
     config = test_eagle3.head_config(draft_vocab_size=100)
@@ -250,13 +252,13 @@ def test_quantized_target_and_draft_under_tp(draft_path, tmp_path):
     spec = {"method": "draft", "model": draft_path, "num_speculative_tokens": 2, "quantization": "int8",
             "acceptance": "coupled", "adaptive": False}
     first = dataclasses.replace(GREEDY, max_tokens=1, logprobs=3)
-    one = LLM(target, **KW, quantization="int4").generate(PROMPTS, first)
+    one = [out.outputs[0] for out in LLM(target, **KW, quantization="int4").generate(PROMPTS, first)]
     with LLM(target, tensor_parallel_size=2, **KW, quantization="int4", speculative_config=spec) as two:
         assert two.model.quantization == "int4-g32 (9)" and two.engine.speculator.proposer.sharded
         for params in (GREEDY, SAMPLED):
             assert _run(two, params) == _run(two, params, speculate=False)
         assert two.stats()["num_accepted_tokens"] > 0
-        for a, b in zip(two.generate(PROMPTS, first), one):
+        for a, b in zip((out.outputs[0] for out in two.generate(PROMPTS, first)), one):
             assert a.token_ids == b.token_ids and abs(a.logprobs[0].logprob - b.logprobs[0].logprob) < 0.05
         assert_no_leak(two)
     _assert_workers_gone(two)

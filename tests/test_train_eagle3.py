@@ -62,12 +62,12 @@ def test_same_seed_same_weights(trained, target, prompts, recordings, tmp_path):
 def test_loads_as_eagle3_and_greedy_equals_plain(trained, target, device):
     ids = [[5, 9, 33, 5, 9, 33, 5], list(range(40, 60)), [11, 12]]
     plain = LLM(str(target[0]), num_blocks=128, block_size=4, device=device, dtype="float32")
-    expected = [o.token_ids for o in plain.generate(ids, GREEDY)]
+    expected = [o.outputs[0].token_ids for o in plain.generate(ids, GREEDY)]
     for spec in ({"method": "eagle3", "model": str(trained), "num_speculative_tokens": 3},
                  {"method": "eagle3", "model": str(trained), "num_speculative_tokens": 3, "tree_top_k": 4}):
         llm = LLM(str(target[0]), num_blocks=128, block_size=4, device=device, dtype="float32",
                   speculative_config=spec)
-        assert [o.token_ids for o in llm.generate(ids, GREEDY)] == expected
+        assert [o.outputs[0].token_ids for o in llm.generate(ids, GREEDY)] == expected
 
 
 def test_the_unroll_drafts_what_the_proposer_drafts(trained, target, device):
