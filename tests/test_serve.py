@@ -167,6 +167,10 @@ def test_n_seed_logprobs_equal_offline(server, offline):
                                     logprobs=2, stop=["c"], extra_body={"return_token_ids": True})
     assert [c.token_ids for c in got.choices] == [o.token_ids for o in expected]
     assert [c.text for c in got.choices] == [o.text for o in expected]
+    # vLLM's stop_reason beside finish_reason: "c" where the stop string ended a choice, else None
+    assert [(c.finish_reason, c.stop_reason) for c in got.choices] == [(o.finish_reason, o.stop_reason)
+                                                                         for o in expected]
+    assert ("stop", "c") in [(o.finish_reason, o.stop_reason) for o in expected]
     for choice, out in zip(got.choices, expected):
         assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in out.logprobs], abs=1e-4)
         assert [len(top) <= 2 for top in choice.logprobs.top_logprobs]

@@ -238,7 +238,7 @@ class Server:
                 if not (out.delta_text or out.finished or new_logprobs or fmt.token_ids):
                     continue  # text held back (a possible stop string, half a character)
                 choice = fmt.delta_choice(index, out.delta_text, out.token_ids[sent_tokens[index]:], new_logprobs,
-                                          sent_chars[index], out.finish_reason)
+                                          sent_chars[index], out.finish_reason, out.stop_reason)
                 yield sse(fmt.chunk([choice], include_usage=include_usage))
                 sent_tokens[index] = len(out.token_ids)
                 sent_chars[index] += len(out.delta_text)

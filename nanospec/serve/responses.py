@@ -70,6 +70,7 @@ class Formatter:
             else:
                 choices.append({"index": index, "text": out.text, "logprobs": logprobs,
                                 "finish_reason": out.finish_reason})
+            choices[-1]["stop_reason"] = out.stop_reason  # vLLM's: the stop string or token id that ended it
             if self.token_ids:
                 choices[-1].update(prompt_token_ids=out.prompt_token_ids, token_ids=out.token_ids)
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
@@ -90,13 +91,14 @@ class Formatter:
                 "finish_reason": None}
 
     def delta_choice(self, index: int, text: str, new_tokens: list[int], new_logprobs: list[TokenLogprob] | None,
-                     text_offset: int, reason: str | None) -> dict:
+                     text_offset: int, reason: str | None, stop_reason: str | int | None = None) -> dict:
         logprobs = self.logprobs(new_logprobs, text_offset)
         if self.chat:
             choice = {"index": index, "delta": {"content": text} if text or reason is None else {},
-                      "logprobs": logprobs, "finish_reason": reason}
+                      "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}
         else:
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason,
+                      "stop_reason": stop_reason}
         if self.token_ids:
             choice["token_ids"] = new_tokens
         return choice
