@@ -251,7 +251,7 @@ class Engine:
         return CompletionOutput(
             request_id=seq.seq_id, prompt_token_ids=seq.prompt_token_ids, text=seq.text,
             token_ids=seq.output_token_ids, finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            num_steps=seq.num_steps,
-            num_draft_tokens=seq.num_draft_tokens, num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta,
-            error=seq.error, logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+            num_steps=seq.num_steps, num_draft_tokens=seq.num_draft_tokens,
+            num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta, error=seq.error,
+            logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
             num_cached_tokens=seq.num_prefix_cached_tokens or 0)
