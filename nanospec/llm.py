@@ -32,6 +32,11 @@ class LLM:
     this process is the driver (:mod:`nanospec.worker`); ``shutdown()`` or leaving a ``with`` block ends the workers."""
 
     def __init__(self, model=None, dtype=None, device=None, **engine_args):
+        known = [field.name for field in dataclasses.fields(EngineArgs)]
+        unknown = sorted(set(engine_args) - set(known))
+        if unknown:  # e.g. vLLM's gpu_memory_utilization: the KV pool's size is kv_cache_memory (bytes) or num_blocks
+            raise ValueError(f"LLM() takes no argument {', '.join(map(repr, unknown))}; its engine arguments are "
+                             f"{', '.join(known)} (the KV pool: kv_cache_memory in bytes, or num_blocks)")
         self._start(EngineArgs(model, dtype, device, **engine_args))
 
     @classmethod

@@ -192,6 +192,12 @@ def test_vllm_quickstart(plain):
             llm.generate(bad, greedy)
 
 
+def test_unknown_engine_arguments_are_named(paths):
+    """vLLM's arguments nanospec does not take get a ValueError naming them, before any weights load."""
+    with pytest.raises(ValueError, match=r"no argument 'gpu_memory_utilization', 'trust_remote_code'; .*num_blocks"):
+        LLM(str(paths[0]), gpu_memory_utilization=0.9, trust_remote_code=True)
+
+
 # ---------------------------------------------------------------- odd but valid inputs
 
 
