@@ -48,6 +48,8 @@ def parse_args(argv=None):
     p.add_argument("--top-p", type=float, default=EMBEDDED_SAMPLING["top_p"],
                    help=f"nucleus mass in (0, 1] (default {EMBEDDED_SAMPLING['top_p']})")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k likeliest tokens (default -1: all)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep the tokens at least this share as likely as the likeliest, in [0, 1] (default 0: off)")
     p.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens (default 256)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
@@ -125,7 +127,7 @@ def load(args):
 
     fix_malloc_mmap_threshold()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
+                            min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
     spec_config = spec_config_from_arg(args.spec, args.num_speculative_tokens)
     if args.quiet:
         set_level("warning")

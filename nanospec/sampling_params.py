@@ -14,7 +14,8 @@ MAX_LOGPROBS = 20  # most likely tokens reported per emitted token (OpenAI's top
 @dataclass
 class SamplingParams:
     """Sampling settings of one request, vLLM's names and meanings (docs/sampling.md). ``temperature`` 0 is greedy;
-    ``top_k`` -1 (or at least the vocabulary) keeps every token; ``stop`` strings end the text before them,
+    ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest (0: off); ``top_k`` -1 (or at least
+    the vocabulary) keeps every token; ``stop`` strings end the text before them,
     ``stop_token_ids`` end it like eos (kept); ``min_tokens`` holds eos, stop tokens and stop strings off;
     ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
     k reports the target's raw log-probabilities of each token and its k likeliest; penalties as vLLM's, before
@@ -23,6 +24,7 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
     max_tokens: int = 16
     min_tokens: int = 0
     seed: int | None = None
@@ -44,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:

@@ -164,6 +164,7 @@ def test_ctrl_c_while_loading_exits_130_in_process(monkeypatch, use_llm, capsys)
 
 @pytest.mark.parametrize("argv, message", [
     (["--top-p", "2"], "top_p must be a number in (0, 1]"),
+    (["--min-p", "-1"], "min_p must be a number in [0, 1]"),
     (["--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["--spec", "bogus"], "--spec 'bogus'"),
     (["--spec", "ngram", "-k", "0"], "must be >= 1"),

@@ -164,6 +164,9 @@ def test_pool_too_small_for_one_request(tiny_path, device):
     (dict(top_p=1.5), "top_p"),
     (dict(top_k=0), "top_k"),
     (dict(top_k=-2), "top_k"),
+    (dict(min_p=-0.1), "min_p"),
+    (dict(min_p=1.5), "min_p"),
+    (dict(min_p=True), "min_p"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(temperature=float("inf")), "temperature"),
 ])

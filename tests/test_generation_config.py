@@ -19,7 +19,8 @@ def test_auto_reads_the_model_directory(tmp_path):
     model = write(tmp_path / "m", {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1,
                                    "max_new_tokens": 64, "eos_token_id": 2, "min_p": 0.05})
     fields, source = default_sampling(str(model))
-    assert fields == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 64}
+    assert fields == {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1,
+                      "max_tokens": 64}
     assert source.endswith("generation_config.json")
 
 

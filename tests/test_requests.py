@@ -250,6 +250,15 @@ def test_huge_top_k_and_seeds_of_any_size(plain):
         assert len(plain.generate(PROMPTS[:1], SamplingParams(**base, seed=seed))[0].outputs[0].token_ids) == 10
 
 
+def test_min_p_one_keeps_only_the_likeliest_token(plain):
+    params = dict(max_tokens=12, ignore_eos=True)
+    greedy = [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], SamplingParams(temperature=0, **params))]
+    hot = SamplingParams(temperature=2.0, seed=9, **params)
+    assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], hot)] != greedy
+    min_p_one = SamplingParams(temperature=2.0, seed=9, min_p=1.0, **params)
+    assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], min_p_one)] == greedy
+
+
 # ---------------------------------------------------------------- bad inputs, refused before any work
 
 

@@ -51,14 +51,18 @@ def mixed_batch(vocab_size, device, seed=0):
     )
 
 
-def sort_based_probs(logits, temperature, top_k, top_p):
-    """The module docstring's definition, row by row with a full sort: the oracle for the reference."""
+def sort_based_probs(logits, temperature, top_k, top_p, min_p=None):
+    """The module docstring's definition, row by row with a full sort: the oracle for the reference. min-p as vLLM
+    applies it: the tokens below ``min_p`` times the largest probability become -inf before top-k and top-p."""
     out = torch.zeros(logits.shape, dtype=torch.float32)
     for row, x in enumerate(logits.float().cpu()):
         t, k, p = float(temperature[row]), int(top_k[row]), float(top_p[row])
         if t == 0:
             out[row, int(x.argmax())] = 1.0
             continue
+        if min_p is not None and min_p[row] > 0:
+            probs = torch.softmax(x / t, dim=0)
+            x = torch.where(probs >= float(min_p[row]) * probs.max(), x, float("-inf"))
         weights = torch.exp((x - x.max()) / t)
         sorted_x, order = x.sort(descending=True)
         keep = torch.ones_like(x, dtype=torch.bool)
@@ -211,6 +215,69 @@ def test_ref_matches_sort_based_definition(vocab_size):
     expected = sort_based_probs(logits, temperature, top_k, top_p)
     torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
     assert torch.equal(probs > 0, expected > 0)
+
+
+# (temperature, top_k, top_p, min_p)
+MIN_P_ROWS = [(1.0, 0, 1.0, 0.05), (0.7, 5, 1.0, 0.1), (1.3, 0, 0.9, 0.02), (2.0, -1, 1.0, 0.5),
+              (0.5, 300, 0.95, 0.001), (1.0, -1, 1.0, 1.0), (0.0, 0, 1.0, 0.3), (1.5, 1, 1.0, 0.2)]
+
+
+def min_p_batch(vocab_size, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(len(MIN_P_ROWS), vocab_size, generator=generator) * 3
+    temperature, top_k, top_p, min_p = (torch.tensor(column) for column in zip(*MIN_P_ROWS))
+    return (logits.to(device), temperature.float().to(device), top_k.int().to(device), top_p.float().to(device),
+            min_p.float().to(device))
+
+
+@pytest.mark.parametrize("vocab_size", [1, 7, 1000, 49152])
+def test_min_p_ref_matches_sort_based_definition(vocab_size):
+    logits, temperature, top_k, top_p, min_p = min_p_batch(vocab_size, "cpu", seed=vocab_size)
+    probs = probs_from_logits_ref(logits, temperature, top_k, top_p, min_p)
+    expected = sort_based_probs(logits, temperature, top_k, top_p, min_p)
+    torch.testing.assert_close(probs, expected, atol=1e-6, rtol=1e-5)
+    assert torch.equal(probs > 0, expected > 0)
+    if vocab_size >= 1000:  # min-p removed tokens that temperature, top-k and top-p alone keep
+        assert (probs > 0).sum() < (probs_from_logits_ref(logits, temperature, top_k, top_p) > 0).sum()
+
+
+@pytest.mark.parametrize("vocab_size", [7, 1031])
+def test_min_p_triton_matches_ref(vocab_size, device):
+    logits, temperature, top_k, top_p, min_p = min_p_batch(vocab_size, device, seed=5)
+    expected = probs_from_logits_ref(logits, temperature, top_k, top_p, min_p)
+    probs = probs_from_logits_triton(logits, temperature, top_k, top_p, min_p)
+    torch.testing.assert_close(probs, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(probs > 0, expected > 0)
+    seeds = torch.tensor(SEEDS, dtype=torch.int64, device=device)
+    offsets = torch.arange(len(MIN_P_ROWS), dtype=torch.int64, device=device)
+    assert torch.equal(sample(logits, temperature, top_k, top_p, seeds, offsets, min_p),
+                       sample_ref(logits, temperature, top_k, top_p, seeds, offsets, min_p))
+
+
+def test_min_p_kept_tokens_on_both_backends(device):
+    # probabilities [0.4, 0.2, 0.2, 0.1, 0.05, 0.05, 0]: ratios to the largest 1, .5, .5, .25, .125, .125, 0
+    x = torch.log(torch.tensor([0.4, 0.2, 0.2, 0.1, 0.05, 0.05, 0.0]))
+    rows = [  # (temperature, top_k, top_p, min_p, the kept tokens)
+        (1.0, 0, 1.0, 0.0, [0, 1, 2, 3, 4, 5]),  # off; -inf never
+        (1.0, 0, 1.0, 0.4, [0, 1, 2]),
+        (1.0, 0, 1.0, 0.2, [0, 1, 2, 3]),
+        (1.0, 0, 1.0, 1.0, [0]),  # only the likeliest
+        (1.0, 0, 1.0, 0.6, [0]),
+        (2.0, 0, 1.0, 0.6, [0, 1, 2]),  # after temperature: ratios sqrt(.5) = .71 >= .6 > sqrt(.25)
+        (1.0, 1, 1.0, 0.2, [0]),  # top-k below min-p's count
+        (1.0, 5, 1.0, 0.4, [0, 1, 2]),  # min-p below top-k's
+        (1.0, 0, 0.6, 0.2, [0, 1, 2]),  # top-p over min-p's 0.9: 0.4 < 0.54 <= 0.8, the tied 0.2 kept
+    ]
+    logits = x.expand(len(rows), -1).contiguous().to(device)
+    temperature, top_k, top_p, min_p = (torch.tensor([row[i] for row in rows], device=device) for i in range(4))
+    top_k = top_k.int()
+    for probs in (probs_from_logits_ref(logits, temperature, top_k, top_p, min_p),
+                  probs_from_logits_triton(logits, temperature, top_k, top_p, min_p)):
+        for row, (t, *_, kept) in enumerate(rows):
+            assert (probs[row] > 0).nonzero().flatten().tolist() == kept, row
+            expected = torch.zeros(7)
+            expected[kept] = torch.softmax(x[kept] / t, dim=0)
+            torch.testing.assert_close(probs[row].cpu(), expected)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -18,7 +18,8 @@ from tiny import assert_no_leak, make_tiny_llama
 PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 3], [11, 12], [42]]
 PARAMS = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True),
           SamplingParams(temperature=1.0, top_k=20, max_tokens=30, seed=2**70 + 3, ignore_eos=True),
-          SamplingParams(temperature=0.5, max_tokens=30, seed=-5, ignore_eos=True)]
+          SamplingParams(temperature=0.5, max_tokens=30, seed=-5, ignore_eos=True),
+          SamplingParams(temperature=1.5, min_p=0.2, top_k=40, max_tokens=30, seed=123, ignore_eos=True)]
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
     "ngram_no_adaptive": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},

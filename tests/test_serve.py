@@ -157,6 +157,16 @@ def test_async_streams_equal_offline(server, offline):
         assert llm.stats()["num_accepted_tokens"] > 0  # the server did speculate, and guesses landed
 
 
+def test_min_p_equals_offline(server, offline):
+    url, _ = server
+    params = dict(temperature=1.5, max_tokens=8, seed=3, ignore_eos=True)
+    expected = offline.generate([PROMPTS[1]], SamplingParams(min_p=0.3, **params))[0].outputs[0].token_ids
+    assert expected != offline.generate([PROMPTS[1]], SamplingParams(**params))[0].outputs[0].token_ids
+    got = _client(url).completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=8, temperature=1.5, seed=3,
+                                          extra_body={"min_p": 0.3, "ignore_eos": True, "return_token_ids": True})
+    assert got.choices[0].token_ids == expected
+
+
 def test_n_seed_logprobs_equal_offline(server, offline):
     url, _ = server
     client = _client(url)
@@ -188,6 +198,7 @@ def test_n_seed_logprobs_equal_offline(server, offline):
     ({"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens"),
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "top_p": True}, 400, "top_p"),
+    ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
     ({"prompt": "hi", "tools": []}, 400, "tools"),
     ({"prompt": "hi", "min_tokens": 30, "max_tokens": 10}, 400, "min_tokens"),
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),

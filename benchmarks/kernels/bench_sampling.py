@@ -2,10 +2,10 @@
 
     PYTHONPATH=. python benchmarks/kernels/bench_sampling.py [--dtype bf16|fp16|fp32]
 
-Ops: probs_from_logits (temperature only, top-k, top-p, both), sample_from_probs and the
+Ops: probs_from_logits (temperature only, top-k, top-p, both, min-p), sample_from_probs and the
 whole of sample, for 1 to 64 rows at the vocabularies of SmolLM2-135M (49152) and Llama-3.2-1B
 (128256). Prints microseconds per call (triton.testing.do_bench, median). The Triton top-k / top-p
-kernel makes 32 passes over a row per threshold it searches, so those columns show what the
+kernel makes 32 passes over a row per threshold it searches (min-p adds one pass), so those columns show what the
 sort-free bisection costs against torch's sort-based reference. Needs a CUDA GPU: without one it
 exits with status 2.
 """
@@ -22,12 +22,13 @@ from common import require_cuda
 VOCABS = {"SmolLM2-135M": 49152, "Llama-3.2-1B": 128256}
 ROW_COUNTS = [1, 8, 64]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-# name: (temperature, top_k, top_p) of every row
+# name: (temperature, top_k, top_p, min_p) of every row
 SETTINGS = {
-    "temperature": (0.8, -1, 1.0),
-    "top-k 50": (0.8, 50, 1.0),
-    "top-p 0.9": (0.8, -1, 0.9),
-    "top-k 50 + top-p 0.9": (0.8, 50, 0.9),
+    "temperature": (0.8, -1, 1.0, 0.0),
+    "top-k 50": (0.8, 50, 1.0, 0.0),
+    "top-p 0.9": (0.8, -1, 0.9, 0.0),
+    "top-k 50 + top-p 0.9": (0.8, 50, 0.9, 0.0),
+    "min-p 0.05": (0.8, -1, 1.0, 0.05),
 }
 
 
@@ -47,17 +48,18 @@ def cases(vocab_size, num_rows, dtype):
     seeds = torch.randint(0, 2**62, (num_rows,), device=device)
     offsets = torch.arange(num_rows, device=device)
 
-    for name, (temperature, top_k, top_p) in SETTINGS.items():
+    for name, (temperature, top_k, top_p, min_p) in SETTINGS.items():
         args = (
             logits,
             torch.full((num_rows,), temperature, device=device),
             torch.full((num_rows,), top_k, device=device, dtype=torch.int32),
             torch.full((num_rows,), top_p, device=device),
         )
-        yield (f"probs_from_logits {name}", lambda args=args: probs_from_logits_triton(*args),
-               lambda args=args: probs_from_logits_ref(*args))
-        yield (f"sample {name}", lambda args=args: sample_triton(*args, seeds, offsets),
-               lambda args=args: sample_ref(*args, seeds, offsets))
+        min_p = torch.full((num_rows,), min_p, device=device)
+        yield (f"probs_from_logits {name}", lambda args=args, m=min_p: probs_from_logits_triton(*args, m),
+               lambda args=args, m=min_p: probs_from_logits_ref(*args, m))
+        yield (f"sample {name}", lambda args=args, m=min_p: sample_triton(*args, seeds, offsets, m),
+               lambda args=args, m=min_p: sample_ref(*args, seeds, offsets, m))
 
     probs = torch.softmax(logits.float(), dim=-1)
     yield ("sample_from_probs", lambda: sample_from_probs_triton(probs, seeds, offsets),

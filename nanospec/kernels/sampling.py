@@ -1,4 +1,4 @@
-"""Token sampling: temperature, top-k, top-p, and seeded draws from a distribution.
+"""Token sampling: temperature, min-p, top-k, top-p, and seeded draws from a distribution.
 
 ``probs_from_logits`` turns a row of logits ``x`` into the distribution a request samples from:
 
@@ -6,12 +6,14 @@
 * otherwise ``w_v = exp((x_v - max x) / T)`` over the kept tokens ``{v : x_v >= tau}``, normalised; ``tau`` is the
   larger of top-k's ``tau_k`` (the k-th largest logit, ties kept) and top-p's ``tau_p`` (the largest ``t`` with
   ``sum_{x_v >= max(tau_k, t)} w_v >= top_p * sum_{x_v >= tau_k} w_v``: vLLM's smallest nucleus).
+  min-p (vLLM's, applied before top-k and top-p) keeps the tokens with ``p_v >= min_p * max p``, i.e.
+  ``w_v >= min_p``: the ``m`` most likely, so it joins top-k as ``k = min(k, m)`` with ``m = #{v : w_v >= min_p}``.
 
 Thresholds compare an order-preserving int32 key of the float32 bits, so both backends keep the same top-k set; the
 Triton kernel finds each by bisection over the keys (sort-free), the reference by ``torch.topk``.
 ``sample_from_probs`` draws one token per row by the exponential race at ``(seed, offset)``
 (:mod:`nanospec.kernels.exponential_race`), bit-identical in both backends. Shapes: logits ``[N, V]``, temperature
-and top_p ``[N]`` float32, top_k ``[N]`` int32, seeds and offsets ``[N]`` int64.
+top_p and min_p ``[N]`` float32 (min_p None: 0, off), top_k ``[N]`` int32, seeds and offsets ``[N]`` int64.
 """
 
 from __future__ import annotations
@@ -67,6 +69,18 @@ def _count_at_or_above(row_logits, vocab_size, key_threshold, BLOCK_V: tl.conste
 
 
 @triton.jit
+def _count_likely(row_logits, vocab_size, row_max, temperature, min_p, BLOCK_V: tl.constexpr):
+    """How many tokens of a row have ``exp((x - row_max) / temperature) >= min_p``."""
+    count = tl.full((), 0, tl.int32)
+    for start in range(0, vocab_size, BLOCK_V):
+        cols = start + tl.arange(0, BLOCK_V)
+        mask = cols < vocab_size
+        x = tl.load(row_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        count += tl.sum((mask & (tl.exp((x - row_max) / temperature) >= min_p)).to(tl.int32), axis=0)
+    return count
+
+
+@triton.jit
 def _mass_at_or_above(row_logits, vocab_size, key_threshold, row_max, temperature, BLOCK_V: tl.constexpr):
     """Sum of ``exp((x - row_max) / temperature)`` over the tokens with ``key(x) >= key_threshold``."""
     mass = tl.full((), 0.0, tl.float32)
@@ -80,14 +94,15 @@ def _mass_at_or_above(row_logits, vocab_size, key_threshold, row_max, temperatur
 
 
 @triton.jit
-def _probs_from_logits_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, probs_ptr, logits_row_stride,
-                              vocab_size, BLOCK_V: tl.constexpr):
+def _probs_from_logits_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, probs_ptr,
+                              logits_row_stride, vocab_size, BLOCK_V: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     row_logits = logits_ptr + row * logits_row_stride
     row_probs = probs_ptr + row * vocab_size
     temperature = tl.load(temperature_ptr + row)
     top_k = tl.load(top_k_ptr + row)
     top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
     row_max, argmax = _row_argmax(row_logits, vocab_size, BLOCK_V)
 
     if temperature == 0.0:
@@ -98,6 +113,9 @@ def _probs_from_logits_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
         # Each bisection keeps `lo` a key whose condition holds and halves [lo, hi] every round:
         # 32 rounds pin down the largest such key among the 2**32 int32 keys.
         threshold = tl.full((), -(2**31), tl.int64)  # every token is at or above it
+        if min_p > 0.0:
+            num_likely = _count_likely(row_logits, vocab_size, row_max, temperature, min_p, BLOCK_V)
+            top_k = tl.where((top_k > 0) & (top_k < num_likely), top_k, num_likely)
         if (top_k > 0) & (top_k < vocab_size):
             lo = threshold
             hi = tl.full((), 2**31 - 1, tl.int64)
@@ -173,8 +191,17 @@ def _keep_threshold_ref(keys, weights, top_k, top_p) -> torch.Tensor:
     return threshold
 
 
+def _with_min_p_ref(top_k, weights, min_p) -> torch.Tensor:
+    """top_k with min-p joined in: ``min(k, #{v : w_v >= min_p})`` where min_p > 0."""
+    if min_p is None or not bool((min_p > 0).any()):
+        return top_k
+    num_likely = (weights >= min_p[:, None]).sum(dim=1).to(top_k.dtype)
+    joined = torch.where((top_k > 0) & (top_k < num_likely), top_k, num_likely)
+    return torch.where(min_p > 0, joined, top_k)
+
+
 def probs_from_logits_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                          top_p: torch.Tensor) -> torch.Tensor:
+                          top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     """The float32 ``[N, V]`` distribution each row samples from (see the module docstring)."""
     x = logits.float()
     one_hot = torch.zeros_like(x).scatter_(1, x.argmax(dim=1, keepdim=True), 1.0)
@@ -184,7 +211,7 @@ def probs_from_logits_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k
     safe_temperature = torch.where(greedy_rows, 1.0, temperature.float())
     weights = torch.exp((x - x.amax(dim=1, keepdim=True)) / safe_temperature[:, None])
     keys = _order_key_ref(x)
-    threshold = _keep_threshold_ref(keys, weights, top_k, top_p)
+    threshold = _keep_threshold_ref(keys, weights, _with_min_p_ref(top_k, weights, min_p), top_p)
     kept_weights = weights * (keys >= threshold[:, None])
     probs = kept_weights / kept_weights.sum(dim=1, keepdim=True)
     return torch.where(greedy_rows[:, None], one_hot, probs)
@@ -195,20 +222,22 @@ def sample_from_probs_ref(probs: torch.Tensor, seeds: torch.Tensor, offsets: tor
     return race_ref(probs, seeds, offsets)
 
 
-def sample_ref(logits, temperature, top_k, top_p, seeds, offsets) -> torch.Tensor:
+def sample_ref(logits, temperature, top_k, top_p, seeds, offsets, min_p=None) -> torch.Tensor:
     """``sample_from_probs(probs_from_logits(logits, ...), seeds, offsets)``: int64 ``[N]``."""
-    return sample_from_probs_ref(probs_from_logits_ref(logits, temperature, top_k, top_p), seeds, offsets)
+    return sample_from_probs_ref(probs_from_logits_ref(logits, temperature, top_k, top_p, min_p), seeds, offsets)
 
 
 def probs_from_logits_triton(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                             top_p: torch.Tensor) -> torch.Tensor:
+                             top_p: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
     logits = logits if logits.stride(-1) == 1 else logits.contiguous()
     num_rows, vocab_size = logits.shape
     probs = torch.empty(num_rows, vocab_size, dtype=torch.float32, device=logits.device)
+    min_p = torch.zeros_like(top_p, dtype=torch.float32) if min_p is None else min_p
     if num_rows > 0:
         _probs_from_logits_kernel[(num_rows,)](logits, temperature.float().contiguous(),
-                                               top_k.to(torch.int32).contiguous(), top_p.float().contiguous(), probs,
-                                               logits.stride(0), vocab_size, BLOCK_V=_block_v(vocab_size))
+                                               top_k.to(torch.int32).contiguous(), top_p.float().contiguous(),
+                                               min_p.float().contiguous(), probs, logits.stride(0), vocab_size,
+                                               BLOCK_V=_block_v(vocab_size))
     return probs
 
 
@@ -224,8 +253,9 @@ def sample_from_probs_triton(probs: torch.Tensor, seeds: torch.Tensor, offsets: 
     return samples
 
 
-def sample_triton(logits, temperature, top_k, top_p, seeds, offsets) -> torch.Tensor:
-    return sample_from_probs_triton(probs_from_logits_triton(logits, temperature, top_k, top_p), seeds, offsets)
+def sample_triton(logits, temperature, top_k, top_p, seeds, offsets, min_p=None) -> torch.Tensor:
+    return sample_from_probs_triton(probs_from_logits_triton(logits, temperature, top_k, top_p, min_p), seeds,
+                                    offsets)
 
 
 probs_from_logits = dispatch(probs_from_logits_triton, probs_from_logits_ref)

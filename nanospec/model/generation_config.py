@@ -1,7 +1,8 @@
 """The sampling a model asks for by default (vLLM's ``--generation-config``); the server applies it to every field
 a request leaves out. ``"auto"``: the model directory's ``generation_config.json`` (the embedded SmolLM2: temperature
 0.2, top-p 0.9, its model card's); ``"vllm"``: the API's defaults; a DIR: ``DIR/generation_config.json``. Keys read:
-``temperature``, ``top_p``, ``top_k``, ``repetition_penalty``, ``max_new_tokens``; ``do_sample: false`` is greedy.
+``temperature``, ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens``; ``do_sample: false``
+is greedy.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from nanospec.model.embedded import EMBEDDED_SAMPLING
 from nanospec.sampling_params import SamplingParams
 
 FILE_NAME = "generation_config.json"
-KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "repetition_penalty": "repetition_penalty",
-        "max_new_tokens": "max_tokens"}  # generation_config.json's name -> SamplingParams'
+# generation_config.json's name -> SamplingParams'
+KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
 
 
 def default_sampling(model: str | None, generation_config: str = "auto") -> tuple[dict, str]:

@@ -18,6 +18,7 @@ class SamplingTensors:
     temperature: torch.Tensor  # [rows] float32
     top_k: torch.Tensor        # [rows] int32
     top_p: torch.Tensor        # [rows] float32
+    min_p: torch.Tensor        # [rows] float32
     seeds: torch.Tensor        # [rows] int64
     offsets: torch.Tensor      # [rows] int64
 
@@ -32,12 +33,13 @@ class SamplingTensors:
         return cls(tensor([s.params.temperature for s, _ in rows], torch.float32),
                    tensor([min(s.params.top_k, _INT32_MAX) for s, _ in rows], torch.int32),
                    tensor([s.params.top_p for s, _ in rows], torch.float32),
+                   tensor([s.params.min_p for s, _ in rows], torch.float32),
                    tensor([s.seed ^ seed_salt for s, _ in rows], torch.int64),
                    tensor([position for _, position in rows], torch.int64))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution each row samples from (temperature, top-k, top-p applied)."""
-        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p)
+        """The distribution each row samples from (temperature, min-p, top-k, top-p applied)."""
+        return probs_from_logits(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 def draw_tokens(logits: torch.Tensor, seqs: list[Sequence], depths: list[list[int]]) -> torch.Tensor:
@@ -46,4 +48,4 @@ def draw_tokens(logits: torch.Tensor, seqs: list[Sequence], depths: list[list[in
     if all(s.params.greedy for s in seqs):
         return logits.argmax(dim=-1)
     t = SamplingTensors.of(seqs, logits.device, depths=depths)
-    return sample(logits, t.temperature, t.top_k, t.top_p, t.seeds, t.offsets)
+    return sample(logits, t.temperature, t.top_k, t.top_p, t.seeds, t.offsets, t.min_p)

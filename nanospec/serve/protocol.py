@@ -36,6 +36,7 @@ class SamplingFields(Body):
     temperature: Float = Field(1.0, ge=0)
     top_p: Float = Field(1.0, gt=0, le=1)
     top_k: Int = Field(-1, ge=-1)  # vLLM's: -1 or 0 keep every token
+    min_p: Float = Field(0.0, ge=0, le=1)  # vLLM's
     n: Int = Field(1, ge=1, le=MAX_N)
     stream: Bool = False
     stream_options: StreamOptions | None = None
@@ -62,7 +63,7 @@ class SamplingFields(Body):
         top_k = field("top_k")
         return SamplingParams(
             temperature=field("temperature"), top_p=field("top_p"), top_k=-1 if top_k == 0 else top_k,
-            max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
+            min_p=field("min_p"), max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos, n=self.n, logprobs=logprobs,
             presence_penalty=field("presence_penalty"), frequency_penalty=field("frequency_penalty"),
             repetition_penalty=field("repetition_penalty"))
