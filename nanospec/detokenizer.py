@@ -1,5 +1,5 @@
-"""Streaming text: token ids become text as they arrive. `TextStream` ends a request at a stop string (text and
-tokens stop just before it) and holds back any tail that could still grow into one, so the streamed deltas add up
+"""Streaming text: token ids become text as they arrive. `TextStream` ends a request at a stop string (the text stops
+just before it, or just after it with ``include_stop``; the tokens end with the one that completed it) and holds back any tail that could still grow into one, so the streamed deltas add up
 to the final text."""
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ class IncrementalDetokenizer:
 class TextStream:
     """One request's output text, fed a token at a time."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str]):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str], include_stop: bool = False):
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.stop = stop
+        self.include_stop = include_stop
         self.matched_stop: str | None = None  # the stop string that ended the text
         self.text = ""
         self.num_streamed = 0  # characters of ``text`` already handed out
@@ -71,7 +72,7 @@ class TextStream:
         found = [(i, stop) for stop in self.stop if (i := self.text.find(stop, max(0, previous - len(stop) + 1))) >= 0]
         if found:
             end, self.matched_stop = min(found, key=lambda hit: hit[0])
-            self.text = self.text[:end]
+            self.text = self.text[:end + len(self.matched_stop) * self.include_stop]
         return bool(found)
 
     def take_delta(self, finished: bool) -> str:

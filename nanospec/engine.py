@@ -91,7 +91,7 @@ class Engine:
         seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
         eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
         seq = Sequence(self._next_id, prompt_token_ids, params, seed,
-                       TextStream(self.tokenizer, prompt_token_ids, params.stop_list),
+                       TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output),
                        list(dict.fromkeys([*eos, *params.stop_token_ids])))
         self.speculator.start(seq)
         self._next_id += 1

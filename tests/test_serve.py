@@ -167,6 +167,20 @@ def test_min_p_equals_offline(server, offline):
     assert got.choices[0].token_ids == expected
 
 
+def test_include_stop_str_in_output_streamed_and_not(server, offline):
+    url, _ = server
+    free = offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    stop = free[0].outputs[0].text[8:11]  # a string the free run writes mid-text
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)
+    expected = offline.generate([PROMPTS[2]], params)[0].outputs[0].text
+    assert expected.endswith(stop) and expected == free[0].outputs[0].text[: free[0].outputs[0].text.index(stop) + 3]
+    client = _client(url)
+    fields = dict(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0, stop=[stop],
+                  extra_body={"ignore_eos": True, "include_stop_str_in_output": True})
+    assert client.completions.create(**fields).choices[0].text == expected
+    assert "".join(c.choices[0].text for c in client.completions.create(**fields, stream=True) if c.choices) == expected
+
+
 def test_n_seed_logprobs_equal_offline(server, offline):
     url, _ = server
     client = _client(url)

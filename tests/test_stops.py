@@ -4,6 +4,8 @@ first token that finishes it).
 
 fp32 on the test device, every method against plain on the same device and backend: exactly equal."""
 
+from dataclasses import replace
+
 import pytest
 
 from nanospec import LLM, SamplingParams
@@ -63,12 +65,19 @@ def test_stop_strings(llms, free_runs, kind):
     for out in free_runs[kind]:
         stop = out.text[10:13]  # a string the free run produces in the middle of its text
         params_list.append(SamplingParams(**base, stop=[stop, "never appears \x00"]))
-    for (text, token_ids, reason, stop_reason), out, params in zip(_same_everywhere(llms, params_list),
-                                                                   free_runs[kind], params_list):
+    stopped = _same_everywhere(llms, params_list)
+    for (text, token_ids, reason, stop_reason), out, params in zip(stopped, free_runs[kind], params_list):
         assert reason == "stop" and text == out.text[: out.text.index(params.stop_list[0])]
         assert stop_reason == params.stop_list[0] and out.stop_reason is None  # vLLM's: the string that ended it
         assert len(token_ids) < len(out.token_ids)  # the tokens end with the one that completed the stop string
         assert token_ids == out.token_ids[: len(token_ids)]
+    # vLLM's include_stop_str_in_output: the same tokens, the text up to the end of the stop string
+    with_stop = [replace(params, include_stop_str_in_output=True) for params in params_list]
+    for (text, token_ids, reason, stop_reason), (_, stopped_ids, _, _), out, params in zip(
+            _same_everywhere(llms, with_stop), stopped, free_runs[kind], params_list):
+        stop = params.stop_list[0]
+        assert text == out.text[: out.text.index(stop) + len(stop)] and text.endswith(stop)
+        assert (token_ids, reason, stop_reason) == (stopped_ids, "stop", stop)
 
 
 @pytest.mark.parametrize("kind", ["greedy", "sampled"])
