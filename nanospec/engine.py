@@ -90,8 +90,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
         eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
-        seq = Sequence(self._next_id, prompt_token_ids, params, seed,
-                       TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output),
+        text = TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output)
+        seq = Sequence(self._next_id, prompt_token_ids, params, seed, text,
                        list(dict.fromkeys([*eos, *params.stop_token_ids])))
         self.speculator.start(seq)
         self._next_id += 1
@@ -113,6 +113,9 @@ class Engine:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids: token id {t} is out of the vocabulary [0, {vocab})")
+        for t in params.logit_bias or ():
+            if t >= vocab:
+                raise ValueError(f"logit_bias: token id {t} is out of the vocabulary [0, {vocab})")
         max_len = self.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "

@@ -19,8 +19,9 @@ class SamplingParams:
     them with ``include_stop_str_in_output``),
     ``stop_token_ids`` end it like eos (kept); ``min_tokens`` holds eos, stop tokens and stop strings off;
     ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
-    k reports the target's raw log-probabilities of each token and its k likeliest; penalties as vLLM's, before
-    temperature (:mod:`nanospec.sampling.penalties`)."""
+    k reports the target's raw log-probabilities of each token and its k likeliest; ``logit_bias`` {token id: b} adds b
+    (in [-100, 100]) to that token's logit; it and the penalties as vLLM's, before temperature
+    (:mod:`nanospec.sampling.penalties`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -39,6 +40,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -78,6 +80,12 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
             raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        bias = self.logit_bias if self.logit_bias is not None else {}
+        if not isinstance(bias, dict) or any(not _is_int(t) or t < 0 or not _is_number(b) or not -100 <= b <= 100
+                                             for t, b in bias.items()):
+            raise ValueError(f"logit_bias must be a dict of token id (int >= 0) to a number in [-100, 100], "
+                             f"got {self.logit_bias!r}")
+        self.logit_bias = dict(bias) or None
 
     @property
     def greedy(self) -> bool:

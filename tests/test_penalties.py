@@ -2,6 +2,8 @@
 with the output up to itself), log-probabilities are the target's under speculation too, and n gives n seeded
 completions."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -20,6 +22,9 @@ GREEDY_STRONG = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, re
                                frequency_penalty=-1.5, presence_penalty=0.5)
 SEEDED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, seed=3, repetition_penalty=0.8,
                         frequency_penalty=-0.6, presence_penalty=0.3, logprobs=2)
+# a bias up and a ban (-100), with penalties on: the bias comes first, so the penalties see the biased logits
+BIASED = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=4, repetition_penalty=1.3,
+                        logit_bias={7: 10.0, 9: 2.5, 40: -100})
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2},
@@ -41,7 +46,7 @@ def target(tmp_path_factory):
 def plain(target):
     llm = LLM(target, num_blocks=256, block_size=4)
     return {name: [o.outputs[0] for o in llm.generate(PROMPTS, params)] for name, params in
-            (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED))}
+            (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED), ("biased", BIASED))}
 
 
 def _penalized_by_hand(logits, prompt, output, params):
@@ -79,7 +84,7 @@ def test_speculation_with_penalties_equals_plain(target, plain, method):
     if config["method"] == "draft":
         config["model"] = target
     llm = LLM(target, num_blocks=256, block_size=4, speculative_config=config)
-    for name, params in (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED)):
+    for name, params in (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED), ("biased", BIASED)):
         outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain[name]], (method, name)
         if params.logprobs is not None:  # the target's log-probs of the same tokens, from verify rows
@@ -90,6 +95,24 @@ def test_speculation_with_penalties_equals_plain(target, plain, method):
                     assert [t for t, _ in a.top] == [t for t, _ in b.top]
     stats = llm.stats()
     assert stats["num_accepted_tokens"] > 0 and stats["num_draft_tokens"] > stats["num_accepted_tokens"]
+    assert_no_leak(llm)
+
+
+def test_logit_bias(target, plain):
+    llm = LLM(target, num_blocks=128, block_size=4)
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate(PROMPTS, SamplingParams(**greedy, logit_bias={7: 100}))
+    assert [o.outputs[0].token_ids for o in out] == [[7] * 8] * len(PROMPTS)
+    plain_greedy = llm.generate(PROMPTS[:1], SamplingParams(**greedy))[0].outputs[0].token_ids
+    banned = llm.generate(PROMPTS[:1], SamplingParams(**greedy, logit_bias={plain_greedy[0]: -100}))
+    assert banned[0].outputs[0].token_ids[0] != plain_greedy[0]
+    # sampled: the bias shows in the draws (7 becomes common), and the ban holds
+    biased = [t for o in plain["biased"] for t in o.token_ids]
+    unbiased = [t for o in llm.generate(PROMPTS, replace(BIASED, logit_bias=None))
+                for t in o.outputs[0].token_ids]
+    assert biased.count(7) > unbiased.count(7) + 4 and 40 not in biased
+    with pytest.raises(ValueError, match="logit_bias: token id 99999 is out of the vocabulary"):
+        llm.generate(PROMPTS[:1], SamplingParams(logit_bias={99999: 1.0}))
     assert_no_leak(llm)
 
 
@@ -136,7 +159,8 @@ def test_n_completions_are_seeded_choices(target):
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("n", 1.5), ("n", 10_000), ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1"), ("repetition_penalty", 0),
-    ("repetition_penalty", float("inf")), ("presence_penalty", float("nan"))])
+    ("repetition_penalty", float("inf")), ("presence_penalty", float("nan")), ("logit_bias", {"7": 1.0}),
+    ("logit_bias", {7: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", [7]), ("logit_bias", {7: True})])
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

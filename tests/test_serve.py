@@ -167,6 +167,12 @@ def test_min_p_equals_offline(server, offline):
     assert got.choices[0].token_ids == expected
 
 
+def test_logit_bias(server):
+    got = _client(server[0]).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                                logit_bias={"7": 100}, extra_body={"return_token_ids": True})
+    assert got.choices[0].token_ids == [7] * 4
+
+
 def test_include_stop_str_in_output_streamed_and_not(server, offline):
     url, _ = server
     free = offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
@@ -213,6 +219,9 @@ def test_n_seed_logprobs_equal_offline(server, offline):
     ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "top_p": True}, 400, "top_p"),
     ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"7": 101}}, 400, "logit_bias"),
     ({"prompt": "hi", "tools": []}, 400, "tools"),
     ({"prompt": "hi", "min_tokens": 30, "max_tokens": 10}, 400, "min_tokens"),
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),

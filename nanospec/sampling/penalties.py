@@ -1,8 +1,9 @@
-"""What plain decoding does to a row of logits before it draws: ``min_tokens`` and the penalties.
+"""What plain decoding does to a row of logits before it draws: ``min_tokens``, ``logit_bias`` and the penalties, in
+that order (vLLM's).
 
-A row whose token would be output token number ``< min_tokens`` gets ``-inf`` at its stop tokens. Penalties (vLLM's
-and OpenAI's), with ``c_v`` the count of ``v`` in the output followed by the row's path, ``seen_v`` whether ``v`` is
-in the prompt or that output:
+A row whose token would be output token number ``< min_tokens`` gets ``-inf`` at its stop tokens; ``logit_bias[v]``
+is added to ``l_v``. Penalties (vLLM's and OpenAI's), with ``c_v`` the count of ``v`` in the output followed by the
+row's path, ``seen_v`` whether ``v`` is in the prompt or that output:
 
     l_v = l_v / r   if seen_v and l_v > 0        (r = repetition_penalty; 1 is off)
     l_v = l_v * r   if seen_v and l_v <= 0
@@ -30,6 +31,21 @@ def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]
                 cols += seq.stop_token_ids
     if rows:
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]]) -> None:
+    """``logits[row, v] += logit_bias[v]`` for every row of a sequence whose parameters carry a ``logit_bias``."""
+    rows, cols, values = [], [], []
+    for seq, seq_row in zip(seqs, seq_rows):
+        bias = seq.params.logit_bias
+        for row in seq_row if bias else ():
+            rows += [row] * len(bias)
+            cols += list(bias)
+            values += list(bias.values())
+    if rows:
+        device = logits.device
+        logits.index_put_((torch.tensor(rows, device=device), torch.tensor(cols, device=device)),
+                          torch.tensor(values, dtype=logits.dtype, device=device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]],

@@ -46,6 +46,7 @@ class SamplingFields(Body):
     presence_penalty: Float = Field(0.0, ge=-2, le=2)
     frequency_penalty: Float = Field(0.0, ge=-2, le=2)
     repetition_penalty: Float = Field(1.0, gt=0)
+    logit_bias: dict[Str, Float] | None = None  # OpenAI's: token id (as a string) -> bias in [-100, 100]
     min_tokens: Int = Field(0, ge=0)
     ignore_eos: Bool = False
     include_stop_str_in_output: Bool = False  # vLLM's
@@ -68,11 +69,18 @@ class SamplingFields(Body):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, n=self.n, logprobs=logprobs,
             presence_penalty=field("presence_penalty"), frequency_penalty=field("frequency_penalty"),
-            repetition_penalty=field("repetition_penalty"))
+            repetition_penalty=field("repetition_penalty"),
+            logit_bias=None if self.logit_bias is None else {_token_id(k): b for k, b in self.logit_bias.items()})
 
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _token_id(key: str) -> int:
+    if not (key.isascii() and key.isdigit()):
+        raise ValueError(f"logit_bias: {key!r} is not a token id (the keys are token ids as strings, e.g. \"50256\")")
+    return int(key)
 
 
 class CompletionRequest(SamplingFields):

@@ -24,7 +24,7 @@ import torch
 from nanospec.kernels.tree_rejection import tree_rejection_sample
 from nanospec.kernels.tree_verify import greedy_tree_verify
 from nanospec.sampling.logprobs import gather_logprobs, token_logprobs
-from nanospec.sampling.penalties import apply_penalties, ban_stop_tokens_before_min_tokens
+from nanospec.sampling.penalties import add_logit_bias, apply_penalties, ban_stop_tokens_before_min_tokens
 from nanospec.sampling.tensors import SamplingTensors, draw_tokens
 from nanospec.sequence import Sequence
 from nanospec.speculative.proposal import Proposal, Verdict
@@ -99,9 +99,10 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     rows_t, pad, node_tokens, parents, num_nodes = to_device(host) if to_device else [t.to(device) for t in host]
 
     num_top = max((s.params.logprobs for s in seqs if s.params.logprobs is not None), default=None)
-    # log-probabilities from the raw logits, before the bans and penalties
+    # log-probabilities from the raw logits, before the bans, biases and penalties
     raw = torch.log_softmax(logits[rows_t].float(), dim=-1) if num_top is not None else None
     ban_stop_tokens_before_min_tokens(logits, seqs, seq_rows, depths)
+    add_logit_bias(logits, seqs, seq_rows)
     apply_penalties(logits, seqs, seq_rows, paths)
 
     # the target's own token at the root and at every node: plain sampling at that node's position
