@@ -1,7 +1,8 @@
 """Every knob of an engine, validated once (:class:`EngineArgs`), and :func:`build_engine`, shared by ``LLM``, the
-server and the tensor-parallel workers. ``model``: an HF directory, a ``.gguf`` file, the embedded SmolLM2 (None) or
-a ``Checkpoint``; ``num_blocks`` None sizes the KV pool (:func:`nanospec.cache.kv_cache.pool_blocks`);
-``enforce_eager`` False runs decode and verify from static buffers (CUDA graphs on CUDA). The rest: ``docs/``.
+server and the tensor-parallel workers. ``model``: an HF directory, a ``.gguf`` file, a Hugging Face Hub id (its
+cached or downloaded snapshot: :mod:`nanospec.model.hub`), the embedded SmolLM2 (None) or a ``Checkpoint``;
+``num_blocks`` None sizes the KV pool (:func:`nanospec.cache.kv_cache.pool_blocks`); ``enforce_eager`` False runs
+decode and verify from static buffers (CUDA graphs on CUDA). The rest: ``docs/``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from nanospec.engine import Engine
 from nanospec.log import logger
 from nanospec.model.commands import DRAFT, TARGET
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
+from nanospec.model.hub import resolve_model_path
 from nanospec.model.loader import Checkpoint, load_checkpoint
 from nanospec.model.parallel import check_shardable
 from nanospec.model.quantization import int4_group_size, parse_quantization
@@ -72,6 +74,8 @@ class EngineArgs:
             except ValueError as e:
                 raise ValueError(f"speculative_config['dtype']: {e}") from None
         self.draft_tensor_parallel_size = draft_tensor_parallel_size(self.speculative, self.tensor_parallel_size)
+        if isinstance(self.model, (str, os.PathLike)):  # last: a Hub id may download
+            self.model = str(resolve_model_path(self.model))
 
 
 def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:

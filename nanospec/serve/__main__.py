@@ -20,7 +20,6 @@ import json
 import os
 import socket
 import sys
-from pathlib import Path
 
 EXIT_OK, EXIT_USAGE = 0, 2  # (after a signal uvicorn ends the process by that signal)
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
@@ -92,8 +91,6 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-queue-len {args.max_queue_len}: must be >= 0")
     if args.max_request_bytes < 1:
         raise UsageError(f"--max-request-bytes {args.max_request_bytes}: must be >= 1")
-    if args.model is not None and not Path(args.model).exists():
-        raise UsageError(f"--model {args.model}: no such file or directory")
     try:
         args.engine = EngineArgs(args.model, args.dtype, args.device, speculative_config=args.speculative_config,
                                  num_blocks=args.num_blocks, block_size=args.block_size,
@@ -102,7 +99,8 @@ def _check(args: argparse.Namespace) -> None:
                                  seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                                  enable_prefix_caching=args.enable_prefix_caching,
                                  quantization=None if args.quantization == "none" else args.quantization)
-        args.default_sampling, args.default_sampling_source = default_sampling(args.model, args.generation_config)
+        args.default_sampling, args.default_sampling_source = default_sampling(args.engine.model,
+                                                                               args.generation_config)
     except (ValueError, OSError) as e:
         raise UsageError(str(e)) from None
     try:
