@@ -1,6 +1,6 @@
 """Streaming text: token ids become text as they arrive. `TextStream` ends a request at a stop string (the text stops
-just before it, or just after it with ``include_stop``; the tokens end with the one that completed it) and holds back any tail that could still grow into one, so the streamed deltas add up
-to the final text."""
+just before it, or just after it with ``include_stop``; the tokens end with the one that completed it) and holds back
+any tail that could still grow into one, so the streamed deltas add up to the final text."""
 
 from __future__ import annotations
 

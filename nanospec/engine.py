@@ -26,6 +26,7 @@ from nanospec.detokenizer import TextStream
 from nanospec.model.parallel import TensorParallelError
 from nanospec.model.runner import ModelRunner
 from nanospec.outputs import CompletionOutput
+from nanospec.sampling.logprobs import take_prompt_logprobs
 from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Scheduler
 from nanospec.sequence import Sequence
@@ -176,6 +177,8 @@ class Engine:
             self._step_tokens = batch.num_tokens
             forward_start = time.perf_counter()
             logits, hidden = self.runner.execute(batch, hidden_states=self.speculator.needs_hidden_states)
+            if any(seq.needs_prompt_logprobs for seq in seqs):
+                logits, hidden = take_prompt_logprobs(logits, hidden, seqs, [1 + len(p.fed()[0]) for p in proposals])
             self.stats.forward_seconds += time.perf_counter() - forward_start
             verdicts = self.speculator.verify(seqs, proposals, logits, hidden)
         except TensorParallelError:  # the whole group failed, not these requests
@@ -257,4 +260,4 @@ class Engine:
             num_steps=seq.num_steps, num_draft_tokens=seq.num_draft_tokens,
             num_accepted_tokens=seq.num_accepted_tokens, delta_text=delta, error=seq.error,
             logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-            num_cached_tokens=seq.num_prefix_cached_tokens or 0)
+            num_cached_tokens=seq.num_prefix_cached_tokens or 0, prompt_logprobs=seq.prompt_logprobs)

@@ -35,6 +35,8 @@ class CompletionOutput:
     index: int = 0                  # which of the prompt's n completions this is
     num_cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache (not computed)
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: eos, or not "stop")
+    # with SamplingParams.prompt_logprobs: None for the first prompt token, then a TokenLogprob per prompt token
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -67,6 +69,12 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(out.finished for out in self.outputs)
+
+    @property
+    def prompt_logprobs(self) -> list[TokenLogprob | None] | None:
+        """With ``SamplingParams.prompt_logprobs``: None for the first prompt token, then each later prompt token's
+        ``TokenLogprob`` (its log-probability after the tokens before it, and the likeliest there)."""
+        return self.outputs[0].prompt_logprobs
 
     @property
     def num_cached_tokens(self) -> int:

@@ -19,7 +19,8 @@ class SamplingParams:
     them with ``include_stop_str_in_output``),
     ``stop_token_ids`` end it like eos (kept); ``min_tokens`` holds eos, stop tokens and stop strings off;
     ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
-    k reports the target's raw log-probabilities of each token and its k likeliest; ``logit_bias`` {token id: b} adds b
+    k reports the target's raw log-probabilities of each token and its k likeliest, ``prompt_logprobs`` k the same for
+    each prompt token after the first (its prefill then skips the prefix cache); ``logit_bias`` {token id: b} adds b
     (in [-100, 100]) to that token's logit; it and the penalties as vLLM's, before temperature
     (:mod:`nanospec.sampling.penalties`)."""
 
@@ -37,6 +38,7 @@ class SamplingParams:
     speculate: bool = True
     n: int = 1
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -74,6 +76,10 @@ class SamplingParams:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:

@@ -55,7 +55,7 @@ class Scheduler:
 
         while self.waiting and len(scheduled) < self.max_num_seqs:
             seq = self.waiting[0]
-            prefix = bm.cached_prefix(seq.token_ids)
+            prefix = [] if seq.needs_prompt_logprobs else bm.cached_prefix(seq.token_ids)  # every row is computed
             seq.num_cached_tokens = len(prefix) * bm.block_size
             lookahead = self.num_lookahead_slots(seq)  # a one-token prompt guesses at once
             num_new = seq.num_tokens - seq.num_cached_tokens + lookahead

@@ -40,7 +40,13 @@ class Sequence:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.logprobs: list | None = [] if params.logprobs is not None else None  # a TokenLogprob per output token
+        self.prompt_logprobs: list | None = None  # once computed: None, then a TokenLogprob per later prompt token
         self.spec_state: Any = None  # owned by the proposer (n-gram index, draft KV, acceptance estimate, ...)
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Its next step must compute every prompt row's logits (``SamplingParams.prompt_logprobs``)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
     def num_tokens(self) -> int:

@@ -139,6 +139,38 @@ def test_penalties_and_logprobs_match_transformers(target):
         assert [v for _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
+@pytest.mark.parametrize("method", [None, "ngram", "self_draft"])
+def test_prompt_logprobs_match_transformers(target, method):
+    """prompt_logprobs: transformers' log_softmax at every prompt position, from the prefill itself, with any method
+    and batched with requests that do not ask; a prompt the prefix cache holds is computed again for it."""
+    from transformers import LlamaForCausalLM
+
+    config = dict(METHODS[method], model=target) if method == "self_draft" else METHODS.get(method)
+    llm = LLM(target, num_blocks=128, block_size=4, speculative_config=config)
+    prompt = PROMPTS[1][:19]
+    with torch.no_grad():
+        expected = torch.log_softmax(LlamaForCausalLM.from_pretrained(target).eval()(
+            torch.tensor([prompt])).logits[0].float(), dim=-1)
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([prompt], SamplingParams(**greedy))[0]  # (its full blocks now in the prefix cache)
+    asked = SamplingParams(**greedy, prompt_logprobs=3)
+    outs = llm.generate([PROMPTS[0], prompt, PROMPTS[2]], [SamplingParams(**greedy), asked, SamplingParams(**greedy)])
+    out = outs[1]
+    assert out.outputs[0].token_ids == alone.outputs[0].token_ids and out.num_cached_tokens == 0
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for i, entry in enumerate(out.prompt_logprobs[1:]):
+        assert entry.token_id == prompt[i + 1]
+        assert abs(entry.logprob - expected[i, prompt[i + 1]].item()) < 1e-4
+        top = expected[i].topk(3)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [v for _, v in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert outs[0].prompt_logprobs is None and outs[2].prompt_logprobs is None
+    assert [o.outputs[0].token_ids for o in outs[::2]] == \
+        [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(**greedy))]
+    assert llm.generate([prompt], SamplingParams(**greedy))[0].num_cached_tokens > 0  # the cache still serves others
+    assert_no_leak(llm)
+
+
 def test_n_completions_are_seeded_choices(target):
     llm = LLM(target, num_blocks=128, block_size=4)
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3, ignore_eos=True)
@@ -158,6 +190,7 @@ def test_n_completions_are_seeded_choices(target):
 
 @pytest.mark.parametrize("field, value", [
     ("n", 0), ("n", 1.5), ("n", 10_000), ("logprobs", -1), ("logprobs", 21), ("logprobs", True),
+    ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", 1.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1"), ("repetition_penalty", 0),
     ("repetition_penalty", float("inf")), ("presence_penalty", float("nan")), ("logit_bias", {"7": 1.0}),
     ("logit_bias", {7: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", [7]), ("logit_bias", {7: True})])

@@ -173,6 +173,32 @@ def test_logit_bias(server):
     assert got.choices[0].token_ids == [7] * 4
 
 
+def test_echo_with_prompt_logprobs(server, offline):
+    """lm-evaluation-harness's loglikelihood request: echo, logprobs 1, max_tokens 1, greedy; the prompt's
+    log-probabilities are the offline prompt_logprobs (the first null), then the generated token's."""
+    expected = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, logprobs=1,
+                                                             prompt_logprobs=1))[0]
+    prompt_ids = expected.prompt_token_ids
+    client = _client(server[0])
+    got = client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=1, temperature=0, logprobs=1,
+                                    echo=True).choices[0]
+    assert got.text == PROMPTS[1] + expected.outputs[0].text
+    lp = got.logprobs
+    assert len(lp.tokens) == len(prompt_ids) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    wanted = [e.logprob for e in expected.prompt_logprobs[1:]] + [expected.outputs[0].logprobs[0].logprob]
+    assert lp.token_logprobs[1:] == pytest.approx(wanted, abs=1e-4)
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    # streamed: the prompt comes first, with the first chunk; without logprobs echo is the text alone
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                            echo=True, stream=True))
+    plain = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+    assert chunks[0].choices[0].text.startswith(PROMPTS[1])
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPTS[1] + plain
+    assert client.completions.create(model="tiny", prompt=PROMPTS[1], max_tokens=4, temperature=0, echo=True
+                                     ).choices[0].logprobs is None
+
+
 def test_include_stop_str_in_output_streamed_and_not(server, offline):
     url, _ = server
     free = offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

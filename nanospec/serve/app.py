@@ -27,6 +27,7 @@ import re
 import secrets
 import time
 from contextlib import asynccontextmanager
+from dataclasses import replace
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -128,7 +129,12 @@ class Server:
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", "prompt")
         params = self._params(body, prompts, "prompt", 16, body.logprobs)  # 16: OpenAI's default max_tokens
-        fmt = Formatter(self.tokenizer, self.model_name, chat=False, token_ids=body.return_token_ids)
+        echo = None
+        if body.echo:
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts()]
+            params = replace(params, prompt_logprobs=body.logprobs)
+        fmt = Formatter(self.tokenizer, self.model_name, chat=False, token_ids=body.return_token_ids, echo=echo,
+                        n=params.n)
         return await self._generate(request, body, fmt, prompts, params)
 
     async def chat_completions(self, request: Request):
@@ -226,6 +232,7 @@ class Server:
         cancels the response), and aborts what is unfinished."""
         sent_tokens = [0] * len(served)  # tokens (and their log-probs) already streamed, per choice
         sent_chars = [0] * len(served)
+        echoed = [False] * len(served)  # (completions with echo: the prompt goes out with a choice's first chunk)
         try:
             if fmt.chat:
                 for s in served:
@@ -237,11 +244,13 @@ class Server:
                 new_logprobs = out.logprobs[sent_tokens[index]:] if out.logprobs is not None else None
                 if not (out.delta_text or out.finished or new_logprobs or fmt.token_ids):
                     continue  # text held back (a possible stop string, half a character)
+                echo = fmt.echo_of(out, index) if not echoed[index] else None
                 choice = fmt.delta_choice(index, out.delta_text, out.token_ids[sent_tokens[index]:], new_logprobs,
-                                          sent_chars[index], out.finish_reason, out.stop_reason)
+                                          sent_chars[index], out.finish_reason, out.stop_reason, echo)
                 yield sse(fmt.chunk([choice], include_usage=include_usage))
+                echoed[index] = True
                 sent_tokens[index] = len(out.token_ids)
-                sent_chars[index] += len(out.delta_text)
+                sent_chars[index] += len(choice["text"]) if not fmt.chat else len(out.delta_text)
             if include_usage:
                 completion_tokens = sum(sent_tokens)
                 yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens), include_usage=True))

@@ -84,9 +84,12 @@ def _token_id(key: str) -> int:
 
 
 class CompletionRequest(SamplingFields):
-    """``/v1/completions``: one prompt (text or token ids) or a list of them; ``max_tokens`` defaults to 16."""
+    """``/v1/completions``: one prompt (text or token ids) or a list of them; ``max_tokens`` defaults to 16. ``echo``:
+    each choice's text starts with its prompt, and with ``logprobs`` so do its log-probabilities (the first prompt
+    token's is null)."""
     prompt: Str | list[Str] | TokenIds | list[TokenIds]
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: Bool = False
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a string or a list of token ids."""

@@ -27,11 +27,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 class Formatter:
     """Builds one HTTP request's responses: its id, creation time and model name are fixed at construction."""
 
-    def __init__(self, tokenizer: Tokenizer, model: str, chat: bool, token_ids: bool = False):
+    def __init__(self, tokenizer: Tokenizer, model: str, chat: bool, token_ids: bool = False,
+                 echo: list[str] | None = None, n: int = 1):
         self.tokenizer = tokenizer
         self.model = model
         self.chat = chat
         self.token_ids = token_ids  # add each choice's token ids (vLLM's return_token_ids)
+        self.echo = echo  # completions' echo: each prompt's text (choice i * n + c is prompt i's)
+        self.n = n
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}"
         self.created = int(time.time())
 
@@ -39,8 +42,16 @@ class Formatter:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     # ---------------------------------------------------------------- log-probabilities
-    def logprobs(self, entries: list[TokenLogprob] | None, text_offset: int = 0) -> dict | None:
-        """Completions: parallel lists; chat: a list of {token, logprob, bytes, top_logprobs}."""
+    def echo_of(self, out: CompletionOutput, index: int) -> tuple[str, list[int], list] | None:
+        """What choice ``index`` echoes: (its prompt's text, token ids, ``prompt_logprobs``), or None."""
+        if self.echo is None:
+            return None
+        return self.echo[index // self.n], out.prompt_token_ids, out.prompt_logprobs
+
+    def logprobs(self, entries: list[TokenLogprob] | None, text_offset: int = 0,
+                 echo: tuple[str, list[int], list] | None = None) -> dict | None:
+        """Completions: parallel lists (with ``echo``, the prompt's first: its first token's log-probability is
+        null); chat: a list of {token, logprob, bytes, top_logprobs}."""
         if entries is None:
             return None
         if self.chat:
@@ -50,25 +61,33 @@ class Formatter:
 
             return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
                                 for e in entries]}
-        tokens = [self._token(e.token_id) for e in entries]
+        token_ids = [e.token_id for e in entries]
+        values = [e.logprob for e in entries]
+        tops = [{self._token(t): v for t, v in e.top} for e in entries]
+        if echo is not None:
+            _, prompt_ids, prompt_logprobs = echo
+            token_ids = prompt_ids + token_ids
+            values = [e.logprob if e else None for e in prompt_logprobs] + values
+            tops = [{self._token(t): v for t, v in e.top} if e else None for e in prompt_logprobs] + tops
+        tokens = [self._token(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(text_offset)
             text_offset += len(token)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._token(t): v for t, v in e.top} for e in entries], "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
     # ---------------------------------------------------------------- whole responses
     def response(self, outputs: list[CompletionOutput], prompt_tokens: int) -> dict:
         """The non-streaming response; ``outputs[i]`` is choice ``i``."""
         choices = []
         for index, out in enumerate(outputs):
-            logprobs = self.logprobs(out.logprobs)
+            echo = self.echo_of(out, index)
+            logprobs = self.logprobs(out.logprobs, echo=echo)
             if self.chat:
                 choices.append({"index": index, "message": {"role": "assistant", "content": out.text},
                                 "logprobs": logprobs, "finish_reason": out.finish_reason})
             else:
-                choices.append({"index": index, "text": out.text, "logprobs": logprobs,
+                choices.append({"index": index, "text": (echo[0] if echo else "") + out.text, "logprobs": logprobs,
                                 "finish_reason": out.finish_reason})
             choices[-1]["stop_reason"] = out.stop_reason  # vLLM's: the stop string or token id that ended it
             if self.token_ids:
@@ -91,8 +110,11 @@ class Formatter:
                 "finish_reason": None}
 
     def delta_choice(self, index: int, text: str, new_tokens: list[int], new_logprobs: list[TokenLogprob] | None,
-                     text_offset: int, reason: str | None, stop_reason: str | int | None = None) -> dict:
-        logprobs = self.logprobs(new_logprobs, text_offset)
+                     text_offset: int, reason: str | None, stop_reason: str | int | None = None,
+                     echo: tuple[str, list[int], list] | None = None) -> dict:
+        """One choice's chunk; ``echo`` (a completion's first chunk) puts the prompt first."""
+        logprobs = self.logprobs(new_logprobs, text_offset, echo)
+        text = (echo[0] if echo else "") + text
         if self.chat:
             choice = {"index": index, "delta": {"content": text} if text or reason is None else {},
                       "logprobs": logprobs, "finish_reason": reason, "stop_reason": stop_reason}

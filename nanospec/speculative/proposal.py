@@ -156,7 +156,8 @@ def build_step_batch(seqs: list[Sequence], proposals: list[Proposal], block_size
         token_lists.append(uncached + fed)
         starts.append(seq.num_cached_tokens)
         root_row = len(uncached) - 1
-        logits_rows.append(range(root_row, root_row + 1 + len(fed)))
+        first_row = 0 if seq.needs_prompt_logprobs else root_row  # (the prompt rows come first, see Engine)
+        logits_rows.append(range(first_row, root_row + 1 + len(fed)))
         if proposal.is_chain:  # causal: the default positions and mask
             positions.append(None)
             masks.append(None)
