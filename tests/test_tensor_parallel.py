@@ -117,6 +117,18 @@ class TestDraftOnTwoRanks:
             assert _run(two, params, speculate=False) == _run(one, params, speculate=False)
         assert_no_leak(two)
 
+    def test_prompt_logprobs_equal_tp1(self, llms):
+        """The prompt rows' logits come from the 2-rank forward, gathered over the vocabulary shards."""
+        one, two = llms
+        params = dataclasses.replace(GREEDY, max_tokens=4, prompt_logprobs=2)
+        for a, b in zip(two.generate(PROMPTS, params), one.generate(PROMPTS, params)):
+            assert a.outputs[0].token_ids == b.outputs[0].token_ids and a.prompt_logprobs[0] is None
+            assert len(a.prompt_logprobs) == len(a.prompt_token_ids) > 1
+            for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+                assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+                assert [t for t, _ in x.top] == [t for t, _ in y.top]
+        assert_no_leak(two)
+
     def test_sharded_draft_equals_tp1(self, llms):
         one, two = llms
         proposer = two.engine.speculator.proposer
