@@ -15,8 +15,10 @@ class IncrementalDetokenizer:
     """Text deltas of a growing id list (vLLM's and TGI's prefix / read offsets); a delta ending in U+FFFD waits for the
     rest of its character."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, context_tokens: int = 5):
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, context_tokens: int = 5,
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_ids or [])
         self.read_offset = len(self.token_ids)
         self.prefix_offset = max(self.read_offset - context_tokens, 0)
@@ -26,8 +28,8 @@ class IncrementalDetokenizer:
         """Append `token_ids`; return the text they complete (possibly empty), or with ``final`` all the text held
         back."""
         self.token_ids.extend(token_ids)
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset])
-        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:])
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
             return ""
         delta = new_text[len(prefix_text):]
@@ -43,8 +45,9 @@ class IncrementalDetokenizer:
 class TextStream:
     """One request's output text, fed a token at a time."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str], include_stop: bool = False):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str], include_stop: bool = False,
+                 skip_special_tokens: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
         self.stop = stop
         self.include_stop = include_stop
         self.matched_stop: str | None = None  # the stop string that ended the text

@@ -91,7 +91,8 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
         eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
-        text = TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output)
+        text = TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output,
+                          params.skip_special_tokens)
         seq = Sequence(self._next_id, prompt_token_ids, params, seed, text,
                        list(dict.fromkeys([*eos, *params.stop_token_ids])))
         self.speculator.start(seq)

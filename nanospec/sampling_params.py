@@ -16,7 +16,7 @@ class SamplingParams:
     """Sampling settings of one request, vLLM's names and meanings (docs/sampling.md). ``temperature`` 0 is greedy;
     ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest (0: off); ``top_k`` -1 (or at least
     the vocabulary) keeps every token; ``stop`` strings end the text before them (after
-    them with ``include_stop_str_in_output``),
+    them with ``include_stop_str_in_output``); ``skip_special_tokens`` leaves special tokens out of the text;
     ``stop_token_ids`` end it like eos (kept); ``min_tokens`` holds eos, stop tokens and stop strings off;
     ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
     k reports the target's raw log-probabilities of each token and its k likeliest, ``prompt_logprobs`` k the same for
@@ -35,6 +35,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     speculate: bool = True
     n: int = 1
     logprobs: int | None = None
@@ -69,7 +70,7 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "speculate"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculate"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:

@@ -116,6 +116,22 @@ def test_logit_bias(target, plain):
     assert_no_leak(llm)
 
 
+def test_skip_special_tokens(target):
+    """vLLM's default leaves special tokens out of the text; ``skip_special_tokens=False`` keeps them (the tiny
+    tokenizer's ``<|im_start|>`` is token 1), streamed and not; the tokens are the same either way."""
+    llm = LLM(target, num_blocks=64, block_size=4)
+    params = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={1: 100})
+    skipped = llm.generate(PROMPTS[:1], SamplingParams(**params))[0].outputs[0]
+    kept = llm.generate(PROMPTS[:1], SamplingParams(**params, skip_special_tokens=False))[0].outputs[0]
+    assert skipped.token_ids == kept.token_ids == [1, 1, 1]
+    assert skipped.text == "" and kept.text == "<|im_start|>" * 3
+    stream = llm.stream(PROMPTS[0], SamplingParams(**params, skip_special_tokens=False))
+    streamed = "".join(o.delta_text for o in stream)
+    assert streamed == kept.text
+    with pytest.raises(ValueError, match="skip_special_tokens"):
+        SamplingParams(skip_special_tokens=0)
+
+
 def test_penalties_and_logprobs_match_transformers(target):
     """Greedy with a repetition penalty is transformers' greedy with ``repetition_penalty`` (prompt and output
     count), and the reported log-probabilities are ``log_softmax`` of transformers' raw logits."""

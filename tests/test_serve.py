@@ -171,6 +171,10 @@ def test_logit_bias(server):
     got = _client(server[0]).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0,
                                                 logit_bias={"7": 100}, extra_body={"return_token_ids": True})
     assert got.choices[0].token_ids == [7] * 4
+    special = dict(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0, logit_bias={"1": 100})
+    assert _client(server[0]).completions.create(**special).choices[0].text == ""
+    assert _client(server[0]).completions.create(**special, extra_body={"skip_special_tokens": False}
+                                                 ).choices[0].text == "<|im_start|>" * 2
 
 
 def test_echo_with_prompt_logprobs(server, offline):

@@ -50,6 +50,7 @@ class SamplingFields(Body):
     min_tokens: Int = Field(0, ge=0)
     ignore_eos: Bool = False
     include_stop_str_in_output: Bool = False  # vLLM's
+    skip_special_tokens: Bool = True  # vLLM's
     user: Str | None = None  # accepted, unused
     return_token_ids: Bool = False  # vLLM's: each choice also carries its token ids (a chunk: the new ones)
 
@@ -67,7 +68,8 @@ class SamplingFields(Body):
             temperature=field("temperature"), top_p=field("top_p"), top_k=-1 if top_k == 0 else top_k,
             min_p=field("min_p"), max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output, n=self.n, logprobs=logprobs,
+            include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
+            n=self.n, logprobs=logprobs,
             presence_penalty=field("presence_penalty"), frequency_penalty=field("frequency_penalty"),
             repetition_penalty=field("repetition_penalty"),
             logit_bias=None if self.logit_bias is None else {_token_id(k): b for k, b in self.logit_bias.items()})
