@@ -28,8 +28,9 @@ class IncrementalDetokenizer:
         """Append `token_ids`; return the text they complete (possibly empty), or with ``final`` all the text held
         back."""
         self.token_ids.extend(token_ids)
-        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
-        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
+        skip = self.skip_special_tokens
+        prefix_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:self.read_offset], skip)
+        new_text = self.tokenizer.decode(self.token_ids[self.prefix_offset:], skip)
         if not final and (len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR)):
             return ""
         delta = new_text[len(prefix_text):]
