@@ -9,6 +9,7 @@ import torch
 
 from nanospec import LLM, SamplingParams
 from nanospec.sequence import Sequence
+from nanospec.sampling import logprobs
 from nanospec.sampling.penalties import apply_penalties
 from nanospec.speculative.proposal import Proposal
 from tiny import assert_no_leak, make_tiny_llama
@@ -156,7 +157,7 @@ def test_penalties_and_logprobs_match_transformers(target):
 
 
 @pytest.mark.parametrize("method", [None, "ngram", "self_draft"])
-def test_prompt_logprobs_match_transformers(target, method):
+def test_prompt_logprobs_match_transformers(target, method, monkeypatch):
     """prompt_logprobs: transformers' log_softmax at every prompt position, from the prefill itself, with any method
     and batched with requests that do not ask; a prompt the prefix cache holds is computed again for it."""
     from transformers import LlamaForCausalLM
@@ -184,6 +185,8 @@ def test_prompt_logprobs_match_transformers(target, method):
     assert [o.outputs[0].token_ids for o in outs[::2]] == \
         [o.outputs[0].token_ids for o in llm.generate([PROMPTS[0], PROMPTS[2]], SamplingParams(**greedy))]
     assert llm.generate([prompt], SamplingParams(**greedy))[0].num_cached_tokens > 0  # the cache still serves others
+    monkeypatch.setattr(logprobs, "PROMPT_ROWS_AT_ONCE", 5)  # 18 rows in 4 pieces: the same numbers
+    assert llm.generate([prompt], asked)[0].prompt_logprobs == out.prompt_logprobs
     assert_no_leak(llm)
 
 

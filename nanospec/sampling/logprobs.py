@@ -8,6 +8,8 @@ import torch
 
 from nanospec.outputs import TokenLogprob
 
+PROMPT_ROWS_AT_ONCE = 1024  # prompt rows turned into log-probabilities at a time (each holds vocab_size floats)
+
 
 def gather_logprobs(raw: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[torch.Tensor]:
     """On the device, for token ``tokens[i]`` drawn from row ``rows[i]`` of ``raw``: its log-probability, and the
@@ -27,17 +29,26 @@ def take_prompt_logprobs(logits: torch.Tensor, hidden: torch.Tensor | None, seqs
     for seq, num_rows in zip(seqs, rows_per_seq):
         if seq.needs_prompt_logprobs:
             prompt = seq.prompt_token_ids
-            num_top = seq.params.prompt_logprobs
-            raw = torch.log_softmax(logits[start:start + len(prompt) - 1].float(), dim=-1)
-            targets = torch.tensor(prompt[1:], dtype=torch.int64, device=logits.device)
-            values = [v.tolist() for v in gather_logprobs(raw, torch.arange(len(targets), device=logits.device),
-                                                          targets, min(num_top, raw.shape[-1]))]
-            seq.prompt_logprobs = [None] + token_logprobs(prompt[1:], range(len(targets)), values, num_top, num_top)
+            seq.prompt_logprobs = _prompt_logprobs(logits[start:start + len(prompt) - 1], prompt,
+                                                   seq.params.prompt_logprobs)
             start += len(prompt) - 1
         keep.extend(range(start, start + num_rows))
         start += num_rows
     index = torch.tensor(keep, dtype=torch.int64, device=logits.device)
     return logits[index], hidden[index] if hidden is not None else None
+
+
+def _prompt_logprobs(logits: torch.Tensor, prompt: list[int], num_top: int) -> list[TokenLogprob | None]:
+    """``logits[i]`` predicts ``prompt[i + 1]``; log_softmax over ``PROMPT_ROWS_AT_ONCE`` rows at a time."""
+    num_top = min(num_top, logits.shape[-1])
+    entries: list[TokenLogprob | None] = [None]
+    for first in range(0, logits.shape[0], PROMPT_ROWS_AT_ONCE):
+        raw = torch.log_softmax(logits[first:first + PROMPT_ROWS_AT_ONCE].float(), dim=-1)
+        tokens = prompt[first + 1:first + 1 + raw.shape[0]]
+        rows = torch.arange(len(tokens), device=logits.device)
+        values = [v.tolist() for v in gather_logprobs(raw, rows, torch.tensor(tokens, device=logits.device), num_top)]
+        entries += token_logprobs(tokens, range(len(tokens)), values, num_top, num_top)
+    return entries
 
 
 def token_logprobs(tokens: list[int], slots: range, values: list[list], num_top: int, k: int) -> list[TokenLogprob]:
