@@ -173,6 +173,9 @@ def test_vllm_quickstart(plain):
     rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True)
     assert len(chat) == 1 and chat[0].prompt == rendered and chat[0].prompt_token_ids == tokenizer.encode(rendered)
     assert rendered.endswith("<|im_start|>assistant\n") and isinstance(chat[0].outputs[0].text, str)
+    # vLLM's chat arguments: add_generation_prompt=False leaves the assistant's turn unopened; use_tqdm is taken
+    bare = llm.chat(conversation, sampling_params, use_tqdm=False, add_generation_prompt=False)[0]
+    assert bare.prompt == tokenizer.apply_chat_template(conversation, add_generation_prompt=False) != rendered
 
     ids = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0]
     assert ids.prompt is None and ids.prompt_token_ids == PROMPTS[0]
