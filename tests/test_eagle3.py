@@ -371,12 +371,19 @@ def test_seeded_sampling_equals_plain(target, successor_head, expected, device, 
     assert_head_blocks_returned(llm)
 
 
-def test_batch_mixing_speculating_and_plain_requests(target, successor_head, expected, device):
+def test_batch_mixing_speculating_and_plain_requests(target, successor_head, expected, plain, device):
     runs = [(i, j, p) for i in range(len(PROMPTS)) for j in range(len(ALL_PARAMS))
-            for p in (ALL_PARAMS[j], dataclasses.replace(ALL_PARAMS[j], speculate=False))]
+            for p in (ALL_PARAMS[j], dataclasses.replace(ALL_PARAMS[j], speculate=False),
+                      dataclasses.replace(ALL_PARAMS[j], prompt_logprobs=1))]  # (its prompt rows come out first)
     llm = eagle_llm(target, successor_head, device)
     outs = [o.outputs[0] for o in llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])]
     assert [o.token_ids for o in outs] == [expected[j][i] for i, j, _ in runs]
+    asked = [(o, i, p) for o, (i, _, p) in zip(outs, runs) if p.prompt_logprobs is not None]
+    plain_logprobs = plain.generate([PROMPTS[i] for _, i, _ in asked], [p for _, _, p in asked])
+    for (out, _, _), alone in zip(asked, plain_logprobs):  # the prompt's, as plain decoding reports them
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(alone.prompt_token_ids)
+        for x, y in zip(out.prompt_logprobs[1:], alone.outputs[0].prompt_logprobs[1:]):
+            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
     assert all(o.num_draft_tokens == 0 for o, (_, _, p) in zip(outs, runs) if not p.speculate)
     assert_guesses_accepted_and_rejected(llm)
     assert_head_blocks_returned(llm)
