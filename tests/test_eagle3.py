@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
-from tiny import assert_no_leak, make_tiny_llama, most_common_successors
+from tiny import assert_no_leak, assert_prompt_logprobs_as_plain, make_tiny_llama, most_common_successors
 
 HIDDEN, LAYERS, VOCAB = 64, 3, 320
 PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 104, 105, 3], [11, 12],
@@ -378,12 +378,7 @@ def test_batch_mixing_speculating_and_plain_requests(target, successor_head, exp
     llm = eagle_llm(target, successor_head, device)
     outs = [o.outputs[0] for o in llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])]
     assert [o.token_ids for o in outs] == [expected[j][i] for i, j, _ in runs]
-    asked = [(o, i, p) for o, (i, _, p) in zip(outs, runs) if p.prompt_logprobs is not None]
-    plain_logprobs = plain.generate([PROMPTS[i] for _, i, _ in asked], [p for _, _, p in asked])
-    for (out, _, _), alone in zip(asked, plain_logprobs):  # the prompt's, as plain decoding reports them
-        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(alone.prompt_token_ids)
-        for x, y in zip(out.prompt_logprobs[1:], alone.outputs[0].prompt_logprobs[1:]):
-            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert_prompt_logprobs_as_plain(outs, [PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs], plain)
     assert all(o.num_draft_tokens == 0 for o, (_, _, p) in zip(outs, runs) if not p.speculate)
     assert_guesses_accepted_and_rejected(llm)
     assert_head_blocks_returned(llm)

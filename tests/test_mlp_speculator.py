@@ -35,8 +35,8 @@ from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer
 from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.policy import AcceptanceEstimate
 from nanospec.speculative.proposal import Verdict
-from tiny import (KV_TOLERANCE, assert_no_leak, forward_hidden, forward_logits, make_tiny_llama,
-                  most_common_successors, successor_speculator)
+from tiny import (KV_TOLERANCE, assert_no_leak, assert_prompt_logprobs_as_plain, forward_hidden, forward_logits,
+                  make_tiny_llama, most_common_successors, successor_speculator)
 
 # ---------------------------------------------------------------- the published format, written by hand
 
@@ -537,12 +537,7 @@ def test_batch_mixing_speculating_and_plain_requests(target, speculator, expecte
     llm = mlp_llm(target, speculator, device)
     outs = [o.outputs[0] for o in llm.generate([PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs])]
     assert [o.token_ids for o in outs] == [expected[j][i] for i, j, _ in runs]
-    asked = [(o, i, p) for o, (i, _, p) in zip(outs, runs) if p.prompt_logprobs is not None]
-    plain_logprobs = plain.generate([PROMPTS[i] for _, i, _ in asked], [p for _, _, p in asked])
-    for (out, _, _), alone in zip(asked, plain_logprobs):  # the prompt's, as plain decoding reports them
-        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(alone.prompt_token_ids)
-        for x, y in zip(out.prompt_logprobs[1:], alone.outputs[0].prompt_logprobs[1:]):
-            assert x.token_id == y.token_id and x.logprob == pytest.approx(y.logprob, abs=1e-4)
+    assert_prompt_logprobs_as_plain(outs, [PROMPTS[i] for i, _, _ in runs], [p for _, _, p in runs], plain)
     assert all(o.num_draft_tokens == 0 for o, (_, _, p) in zip(outs, runs) if not p.speculate)
     assert_guesses_accepted_and_rejected(llm)
     assert_no_leak(llm)

@@ -70,6 +70,19 @@ def assert_no_leak(llm) -> None:
         assert draft_blocks.num_free_blocks == draft_blocks.num_blocks
 
 
+def assert_prompt_logprobs_as_plain(outs, prompts, params_list, plain) -> None:
+    """Each output whose parameters asked for ``prompt_logprobs`` reports its prompt's as ``plain`` (an LLM without
+    speculation) does: None first, then the same tokens and log-probabilities (1e-4)."""
+    asked = [(out, prompt, params) for out, prompt, params in zip(outs, prompts, params_list)
+             if params.prompt_logprobs is not None]
+    alone = plain.generate([prompt for _, prompt, _ in asked], [params for _, _, params in asked])
+    for (out, _, _), reference in zip(asked, alone):
+        assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(reference.prompt_token_ids)
+        for x, y in zip(out.prompt_logprobs[1:], reference.outputs[0].prompt_logprobs[1:]):
+            assert x.token_id == y.token_id and abs(x.logprob - y.logprob) < 1e-4
+    assert asked
+
+
 # How far the K/V a sequence got step by step (decode, verify, draft backfill, a compacted tree path) may be from
 # a fresh prefill's of the same tokens, in fp32. Not bit-identical, by design: the matmuls run over a different
 # number of rows (1 or k+1 against n), and BLAS / cuBLAS pick different kernels (GEMV, split-K, other tiles) by

@@ -7,7 +7,7 @@
   larger of top-k's ``tau_k`` (the k-th largest logit, ties kept) and top-p's ``tau_p`` (the largest ``t`` with
   ``sum_{x_v >= max(tau_k, t)} w_v >= top_p * sum_{x_v >= tau_k} w_v``: vLLM's smallest nucleus).
   min-p (vLLM's, applied before top-k and top-p) keeps the tokens with ``p_v >= min_p * max p``, i.e.
-  ``w_v >= min_p``: the ``m`` most likely, so it joins top-k as ``k = min(k, m)`` with ``m = #{v : w_v >= min_p}``.
+  ``x_v >= max x + T log(min_p)``: the ``m`` most likely, so it joins top-k as ``k = min(k, m)``.
 
 Thresholds compare an order-preserving int32 key of the float32 bits, so both backends keep the same top-k set; the
 Triton kernel finds each by bisection over the keys (sort-free), the reference by ``torch.topk``.
@@ -69,18 +69,6 @@ def _count_at_or_above(row_logits, vocab_size, key_threshold, BLOCK_V: tl.conste
 
 
 @triton.jit
-def _count_likely(row_logits, vocab_size, row_max, temperature, min_p, BLOCK_V: tl.constexpr):
-    """How many tokens of a row have ``exp((x - row_max) / temperature) >= min_p``."""
-    count = tl.full((), 0, tl.int32)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < vocab_size
-        x = tl.load(row_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        count += tl.sum((mask & (tl.exp((x - row_max) / temperature) >= min_p)).to(tl.int32), axis=0)
-    return count
-
-
-@triton.jit
 def _mass_at_or_above(row_logits, vocab_size, key_threshold, row_max, temperature, BLOCK_V: tl.constexpr):
     """Sum of ``exp((x - row_max) / temperature)`` over the tokens with ``key(x) >= key_threshold``."""
     mass = tl.full((), 0.0, tl.float32)
@@ -114,7 +102,8 @@ def _probs_from_logits_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
         # 32 rounds pin down the largest such key among the 2**32 int32 keys.
         threshold = tl.full((), -(2**31), tl.int64)  # every token is at or above it
         if min_p > 0.0:
-            num_likely = _count_likely(row_logits, vocab_size, row_max, temperature, min_p, BLOCK_V)
+            min_logit = row_max + temperature * tl.log(min_p)
+            num_likely = _count_at_or_above(row_logits, vocab_size, _order_key(min_logit), BLOCK_V)
             top_k = tl.where((top_k > 0) & (top_k < num_likely), top_k, num_likely)
         if (top_k > 0) & (top_k < vocab_size):
             lo = threshold
@@ -191,11 +180,12 @@ def _keep_threshold_ref(keys, weights, top_k, top_p) -> torch.Tensor:
     return threshold
 
 
-def _with_min_p_ref(top_k, weights, min_p) -> torch.Tensor:
-    """top_k with min-p joined in: ``min(k, #{v : w_v >= min_p})`` where min_p > 0."""
+def _with_min_p_ref(top_k, x, temperature, min_p) -> torch.Tensor:
+    """top_k with min-p joined in: ``min(k, #{v : x_v >= max x + T log(min_p)})`` where min_p > 0."""
     if min_p is None or not bool((min_p > 0).any()):
         return top_k
-    num_likely = (weights >= min_p[:, None]).sum(dim=1).to(top_k.dtype)
+    min_logit = x.amax(dim=1) + temperature * torch.log(min_p.float())
+    num_likely = (x >= min_logit[:, None]).sum(dim=1).to(top_k.dtype)
     joined = torch.where((top_k > 0) & (top_k < num_likely), top_k, num_likely)
     return torch.where(min_p > 0, joined, top_k)
 
@@ -211,7 +201,8 @@ def probs_from_logits_ref(logits: torch.Tensor, temperature: torch.Tensor, top_k
     safe_temperature = torch.where(greedy_rows, 1.0, temperature.float())
     weights = torch.exp((x - x.amax(dim=1, keepdim=True)) / safe_temperature[:, None])
     keys = _order_key_ref(x)
-    threshold = _keep_threshold_ref(keys, weights, _with_min_p_ref(top_k, weights, min_p), top_p)
+    top_k = _with_min_p_ref(top_k, x, safe_temperature, min_p)
+    threshold = _keep_threshold_ref(keys, weights, top_k, top_p)
     kept_weights = weights * (keys >= threshold[:, None])
     probs = kept_weights / kept_weights.sum(dim=1, keepdim=True)
     return torch.where(greedy_rows[:, None], one_hot, probs)
