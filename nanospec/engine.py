@@ -3,7 +3,8 @@
     seqs      = scheduler.schedule()                    which sequences run; KV blocks reserved
     proposals = speculator.propose(seqs)                a token tree of guesses per sequence (maybe empty)
     batch     = build_step_batch(seqs, proposals)       one ragged batch: prefill, decode and verify alike
-    logits, hidden = runner.execute(batch, ...)         ONE target forward
+    logits, hidden = runner.execute(batch, ...)         ONE target forward (a request's prompt_logprobs: its prompt
+                                                        rows' logits, read here, then taken out of the step's)
     verdicts  = speculator.verify(seqs, proposals, ...) accepted path + one token of the target's own
     commit                                              append tokens, stop checks, name full blocks for the
                                                         prefix cache, roll back rejected KV, tell the proposer
@@ -178,9 +179,9 @@ class Engine:
             self._step_tokens = batch.num_tokens
             forward_start = time.perf_counter()
             logits, hidden = self.runner.execute(batch, hidden_states=self.speculator.needs_hidden_states)
+            self.stats.forward_seconds += time.perf_counter() - forward_start
             if any(seq.needs_prompt_logprobs for seq in seqs):
                 logits, hidden = take_prompt_logprobs(logits, hidden, seqs, [1 + len(p.fed()[0]) for p in proposals])
-            self.stats.forward_seconds += time.perf_counter() - forward_start
             verdicts = self.speculator.verify(seqs, proposals, logits, hidden)
         except TensorParallelError:  # the whole group failed, not these requests
             raise
