@@ -116,9 +116,10 @@ class Engine:
         for t in params.stop_token_ids:
             if t >= vocab:
                 raise ValueError(f"stop_token_ids: token id {t} is out of the vocabulary [0, {vocab})")
-        for t in params.logit_bias or ():
-            if t >= vocab:
-                raise ValueError(f"logit_bias: token id {t} is out of the vocabulary [0, {vocab})")
+        for name in ("logit_bias", "allowed_token_ids"):
+            for t in getattr(params, name) or ():
+                if t >= vocab:
+                    raise ValueError(f"{name}: token id {t} is out of the vocabulary [0, {vocab})")
         max_len = self.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "

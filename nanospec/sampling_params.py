@@ -15,14 +15,14 @@ MAX_LOGPROBS = 20  # most likely tokens reported per emitted token (OpenAI's top
 class SamplingParams:
     """Sampling settings of one request, vLLM's names and meanings (docs/sampling.md). ``temperature`` 0 is greedy;
     ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest (0: off); ``top_k`` -1 (or at least
-    the vocabulary) keeps every token; ``stop`` strings end the text before them (after
-    them with ``include_stop_str_in_output``); ``skip_special_tokens`` leaves special tokens out of the text;
+    the vocabulary) keeps every token; ``stop`` strings end the text before them (after them with
+    ``include_stop_str_in_output``); ``skip_special_tokens`` leaves special tokens out of the text;
     ``stop_token_ids`` end it like eos (kept); ``min_tokens`` holds eos, stop tokens and stop strings off;
     ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
     k reports the target's raw log-probabilities of each token and its k likeliest, ``prompt_logprobs`` k the same for
-    each prompt token after the first (its prefill then skips the prefix cache); ``logit_bias`` {token id: b} adds b
-    (in [-100, 100]) to that token's logit; it and the penalties as vLLM's, before temperature
-    (:mod:`nanospec.sampling.penalties`)."""
+    each prompt token after the first (its prefill then skips the prefix cache); ``allowed_token_ids`` keeps only
+    those tokens; ``logit_bias`` {token id: b} adds b (in [-100, 100]) to that token's logit; these and the
+    penalties as vLLM's, before temperature (:mod:`nanospec.sampling.penalties`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -44,6 +44,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -93,6 +94,12 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be a dict of token id (int >= 0) to a number in [-100, 100], "
                              f"got {self.logit_bias!r}")
         self.logit_bias = dict(bias) or None
+        allowed = self.allowed_token_ids
+        if allowed is not None and (not isinstance(allowed, (list, tuple)) or not allowed
+                                    or any(not _is_int(t) or t < 0 for t in allowed)):
+            raise ValueError(f"allowed_token_ids must be None or a non-empty list of token ids (ints >= 0), "
+                             f"got {allowed!r}")
+        self.allowed_token_ids = list(allowed) if allowed is not None else None
 
     @property
     def greedy(self) -> bool:

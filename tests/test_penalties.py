@@ -26,6 +26,9 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=T
 # a bias up and a ban (-100), with penalties on: the bias comes first, so the penalties see the biased logits
 BIASED = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=4, repetition_penalty=1.3,
                         logit_bias={7: 10.0, 9: 2.5, 40: -100})
+# vLLM's allowed_token_ids: the prompts' own tokens among them, so n-gram guesses still land
+ALLOWED = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=8, repetition_penalty=1.2,
+                         allowed_token_ids=[5, 9, 33, 40, 41, 42, 11, 12, 7])
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2},
@@ -47,7 +50,8 @@ def target(tmp_path_factory):
 def plain(target):
     llm = LLM(target, num_blocks=256, block_size=4)
     return {name: [o.outputs[0] for o in llm.generate(PROMPTS, params)] for name, params in
-            (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED), ("biased", BIASED))}
+            (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED), ("biased", BIASED),
+             ("allowed", ALLOWED))}
 
 
 def _penalized_by_hand(logits, prompt, output, params):
@@ -85,7 +89,8 @@ def test_speculation_with_penalties_equals_plain(target, plain, method):
     if config["method"] == "draft":
         config["model"] = target
     llm = LLM(target, num_blocks=256, block_size=4, speculative_config=config)
-    for name, params in (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED), ("biased", BIASED)):
+    for name, params in (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED), ("biased", BIASED),
+                         ("allowed", ALLOWED)):
         outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain[name]], (method, name)
         if params.logprobs is not None:  # the target's log-probs of the same tokens, from verify rows
@@ -114,6 +119,20 @@ def test_logit_bias(target, plain):
     assert biased.count(7) > unbiased.count(7) + 4 and 40 not in biased
     with pytest.raises(ValueError, match="logit_bias: token id 99999 is out of the vocabulary"):
         llm.generate(PROMPTS[:1], SamplingParams(logit_bias={99999: 1.0}))
+    assert_no_leak(llm)
+
+
+def test_allowed_token_ids(target, plain):
+    allowed = [t for o in plain["allowed"] for t in o.token_ids]
+    assert set(allowed) <= set(ALLOWED.allowed_token_ids) and len(set(allowed)) > 3
+    llm = LLM(target, num_blocks=64, block_size=4)
+    free = [t for o in llm.generate(PROMPTS, replace(ALLOWED, allowed_token_ids=None)) for t in o.outputs[0].token_ids]
+    assert not set(free) <= set(ALLOWED.allowed_token_ids)
+    only = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
+                                                    allowed_token_ids=[100]))[0].outputs[0].token_ids
+    assert only == [100] * 5
+    with pytest.raises(ValueError, match="allowed_token_ids: token id 99999 is out of the vocabulary"):
+        llm.generate(PROMPTS[:1], SamplingParams(allowed_token_ids=[99999]))
     assert_no_leak(llm)
 
 
@@ -212,7 +231,8 @@ def test_n_completions_are_seeded_choices(target):
     ("prompt_logprobs", -1), ("prompt_logprobs", 21), ("prompt_logprobs", 1.0),
     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("frequency_penalty", "1"), ("repetition_penalty", 0),
     ("repetition_penalty", float("inf")), ("presence_penalty", float("nan")), ("logit_bias", {"7": 1.0}),
-    ("logit_bias", {7: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", [7]), ("logit_bias", {7: True})])
+    ("logit_bias", {7: 101}), ("logit_bias", {-1: 1.0}), ("logit_bias", [7]), ("logit_bias", {7: True}),
+    ("allowed_token_ids", []), ("allowed_token_ids", [-1]), ("allowed_token_ids", 7), ("allowed_token_ids", [True])])
 def test_bad_values_are_refused_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})

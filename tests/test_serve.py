@@ -171,6 +171,9 @@ def test_logit_bias(server):
     got = _client(server[0]).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=4, temperature=0,
                                                 logit_bias={"7": 100}, extra_body={"return_token_ids": True})
     assert got.choices[0].token_ids == [7] * 4
+    got = _client(server[0]).completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=3, temperature=0,
+                                                extra_body={"allowed_token_ids": [9], "return_token_ids": True})
+    assert got.choices[0].token_ids == [9] * 3
     special = dict(model="tiny", prompt=PROMPTS[0], max_tokens=2, temperature=0, logit_bias={"1": 100})
     assert _client(server[0]).completions.create(**special).choices[0].text == ""
     assert _client(server[0]).completions.create(**special, extra_body={"skip_special_tokens": False}
@@ -250,6 +253,7 @@ def test_n_seed_logprobs_equal_offline(server, offline):
     ({"prompt": "hi", "top_p": True}, 400, "top_p"),
     ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"7": 101}}, 400, "logit_bias"),
     ({"prompt": "hi", "tools": []}, 400, "tools"),

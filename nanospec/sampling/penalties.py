@@ -1,9 +1,10 @@
-"""What plain decoding does to a row of logits before it draws: ``min_tokens``, ``logit_bias`` and the penalties, in
-that order (vLLM's).
+"""What plain decoding does to a row of logits before it draws: ``allowed_token_ids``, ``min_tokens``, ``logit_bias``
+and the penalties, in that order (vLLM's).
 
-A row whose token would be output token number ``< min_tokens`` gets ``-inf`` at its stop tokens; ``logit_bias[v]``
-is added to ``l_v``. Penalties (vLLM's and OpenAI's), with ``c_v`` the count of ``v`` in the output followed by the
-row's path, ``seen_v`` whether ``v`` is in the prompt or that output:
+Tokens outside ``allowed_token_ids`` get ``-inf``; a row whose token would be output token number ``< min_tokens``
+gets ``-inf`` at its stop tokens; ``logit_bias[v]`` is added to ``l_v``. Penalties (vLLM's and OpenAI's), with
+``c_v`` the count of ``v`` in the output followed by the row's path, ``seen_v`` whether ``v`` is in the prompt or
+that output:
 
     l_v = l_v / r   if seen_v and l_v > 0        (r = repetition_penalty; 1 is off)
     l_v = l_v * r   if seen_v and l_v <= 0
@@ -31,6 +32,17 @@ def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence]
                 cols += seq.stop_token_ids
     if rows:
         logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
+
+
+def keep_allowed_tokens(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]]) -> None:
+    """``logits[row, v] = -inf`` for every token ``v`` outside the ``allowed_token_ids`` of the row's sequence."""
+    for seq, seq_row in zip(seqs, seq_rows):
+        allowed = seq.params.allowed_token_ids
+        if allowed is not None and seq_row:
+            banned = torch.ones(logits.shape[-1], dtype=torch.bool, device=logits.device)
+            banned[torch.tensor(allowed, device=logits.device)] = False
+            rows = torch.tensor(seq_row, device=logits.device)
+            logits[rows] = logits[rows].masked_fill(banned, float("-inf"))
 
 
 def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]]) -> None:
