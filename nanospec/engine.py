@@ -120,6 +120,10 @@ class Engine:
             for t in getattr(params, name) or ():
                 if t >= vocab:
                     raise ValueError(f"{name}: token id {t} is out of the vocabulary [0, {vocab})")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+        if params.allowed_token_ids and params.min_tokens > 0 and set(params.allowed_token_ids) <= stops:
+            raise ValueError(f"allowed_token_ids: {params.allowed_token_ids} are all stop tokens, which min_tokens="
+                             f"{params.min_tokens} holds off: no token could be drawn")
         max_len = self.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "

@@ -133,6 +133,8 @@ def test_allowed_token_ids(target, plain):
     assert only == [100] * 5
     with pytest.raises(ValueError, match="allowed_token_ids: token id 99999 is out of the vocabulary"):
         llm.generate(PROMPTS[:1], SamplingParams(allowed_token_ids=[99999]))
+    with pytest.raises(ValueError, match="allowed_token_ids: \\[2\\] are all stop tokens, which min_tokens=3"):
+        llm.generate(PROMPTS[:1], SamplingParams(allowed_token_ids=[2], min_tokens=3))  # (2: the tiny eos)
     assert_no_leak(llm)
 
 
