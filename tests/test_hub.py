@@ -33,11 +33,14 @@ def test_a_hub_id_loads_its_cached_snapshot(tmp_path):
             "p = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
             "by_id = LLM('tiny-org/tiny-llama', num_blocks=32, block_size=4)\n"
             f"by_path = LLM({str(snapshot)!r}, num_blocks=32, block_size=4)\n"
-            "print(json.dumps([llm.generate([[5, 9, 33]], p)[0].outputs[0].token_ids for llm in (by_id, by_path)]))\n")
+            "draft = LLM('tiny-org/tiny-llama', num_blocks=32, block_size=4, speculative_config={'method': 'draft', "
+            "'model': 'tiny-org/tiny-llama', 'num_speculative_tokens': 2, 'acceptance': 'coupled'})\n"
+            "llms = (by_id, by_path, draft)\n"
+            "print(json.dumps([llm.generate([[5, 9, 33]], p)[0].outputs[0].token_ids for llm in llms]))\n")
     run = _run(code, tmp_path / "hub")
     assert run.returncode == 0, run.stderr
-    by_id, by_path = json.loads(run.stdout.strip().splitlines()[-1])
-    assert by_id == by_path and len(by_id) == 6
+    by_id, by_path, with_draft = json.loads(run.stdout.strip().splitlines()[-1])
+    assert by_id == by_path == with_draft and len(by_id) == 6  # (the draft, a Hub id too, is the target itself)
     assert str(snapshot) in run.stderr  # the log says where the model came from
 
 
@@ -47,6 +50,11 @@ def test_a_hub_id_the_hub_cannot_give_is_named(tmp_path):
     last = run.stderr.strip().splitlines()[-1]
     assert last.startswith("FileNotFoundError: model 'no-such-org/no-such-model' is not a local path")
     assert "hf download no-such-org/no-such-model --local-dir DIR" in last
+    run = _run("from nanospec import LLM\nLLM(speculative_config={'method': 'eagle3', 'model': 'no-such-org/head'})",
+               tmp_path / "empty-hub")
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("FileNotFoundError: speculative_config['model'] (the EAGLE-3 head): model "
+                           "'no-such-org/head' is not a local path"), last
 
 
 def test_local_paths_stay_local(tmp_path):

@@ -25,6 +25,7 @@ import torch
 
 from nanospec.device import cpu_has_fast_bfloat16, resolve_dtype
 from nanospec.model.eagle3 import load_eagle3_head
+from nanospec.model.hub import resolve_model_path
 from nanospec.model.mlp_speculator import load_mlp_speculator
 from nanospec.model.parallel import ParallelGroup
 from nanospec.model.quantization import parse_quantization
@@ -129,10 +130,7 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
             if not model or not isinstance(model, (str, os.PathLike)):
                 raise ValueError(f"speculative_config['model'] for method 'mlp_speculator' must be the path of an "
                                  f"MLP speculator directory (config.json + model.safetensors), got {model!r}")
-            if not Path(model).exists():
-                raise FileNotFoundError(f"speculative_config['model']: the MLP speculator path does not exist: "
-                                        f"{model}")
-            model = str(model)
+            model = _local(model, "the MLP speculator")
         tree_top_k = _optional_int(config, "tree_top_k")
         prompt_lookup = _bool(config, "prompt_lookup", False) if "prompt_lookup" in config else None
         return SpeculativeConfig(method, k, model=model, tree_top_k=tree_top_k, prompt_lookup=prompt_lookup, **fields)
@@ -142,8 +140,9 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
                 else "the path of a small Llama")
         raise ValueError(f"speculative_config for method {method!r} needs 'model': {what}, got {model!r}")
     if method == "eagle3":  # without a model: the shipped head, if the target is the embedded model
+        model = None if model is None else _local(model, "the EAGLE-3 head")
         if model is not None and not Path(model).is_dir():
-            raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head directory does not exist: {model}")
+            raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head must be a directory, got {model}")
         shape = {"num_speculative_tokens", "tree_top_k", "tree_budget"}
         if not shape & set(config):  # none of them set: the head directory's speculative_config.json's (if any)
             directory = Path(model) if model is not None else SHIPPED_EAGLE3
@@ -165,11 +164,18 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         parse_quantization(quantization)
     except ValueError as e:
         raise ValueError(f"speculative_config['quantization']: {e}") from None
-    if not Path(model).exists():
-        raise FileNotFoundError(f"speculative_config['model']: the draft model path does not exist: {model}")
+    model = _local(model, "the draft model")
     fields["tree_budget"] = fields["tree_budget"] or k * tree_top_k
     return SpeculativeConfig(method, k, model=str(model), tree_top_k=tree_top_k, acceptance=acceptance,
                              draft_tensor_parallel_size=draft_tp, quantization=quantization, **fields)
+
+
+def _local(model: str | os.PathLike, what: str) -> str:
+    """``model`` where it lies here: a path that exists, or a Hugging Face Hub id's snapshot (nanospec.model.hub)."""
+    try:
+        return str(resolve_model_path(model))
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"speculative_config['model'] ({what}): {error}") from None
 
 
 def _served(file: Path, keys: set[str]) -> dict:
