@@ -578,7 +578,7 @@ def test_command_line_checks_every_argument_before_loading(model_path, tmp_path)
                               (["--generation-config", str(tmp_path)], "no generation_config.json"),
                               (["--speculative-config", '{"method": "nope"}'], "method"),
                               (["--dtype", "float8"], "float8"), (["--log-level", "loud"], "--log-level"),
-                              (["--model", str(tmp_path / "missing")], "no such file")):
+                              (["--model", str(tmp_path / "missing")], "model path does not exist")):
             bad = subprocess.run([sys.executable, "-m", "nanospec.serve", "--model", model_path, *args], env=env,
                                  capture_output=True, text=True, timeout=120)
             assert bad.returncode == 2, (args, bad.stderr)
