@@ -91,11 +91,9 @@ class Engine:
         self.validate_prompt(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
-        eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
         text = TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output,
                           params.skip_special_tokens)
-        seq = Sequence(self._next_id, prompt_token_ids, params, seed, text,
-                       list(dict.fromkeys([*eos, *params.stop_token_ids])))
+        seq = Sequence(self._next_id, prompt_token_ids, params, seed, text, self._stop_token_ids(params))
         self.speculator.start(seq)
         self._next_id += 1
         self.sequences[seq.seq_id] = seq
@@ -120,8 +118,8 @@ class Engine:
             for t in getattr(params, name) or ():
                 if t >= vocab:
                     raise ValueError(f"{name}: token id {t} is out of the vocabulary [0, {vocab})")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
-        if params.allowed_token_ids and params.min_tokens > 0 and set(params.allowed_token_ids) <= stops:
+        if params.allowed_token_ids and params.min_tokens > 0 \
+                and set(params.allowed_token_ids) <= set(self._stop_token_ids(params)):
             raise ValueError(f"allowed_token_ids: {params.allowed_token_ids} are all stop tokens, which min_tokens="
                              f"{params.min_tokens} holds off: no token could be drawn")
         max_len = self.max_model_len
@@ -134,6 +132,11 @@ class Engine:
             raise ValueError(f"the KV pool is too small for this request: it needs {need} blocks of "
                              f"{self.block_manager.block_size} tokens ({lifetime} tokens) but the pool has "
                              f"{self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory or lower max_tokens")
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        """The tokens that end a request: eos (unless ignored), then its stop_token_ids."""
+        eos = [] if params.ignore_eos else self.tokenizer.eos_token_ids
+        return list(dict.fromkeys([*eos, *params.stop_token_ids]))
 
     def abort(self, request_id: int) -> CompletionOutput | None:
         """End a request now (finish reason "abort"); its final output, or None if unknown or finished."""

@@ -16,10 +16,10 @@ def resolve_model_path(model: str | os.PathLike) -> Path:
     """``model`` itself when it exists here or cannot be a Hub id, else its Hub snapshot. FileNotFoundError (naming
     ``model`` and what the Hub said) when it is neither."""
     path = Path(model)
-    if path.exists() or not _HUB_ID.fullmatch(str(model)):
-        if not path.exists():
-            raise FileNotFoundError(f"model path does not exist: {model}")
+    if path.exists():
         return path
+    if not _HUB_ID.fullmatch(str(model)):
+        raise FileNotFoundError(f"model path does not exist: {model}")
     try:
         from huggingface_hub import snapshot_download
 

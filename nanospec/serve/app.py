@@ -125,13 +125,14 @@ class Server:
     # ---------------------------------------------------------------- the completion endpoints
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
-        prompts = [self._encode(p) for p in body.prompts()]
+        given = body.prompts()
+        prompts = [self._encode(p) for p in given]
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", "prompt")
         params = self._params(body, prompts, "prompt", 16, body.logprobs)  # 16: OpenAI's default max_tokens
         echo = None
         if body.echo:
-            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in body.prompts()]
+            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in given]
             params = replace(params, prompt_logprobs=body.logprobs)
         fmt = Formatter(self.tokenizer, self.model_name, chat=False, token_ids=body.return_token_ids, echo=echo,
                         n=params.n)

@@ -62,13 +62,11 @@ class Formatter:
             return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, v) for t, v in e.top]}
                                 for e in entries]}
         token_ids = [e.token_id for e in entries]
-        values = [e.logprob for e in entries]
-        tops = [{self._token(t): v for t, v in e.top} for e in entries]
-        if echo is not None:
+        if echo is not None:  # the prompt first: its first entry is None (no log-probability), so its ids come apart
             _, prompt_ids, prompt_logprobs = echo
-            token_ids = prompt_ids + token_ids
-            values = [e.logprob if e else None for e in prompt_logprobs] + values
-            tops = [{self._token(t): v for t, v in e.top} if e else None for e in prompt_logprobs] + tops
+            token_ids, entries = prompt_ids + token_ids, prompt_logprobs + entries
+        values = [e.logprob if e else None for e in entries]
+        tops = [{self._token(t): v for t, v in e.top} if e else None for e in entries]
         tokens = [self._token(t) for t in token_ids]
         offsets = []
         for token in tokens:

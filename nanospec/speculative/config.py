@@ -149,8 +149,7 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
             config = {**config, **_served(directory / "speculative_config.json", shape)}
         k = _positive_int(config, "num_speculative_tokens", 4)
         fields["tree_budget"] = _optional_int(config, "tree_budget")
-        return SpeculativeConfig(method, k, model=None if model is None else str(model),
-                                 tree_top_k=_positive_int(config, "tree_top_k", 1), **fields)
+        return SpeculativeConfig(method, k, model=model, tree_top_k=_positive_int(config, "tree_top_k", 1), **fields)
     tree_top_k = _positive_int(config, "tree_top_k", 1)
     acceptance = config.get("acceptance", "rejection")
     if acceptance not in ("rejection", "coupled"):
@@ -166,7 +165,7 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         raise ValueError(f"speculative_config['quantization']: {e}") from None
     model = _local(model, "the draft model")
     fields["tree_budget"] = fields["tree_budget"] or k * tree_top_k
-    return SpeculativeConfig(method, k, model=str(model), tree_top_k=tree_top_k, acceptance=acceptance,
+    return SpeculativeConfig(method, k, model=model, tree_top_k=tree_top_k, acceptance=acceptance,
                              draft_tensor_parallel_size=draft_tp, quantization=quantization, **fields)
 
 
