@@ -12,6 +12,7 @@ bytes one decode step must read (every weight once, plus the KV cache read by at
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -51,14 +52,24 @@ def measure_bandwidth(device, nbytes=1 << 30) -> float:
     return nbytes / best
 
 
+def _nbytes(obj) -> int:
+    """Bytes a matmul reads of one layer: its float weight, or a quantized weight's packed values, scales and zeros
+    (whichever copy the kernel on this device reads)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if dataclasses.is_dataclass(obj):
+        return sum(_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    return sum(_nbytes(v) for v in getattr(obj, "__dict__", {}).values())
+
+
 def weight_bytes(llm: LLM) -> int:
+    """Bytes one decode step reads: every matrix (the head once, tied or not; the embedding only gathers rows)
+    and every norm, as loaded (float or quantized)."""
     m = llm.model
-    size = m.embed_tokens.element_size()
-    # the embedding row gather reads one row; the head reads the whole matrix (tied: counted once)
     matrices = [m.lm_head] + [getattr(layer, name) for layer in m.layers
                               for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
     norms = [m.norm] + [n for layer in m.layers for n in (layer.input_norm, layer.post_attention_norm)]
-    return size * (sum(w.out_features * w.in_features for w in matrices) + sum(n.numel() for n in norms))
+    return sum(_nbytes(w) for w in matrices) + sum(_nbytes(n) for n in norms)
 
 
 def time_nanospec(llm: LLM, prompt_ids: list[int], batch: int, new_tokens: int, device) -> tuple[float, float]:

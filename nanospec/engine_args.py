@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -68,6 +68,10 @@ class EngineArgs:
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
         self.speculative: SpeculativeConfig | None = parse_speculative_config(self.speculative_config)
+        if self.device.type == "cuda":  # "auto" on a GPU: float weights, as cuBLAS outruns the Triton int4 matmul
+            self.quantization = None if self.quantization == "auto" else self.quantization
+            if self.speculative is not None and self.speculative.quantization == "auto":
+                self.speculative = replace(self.speculative, quantization=None)
         if self.speculative is not None and self.speculative.dtype is not None:
             try:  # a bad draft dtype fails here, before any loading
                 resolve_dtype(self.speculative.dtype, self.device)

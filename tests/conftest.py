@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="marked gpu: needs a CUDA device, and none is available here")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # a marker, not any keyword (a folder named gpu)
             item.add_marker(skip)
 
 

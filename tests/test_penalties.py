@@ -48,7 +48,7 @@ def target(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def plain(target):
-    llm = LLM(target, num_blocks=256, block_size=4)
+    llm = LLM(target, num_blocks=256, block_size=4, dtype="float32")
     return {name: [o.outputs[0] for o in llm.generate(PROMPTS, params)] for name, params in
             (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED), ("biased", BIASED),
              ("allowed", ALLOWED))}
@@ -88,7 +88,7 @@ def test_speculation_with_penalties_equals_plain(target, plain, method):
     config = dict(METHODS[method])
     if config["method"] == "draft":
         config["model"] = target
-    llm = LLM(target, num_blocks=256, block_size=4, speculative_config=config)
+    llm = LLM(target, num_blocks=256, block_size=4, dtype="float32", speculative_config=config)
     for name, params in (("greedy", GREEDY), ("strong", GREEDY_STRONG), ("seeded", SEEDED), ("biased", BIASED),
                          ("allowed", ALLOWED)):
         outs = [o.outputs[0] for o in llm.generate(PROMPTS, params)]
@@ -105,7 +105,7 @@ def test_speculation_with_penalties_equals_plain(target, plain, method):
 
 
 def test_logit_bias(target, plain):
-    llm = LLM(target, num_blocks=128, block_size=4)
+    llm = LLM(target, num_blocks=128, block_size=4, dtype="float32")
     greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
     out = llm.generate(PROMPTS, SamplingParams(**greedy, logit_bias={7: 100}))
     assert [o.outputs[0].token_ids for o in out] == [[7] * 8] * len(PROMPTS)
@@ -125,7 +125,7 @@ def test_logit_bias(target, plain):
 def test_allowed_token_ids(target, plain):
     allowed = [t for o in plain["allowed"] for t in o.token_ids]
     assert set(allowed) <= set(ALLOWED.allowed_token_ids) and len(set(allowed)) > 3
-    llm = LLM(target, num_blocks=64, block_size=4)
+    llm = LLM(target, num_blocks=64, block_size=4, dtype="float32")
     free = [t for o in llm.generate(PROMPTS, replace(ALLOWED, allowed_token_ids=None)) for t in o.outputs[0].token_ids]
     assert not set(free) <= set(ALLOWED.allowed_token_ids)
     only = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True,
@@ -141,7 +141,7 @@ def test_allowed_token_ids(target, plain):
 def test_skip_special_tokens(target):
     """vLLM's default leaves special tokens out of the text; ``skip_special_tokens=False`` keeps them (the tiny
     tokenizer's ``<|im_start|>`` is token 1), streamed and not; the tokens are the same either way."""
-    llm = LLM(target, num_blocks=64, block_size=4)
+    llm = LLM(target, num_blocks=64, block_size=4, dtype="float32")
     params = dict(temperature=0, max_tokens=3, ignore_eos=True, logit_bias={1: 100})
     skipped = llm.generate(PROMPTS[:1], SamplingParams(**params))[0].outputs[0]
     kept = llm.generate(PROMPTS[:1], SamplingParams(**params, skip_special_tokens=False))[0].outputs[0]
@@ -160,7 +160,7 @@ def test_penalties_and_logprobs_match_transformers(target):
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(target).eval()
-    llm = LLM(target, num_blocks=64, block_size=4)
+    llm = LLM(target, num_blocks=64, block_size=4, dtype="float32")
     prompt = PROMPTS[0]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.7, logprobs=3)
     out = llm.generate([prompt], params)[0].outputs[0]
@@ -184,7 +184,7 @@ def test_prompt_logprobs_match_transformers(target, method, monkeypatch):
     from transformers import LlamaForCausalLM
 
     config = dict(METHODS[method], model=target) if method == "self_draft" else METHODS.get(method)
-    llm = LLM(target, num_blocks=128, block_size=4, speculative_config=config)
+    llm = LLM(target, num_blocks=128, block_size=4, dtype="float32", speculative_config=config)
     prompt = PROMPTS[1][:19]
     with torch.no_grad():
         expected = torch.log_softmax(LlamaForCausalLM.from_pretrained(target).eval()(
@@ -212,7 +212,7 @@ def test_prompt_logprobs_match_transformers(target, method, monkeypatch):
 
 
 def test_n_completions_are_seeded_choices(target):
-    llm = LLM(target, num_blocks=128, block_size=4)
+    llm = LLM(target, num_blocks=128, block_size=4, dtype="float32")
     params = SamplingParams(temperature=1.0, max_tokens=8, seed=7, n=3, ignore_eos=True)
     outs = llm.generate([PROMPTS[0], PROMPTS[2]], params)
     assert len(outs) == 2 and [[o.index for o in out.outputs] for out in outs] == [[0, 1, 2], [0, 1, 2]]

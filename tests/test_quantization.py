@@ -317,7 +317,8 @@ def test_hf_checkpoint_is_quantized_on_load(tmp_path):
     for quantization, kind in [("int4", "int4-g32"), ("int4-g64", "int4-g64"), ("int8", "int8")]:
         llm = LLM(str(tmp_path), quantization=quantization, num_blocks=64, block_size=4)
         assert llm.model.quantization == f"{kind} (9)"
-    assert LLM(str(tmp_path), num_blocks=64, block_size=4).model.quantization == "float32 (9)"  # auto: as stored
+    as_stored = LLM(str(tmp_path), num_blocks=64, block_size=4, dtype="float32")  # auto: as stored
+    assert as_stored.model.quantization == "float32 (9)"
     with pytest.raises(ValueError, match="multiple of 128.*64 inputs"):
         LLM(str(tmp_path), quantization="int4-g128", num_blocks=64, block_size=4)
 

@@ -110,30 +110,34 @@ class ModelRunner:
                 next(b for b in self.query_buckets if b >= batch.max_query_len), batch.tree_mask is not None)
 
     def _fill(self, static: ForwardBatch, batch: ForwardBatch, q: int) -> torch.Tensor:
-        """Lay the host batch into the bucket's static buffers (built on the host, one copy); returns, on the
-        device, the static rows of the batch's tokens in the batch's order."""
+        """Lay the batch into the bucket's static buffers; returns, on the device, the static rows of the batch's
+        tokens in the batch's order. A host batch (the engine's) is laid out on the host and copied once; a batch
+        already on the device (a draft's, whose input ids are its previous guesses) is laid out there."""
         num_seqs, real = static.seq_lens.shape[0], batch.seq_lens.shape[0]
+        on = batch.seq_lens.device
         counts = batch.query_start_loc.diff()
-        seq = torch.repeat_interleave(torch.arange(real), counts)  # the sequence of every real row
-        rows = seq * q + torch.arange(batch.num_tokens) - batch.query_start_loc[:-1].long()[seq]
+        seq = torch.repeat_interleave(torch.arange(real, device=on), counts,  # the sequence of every real row
+                                      output_size=batch.num_tokens)
+        rows = seq * q + torch.arange(batch.num_tokens, device=on) - batch.query_start_loc[:-1].long()[seq]
         values = {}
-        values["input_ids"] = torch.zeros(num_seqs * q, dtype=torch.int64).index_copy_(0, rows, batch.input_ids)
-        last = torch.zeros(num_seqs, dtype=torch.int64)  # padding rows repeat their sequence's last position
+        values["input_ids"] = torch.zeros(num_seqs * q, dtype=torch.int64, device=on).index_copy_(0, rows,
+                                                                                                 batch.input_ids)
+        last = torch.zeros(num_seqs, dtype=torch.int64, device=on)  # padding rows: their sequence's last position
         last[:real] = batch.positions[batch.query_start_loc[1:].long() - 1]
         values["positions"] = last.repeat_interleave(q).index_copy_(0, rows, batch.positions)
-        values["slot_mapping"] = torch.full((num_seqs * q,), -1, dtype=torch.int64).index_copy_(0, rows,
-                                                                                               batch.slot_mapping)
-        tables = torch.zeros(static.block_tables.shape, dtype=torch.int32)
+        values["slot_mapping"] = torch.full((num_seqs * q,), -1, dtype=torch.int64,
+                                            device=on).index_copy_(0, rows, batch.slot_mapping)
+        tables = torch.zeros(static.block_tables.shape, dtype=torch.int32, device=on)
         width = min(batch.block_tables.shape[1], tables.shape[1])
         tables[:real, :width] = batch.block_tables[:, :width]
         values["block_tables"] = tables
-        seq_lens = torch.full((num_seqs,), q, dtype=torch.int32)
+        seq_lens = torch.full((num_seqs,), q, dtype=torch.int32, device=on)
         seq_lens[:real] = batch.seq_lens - counts.to(torch.int32) + q
         values["seq_lens"] = seq_lens
-        values["query_start_loc"] = torch.arange(0, num_seqs * q + 1, q, dtype=torch.int32)
+        values["query_start_loc"] = torch.arange(0, num_seqs * q + 1, q, dtype=torch.int32, device=on)
         if static.tree_mask is not None:  # a padding row sees itself only
-            own = torch.arange(num_seqs * q) % q
-            mask = torch.zeros(static.tree_mask.shape, dtype=torch.int64)
+            own = torch.arange(num_seqs * q, device=on) % q
+            mask = torch.zeros(static.tree_mask.shape, dtype=torch.int64, device=on)
             mask.scatter_(1, (own // 64)[:, None], (torch.ones_like(own) << (own % 64))[:, None])
             mask[rows, : batch.tree_mask.shape[1]] = batch.tree_mask
             values["tree_mask"] = mask
