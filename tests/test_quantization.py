@@ -296,13 +296,13 @@ def test_gguf_file_keeps_its_4bit_tensors(quantized_gguf):
 
 def test_gguf_model_runs_quantized_like_its_dequantized_twin(quantized_gguf):
     """The int4/int8 model and the float32 model of the very weights those stand for give the same logits, up to the
-    bfloat16 rounding of the CPU kernels' activations."""
+    bfloat16 rounding of the CPU kernels' activations. (On CUDA, "auto" loads float weights: this is the CPU's.)"""
     path, _ = quantized_gguf
-    quantized = LLM(str(path), quantization="auto", num_blocks=64, block_size=4)
+    quantized = LLM(str(path), quantization="auto", num_blocks=64, block_size=4, device="cpu")
     assert quantized.model.quantization == "int4-g32 (6), int8 (3)"
     twin = load_checkpoint(path, torch.float32, "auto")
     twin.tensors = {name: w if isinstance(w, torch.Tensor) else w.dequantize() for name, w in twin.tensors.items()}
-    floating = LLM(twin, quantization=None, num_blocks=64, block_size=4)
+    floating = LLM(twin, quantization=None, num_blocks=64, block_size=4, device="cpu")
     from tiny import forward_logits
 
     ids = [5, 9, 33, 12, 40, 7]

@@ -156,10 +156,12 @@ class ModelRunner:
         """Host integer tensors on the device, through one pinned buffer and one asynchronous copy (as they are
         on a CPU). The buffers are used in turn (a step's forward, then its verification), and a buffer is only
         refilled once the copy that last read it has run; a step ends in a device read, so that has long
-        happened. Tensors already on the device (a draft's own batches) stay where they are."""
-        if self.device.type != "cuda" or all(t.device == self.device for t in tensors):
+        happened. Tensors already on the GPU (a draft's own batches) stay where they are. (``torch.device("cuda")``
+        is not equal to a tensor's ``cuda:0``: the test is the tensor's own.)"""
+        host = [i for i, t in enumerate(tensors) if not t.is_cuda]
+        if self.device.type != "cuda" or not host:
             return tensors
-        flat = [t.reshape(-1).to(torch.int64) for t in tensors]
+        flat = [tensors[i].reshape(-1).to(torch.int64) for i in host]
         total = sum(t.numel() for t in flat)
         index = self._next_staging
         self._next_staging = (index + 1) % len(self._staging)
@@ -173,9 +175,10 @@ class ModelRunner:
         copied = torch.cuda.Event()
         copied.record()
         self._staging[index] = (buffer, copied)
-        out, offset = [], 0
-        for t in tensors:
-            out.append(packed[offset:offset + t.numel()].view(t.shape).to(t.dtype))
+        out, offset = list(tensors), 0
+        for i in host:
+            t = tensors[i]
+            out[i] = packed[offset:offset + t.numel()].view(t.shape).to(t.dtype)
             offset += t.numel()
         return out
 
