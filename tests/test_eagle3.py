@@ -633,7 +633,7 @@ def test_server_equals_offline(target, successor_head, expected, plain_features,
     streams with penalties, log-probabilities, n and a stop string, equal plain decoding's."""
     import asyncio
 
-    import openai
+    openai = pytest.importorskip("openai", reason="needs the server's client: pip install -e '.[test]'")
     from test_serve import _client, _idle, _wait_until, serving
 
     llm = eagle_llm(target, successor_head, device, max_num_seqs=8)
