@@ -52,14 +52,19 @@ def measure_bandwidth(device, nbytes=1 << 30) -> float:
     return nbytes / best
 
 
-def _nbytes(obj) -> int:
-    """Bytes a matmul reads of one layer: its float weight, or a quantized weight's packed values, scales and zeros
-    (whichever copy the kernel on this device reads)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
-    if dataclasses.is_dataclass(obj):
-        return sum(_nbytes(getattr(obj, f.name)) for f in dataclasses.fields(obj))
-    return sum(_nbytes(v) for v in getattr(obj, "__dict__", {}).values())
+def _read_bytes(layer) -> int:
+    """Bytes one call of a linear layer reads of its weight: the copy its kernel on this device reads (on a CPU,
+    oneDNN's packed float copy, torch's int4 layout with its scales and zeros, or the padded int8 copy)."""
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    if getattr(layer, "cpu_scale", None) is not None:  # int8 on a CPU
+        return nbytes([layer.cpu_q, layer.cpu_scale])
+    if getattr(layer, "packed", None) is not None:  # float through oneDNN, or int4 on a CPU
+        return nbytes([layer.packed, getattr(layer, "scales_and_zeros", None)])
+    w = layer.weight
+    if isinstance(w, torch.Tensor):
+        return nbytes([w])
+    return nbytes([getattr(w, f.name) for f in dataclasses.fields(w) if isinstance(getattr(w, f.name), torch.Tensor)])
 
 
 def weight_bytes(llm: LLM) -> int:
@@ -69,7 +74,7 @@ def weight_bytes(llm: LLM) -> int:
     matrices = [m.lm_head] + [getattr(layer, name) for layer in m.layers
                               for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
     norms = [m.norm] + [n for layer in m.layers for n in (layer.input_norm, layer.post_attention_norm)]
-    return sum(_nbytes(w) for w in matrices) + sum(_nbytes(n) for n in norms)
+    return sum(_read_bytes(w) for w in matrices) + sum(n.numel() * n.element_size() for n in norms)
 
 
 def time_nanospec(llm: LLM, prompt_ids: list[int], batch: int, new_tokens: int, device) -> tuple[float, float]:

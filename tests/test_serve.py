@@ -15,11 +15,11 @@ import threading
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 # the server's own dependencies and its client come with the extras (a GPU machine may lack them): skipped, saying so
 _EXTRA = "needs the server and its client: pip install -e '.[test]'"
+httpx = pytest.importorskip("httpx", reason=_EXTRA)
 openai = pytest.importorskip("openai", reason=_EXTRA)
 uvicorn = pytest.importorskip("uvicorn", reason=_EXTRA)
 pytest.importorskip("fastapi", reason=_EXTRA)
