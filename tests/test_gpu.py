@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from nanospec import LLM, SamplingParams
-from nanospec.engine_args import EngineArgs
 from nanospec.kernels.backend import use_triton
 from tiny import LOGITS_TOLERANCE, assert_no_leak, assert_same_tokens_up_to_a_near_tie, forward_logits, make_tiny_llama
 
@@ -43,12 +42,3 @@ def test_cuda_engine_matches_the_cpu_engine(target_path, speculative_config):
     assert compared >= len(PROMPTS) * params.max_tokens // 2  # near ties are rare: most tokens were compared
     assert_no_leak(cuda)
 
-
-def test_auto_quantization_on_cuda_loads_float_weights(target_path):
-    """On CUDA, "auto" keeps float weights: bf16 cuBLAS outruns the Triton int4 matmul there (docs/quantization.md);
-    int4 stays one argument away, for a draft too."""
-    draft = {"method": "draft", "model": str(target_path), "num_speculative_tokens": 2}
-    args = EngineArgs(model=str(target_path), device="cuda", speculative_config=draft)
-    assert args.quantization is None and args.speculative.quantization is None
-    assert EngineArgs(model=str(target_path), device="cuda", quantization="int4").quantization == "int4"
-    assert EngineArgs(model=str(target_path), device="cpu").quantization == "auto"
