@@ -41,4 +41,3 @@ def test_cuda_engine_matches_the_cpu_engine(target_path, speculative_config):
                                                         lambda i: reference[len(prompt) - 1 + i])
     assert compared >= len(PROMPTS) * params.max_tokens // 2  # near ties are rare: most tokens were compared
     assert_no_leak(cuda)
-
