@@ -28,6 +28,7 @@ from nanospec.model.parallel import TensorParallelError
 from nanospec.model.runner import ModelRunner
 from nanospec.outputs import CompletionOutput
 from nanospec.sampling.logprobs import take_prompt_logprobs
+from nanospec.sampling.penalties import bad_words_token_ids
 from nanospec.sampling_params import SamplingParams
 from nanospec.scheduler import Scheduler
 from nanospec.sequence import Sequence
@@ -94,6 +95,7 @@ class Engine:
         text = TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output,
                           params.skip_special_tokens)
         seq = Sequence(self._next_id, prompt_token_ids, params, seed, text, self._stop_token_ids(params))
+        seq.bad_words_token_ids = bad_words_token_ids(params.bad_words or [], self.tokenizer, self.vocab_size)
         self.speculator.start(seq)
         self._next_id += 1
         self.sequences[seq.seq_id] = seq
@@ -118,6 +120,7 @@ class Engine:
             for t in getattr(params, name) or ():
                 if t >= vocab:
                     raise ValueError(f"{name}: token id {t} is out of the vocabulary [0, {vocab})")
+        bad_words_token_ids(params.bad_words or [], self.tokenizer, vocab)  # a token outside it: ValueError
         if params.allowed_token_ids and params.min_tokens > 0 \
                 and set(params.allowed_token_ids) <= set(self._stop_token_ids(params)):
             raise ValueError(f"allowed_token_ids: {params.allowed_token_ids} are all stop tokens, which min_tokens="

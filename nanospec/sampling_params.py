@@ -21,7 +21,8 @@ class SamplingParams:
     ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
     k reports the target's raw log-probabilities of each token and its k likeliest, ``prompt_logprobs`` k the same for
     each prompt token after the first (its prefill then skips the prefix cache); ``allowed_token_ids`` keeps only
-    those tokens; ``logit_bias`` {token id: b} adds b (in [-100, 100]) to that token's logit; these and the
+    those tokens; ``bad_words`` are never completed (each word's last token is banned where the output ends with
+    the rest of it); ``logit_bias`` {token id: b} adds b (in [-100, 100]) to that token's logit; these and the
     penalties as vLLM's, before temperature (:mod:`nanospec.sampling.penalties`)."""
 
     temperature: float = 1.0
@@ -45,6 +46,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -100,6 +102,11 @@ class SamplingParams:
             raise ValueError(f"allowed_token_ids must be None or a non-empty list of token ids (ints >= 0), "
                              f"got {allowed!r}")
         self.allowed_token_ids = list(allowed) if allowed is not None else None
+        bad = self.bad_words
+        if bad is not None and (not isinstance(bad, (list, tuple)) or any(not isinstance(w, str) or not w.strip()
+                                                                         for w in bad)):
+            raise ValueError(f"bad_words must be None or a list of words (non-blank strings), got {bad!r}")
+        self.bad_words = list(bad or ()) or None
 
     @property
     def greedy(self) -> bool:

@@ -28,6 +28,7 @@ class Sequence:
         self.params = params
         self.seed = seed  # an int64: the counters of nanospec.kernels.random take 64 bits
         self.stop_token_ids = stop_token_ids  # the tokens that end it: eos (unless ignored) and params.stop_token_ids
+        self.bad_words_token_ids: list[list[int]] = []  # params.bad_words as token ids (sampling.penalties)
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0

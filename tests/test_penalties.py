@@ -10,7 +10,7 @@ import torch
 from nanospec import LLM, SamplingParams
 from nanospec.sequence import Sequence
 from nanospec.sampling import logprobs
-from nanospec.sampling.penalties import apply_penalties
+from nanospec.sampling.penalties import apply_penalties, ban_bad_words, bad_words_token_ids
 from nanospec.speculative.proposal import Proposal
 from tiny import assert_no_leak, make_tiny_llama
 
@@ -135,6 +135,51 @@ def test_allowed_token_ids(target, plain):
         llm.generate(PROMPTS[:1], SamplingParams(allowed_token_ids=[99999]))
     with pytest.raises(ValueError, match="allowed_token_ids: \\[2\\] are all stop tokens, which min_tokens=3"):
         llm.generate(PROMPTS[:1], SamplingParams(allowed_token_ids=[2], min_tokens=3))  # (2: the tiny eos)
+    assert_no_leak(llm)
+
+
+def test_each_tree_node_bans_the_bad_words_its_own_path_would_complete():
+    """A bad word's last token is banned in a row whose output and path end with the rest of the word (a word that
+    ends on the path itself counts), and nowhere else; a one-token word is banned in every row."""
+    seq = Sequence(0, [1, 2], SamplingParams(), 0, None, [])
+    seq.token_ids += [3, 4]  # output 3 4
+    seq.bad_words_token_ids = [[4, 5, 6], [7, 8], [9]]
+    node_paths = [[], [5], [5, 7], [7], [8]]  # root, then root -> 5 -> 7, root -> 7, root -> 8
+    logits = torch.zeros(5, 12)
+    ban_bad_words(logits, [seq], [[0, 1, 2, 3, 4]], [node_paths])
+    banned = {(r, c) for r, c in (logits == float("-inf")).nonzero().tolist()}
+    every_row = {(r, 9) for r in range(5)}
+    assert banned == every_row | {(1, 6), (2, 8), (3, 8)}  # 4 5 -> 6 after [5]; 7 -> 8 after [5, 7] and [7]
+
+
+def test_bad_words(target):
+    """vLLM's ``bad_words``: plain greedy never completes a banned word (a two-token word found in its free output,
+    and a one-token word), and every speculation method gives plain's tokens with the same words banned."""
+    llm = LLM(target, num_blocks=128, block_size=4, dtype="float32")
+    tokenizer, greedy = llm.engine.tokenizer, dict(temperature=0, max_tokens=16, ignore_eos=True)
+    free = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(**greedy))]
+
+    def round_trips(tokens):  # printable ASCII whose text is tokenized back to the same tokens
+        text = tokenizer.decode(tokens)
+        return text.isascii() and text.isprintable() and text.strip() == text and tokenizer.encode(text) == tokens
+    pair = next(out[i:i + 2] for out in free for i in range(len(out) - 1) if round_trips(out[i:i + 2]))
+    single = next(t for out in free for t in out if round_trips([t]) and t not in pair)
+    words = [tokenizer.decode(pair), tokenizer.decode([single])]
+    assert bad_words_token_ids(words, tokenizer, llm.engine.vocab_size)[0] == pair
+    params = [SamplingParams(**greedy, bad_words=words),
+              SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=5, bad_words=words)]
+    banned = [[o.outputs[0].token_ids for o in llm.generate(PROMPTS, p)] for p in params]
+    assert banned[0] != free
+    for out in banned[0] + banned[1]:
+        assert single not in out and all(out[i:i + 2] != pair for i in range(len(out) - 1))
+    for method in ("ngram", "self_draft"):
+        config = dict(METHODS[method], model=target) if method == "self_draft" else METHODS[method]
+        spec = LLM(target, num_blocks=128, block_size=4, dtype="float32", speculative_config=config)
+        assert [[o.outputs[0].token_ids for o in spec.generate(PROMPTS, p)] for p in params] == banned, method
+        assert_no_leak(spec)
+    for bad in ("a word", [""], ["  "], [3]):
+        with pytest.raises(ValueError, match="bad_words must be None or a list of words"):
+            SamplingParams(bad_words=bad)
     assert_no_leak(llm)
 
 

@@ -258,6 +258,7 @@ def test_n_seed_logprobs_equal_offline(server, offline):
     ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
     ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "allowed_token_ids": [99999]}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"7": 101}}, 400, "logit_bias"),
     ({"prompt": "hi", "tools": []}, 400, "tools"),

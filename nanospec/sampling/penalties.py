@@ -1,8 +1,9 @@
-"""What plain decoding does to a row of logits before it draws: ``allowed_token_ids``, ``min_tokens``, ``logit_bias``
-and the penalties, in that order (vLLM's).
+"""What plain decoding does to a row of logits before it draws: ``allowed_token_ids``, ``bad_words``, ``min_tokens``,
+``logit_bias`` and the penalties, in that order (vLLM's).
 
-Tokens outside ``allowed_token_ids`` get ``-inf``; a row whose token would be output token number ``< min_tokens``
-gets ``-inf`` at its stop tokens; ``logit_bias[v]`` is added to ``l_v``. Penalties (vLLM's and OpenAI's), with
+Tokens outside ``allowed_token_ids`` get ``-inf``; a bad word's last token gets ``-inf`` in a row whose output (and
+path, under speculation) ends with the rest of the word; a row whose token would be output token number
+``< min_tokens`` gets ``-inf`` at its stop tokens; ``logit_bias[v]`` is added to ``l_v``. Penalties (vLLM's and OpenAI's), with
 ``c_v`` the count of ``v`` in the output followed by the row's path, ``seen_v`` whether ``v`` is in the prompt or
 that output:
 
@@ -16,6 +17,41 @@ from __future__ import annotations
 import torch
 
 from nanospec.sequence import Sequence
+
+
+def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int) -> list[list[int]]:
+    """vLLM's reading of ``bad_words``: each word's tokens alone and, where a leading space gives a different first
+    token and as many tokens, after a space too (the word in the middle of a text). Raises ValueError, naming the
+    word, for a token outside the model's vocabulary."""
+    ids: list[list[int]] = []
+    for word in words:
+        alone, spaced = tokenizer.encode(word.lstrip()), tokenizer.encode(" " + word.lstrip())
+        variants = [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
+        for tokens in variants:
+            if any(not 0 <= t < vocab_size for t in tokens):
+                raise ValueError(f"bad_words: {word!r} has a token outside the vocabulary [0, {vocab_size})")
+        ids += variants
+    return ids
+
+
+def ban_bad_words(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]],
+                  paths: list[list[list[int]]]) -> None:
+    """``logits[row, word[-1]] = -inf`` for every bad word whose other tokens end the output of ``seqs[i]`` followed
+    by ``paths[i][j]`` (row ``seq_rows[i][j]``); a one-token word is banned everywhere."""
+    rows, cols = [], []
+    for seq, srows, spaths in zip(seqs, seq_rows, paths):
+        if not seq.bad_words_token_ids:
+            continue
+        output = seq.output_token_ids
+        for row, path in zip(srows, spaths):
+            past = output + path
+            for word in seq.bad_words_token_ids:
+                prefix = word[:-1]
+                if len(prefix) <= len(past) and past[len(past) - len(prefix):] == prefix:
+                    rows.append(row)
+                    cols.append(word[-1])
+    if rows:
+        logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = float("-inf")
 
 
 def ban_stop_tokens_before_min_tokens(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[list[int]],

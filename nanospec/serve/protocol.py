@@ -52,6 +52,7 @@ class SamplingFields(Body):
     include_stop_str_in_output: Bool = False  # vLLM's
     skip_special_tokens: Bool = True  # vLLM's
     allowed_token_ids: TokenIds | None = None  # vLLM's
+    bad_words: list[Str] | None = None  # vLLM's
     user: Str | None = None  # accepted, unused
     return_token_ids: Bool = False  # vLLM's: each choice also carries its token ids (a chunk: the new ones)
 
@@ -74,7 +75,7 @@ class SamplingFields(Body):
             presence_penalty=field("presence_penalty"), frequency_penalty=field("frequency_penalty"),
             repetition_penalty=field("repetition_penalty"),
             logit_bias=None if self.logit_bias is None else {_token_id(k): b for k, b in self.logit_bias.items()},
-            allowed_token_ids=self.allowed_token_ids)
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
 
     @property
     def include_usage(self) -> bool:

@@ -24,8 +24,8 @@ import torch
 from nanospec.kernels.tree_rejection import tree_rejection_sample
 from nanospec.kernels.tree_verify import greedy_tree_verify
 from nanospec.sampling.logprobs import gather_logprobs, token_logprobs
-from nanospec.sampling.penalties import (add_logit_bias, apply_penalties, ban_stop_tokens_before_min_tokens,
-                                         keep_allowed_tokens)
+from nanospec.sampling.penalties import (add_logit_bias, apply_penalties, ban_bad_words,
+                                         ban_stop_tokens_before_min_tokens, keep_allowed_tokens)
 from nanospec.sampling.tensors import SamplingTensors, draw_tokens
 from nanospec.sequence import Sequence
 from nanospec.speculative.proposal import Proposal, Verdict
@@ -103,6 +103,7 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     # log-probabilities from the raw logits, before the bans, biases and penalties
     raw = torch.log_softmax(logits[rows_t].float(), dim=-1) if num_top is not None else None
     keep_allowed_tokens(logits, seqs, seq_rows)
+    ban_bad_words(logits, seqs, seq_rows, paths)
     ban_stop_tokens_before_min_tokens(logits, seqs, seq_rows, depths)
     add_logit_bias(logits, seqs, seq_rows)
     apply_penalties(logits, seqs, seq_rows, paths)
