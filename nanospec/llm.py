@@ -190,23 +190,26 @@ class LLM:
         self._outputs[rid] = []
         return RequestStream(self, rid)
 
-    def _render_chat(self, messages, where: str = "messages", add_generation_prompt: bool = True) -> str:
-        """The checked conversation through the chat template, the assistant's turn opened (unless not asked)."""
+    def _render_chat(self, messages, where: str = "messages", add_generation_prompt: bool = True,
+                     continue_final_message: bool = False) -> str:
+        """The checked conversation through the chat template, the assistant's turn opened (unless not asked, or
+        the last message is continued)."""
         return self.tokenizer.apply_chat_template(check_messages(messages, where),
-                                                  add_generation_prompt=add_generation_prompt)
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=continue_final_message)
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = False,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, continue_final_message: bool = False) -> list[RequestOutput]:
         """One conversation (a list of {"role", "content"} dicts) or a list of them, checked as the server checks
-        them; a ``RequestOutput`` per conversation, its ``prompt`` the rendered conversation (vLLM's arguments)."""
+        them; a ``RequestOutput`` per conversation, its ``prompt`` the rendered conversation (vLLM's arguments:
+        ``continue_final_message`` with ``add_generation_prompt=False`` lets the model go on with the last message,
+        e.g. an assistant's answer begun for it)."""
         if isinstance(messages, (list, tuple)) and messages and isinstance(messages[0], (list, tuple)):
             conversations = [(c, f"messages[{i}]") for i, c in enumerate(messages)]
         else:
             conversations = [(messages, "messages")]
-        if not isinstance(add_generation_prompt, bool):
-            raise ValueError(f"add_generation_prompt must be True or False, got {add_generation_prompt!r}")
-        return self.generate([self._render_chat(c, where, add_generation_prompt) for c, where in conversations],
-                             sampling_params, use_tqdm)
+        return self.generate([self._render_chat(c, where, add_generation_prompt, continue_final_message)
+                              for c, where in conversations], sampling_params, use_tqdm)
 
     def stream_chat(self, messages, sampling_params: SamplingParams | None = None) -> RequestStream:
         return self.stream(self._render_chat(messages), sampling_params)

@@ -61,9 +61,19 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping], add_generation_prompt: bool = True,
+                            continue_final_message: bool = False) -> str:
         """Render a conversation ([{"role": ..., "content": ...}, ...]) to the prompt text, as transformers does; the
-        messages are checked and read as :func:`~nanospec.chat_messages.check_messages` does for every front."""
+        messages are checked and read as :func:`~nanospec.chat_messages.check_messages` does for every front.
+        ``continue_final_message``: the text ends with the last message's content, left open for the model to go on
+        (what follows it in the rendering, e.g. the end-of-turn token, is cut), instead of opening a new turn."""
+        for name, value in (("add_generation_prompt", add_generation_prompt),
+                            ("continue_final_message", continue_final_message)):
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message continues the last message and add_generation_prompt opens a "
+                             "new one: set add_generation_prompt=False")
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')")
         messages = check_messages(messages)
@@ -71,8 +81,9 @@ class Tokenizer:
             self._compiled_template = _compile_chat_template(self.chat_template)
         special_tokens = {name: _token_content(self.config.get(name))
                           for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
-        return self._compiled_template.render(messages=messages,
-                                              add_generation_prompt=add_generation_prompt, **special_tokens)
+        text = self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                              **special_tokens)
+        return _cut_after_final_message(text, messages[-1]["content"]) if continue_final_message else text
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write tokenizer.json and tokenizer_config.json (what transformers' AutoTokenizer reads)."""
@@ -113,3 +124,16 @@ def _compile_chat_template(template: str) -> jinja2.Template:
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
     return env.from_string(template)
+
+
+def _cut_after_final_message(text: str, final: str) -> str:
+    """``text`` up to the end of the last message's content ``final`` (transformers' rule: where the template kept
+    the message's trailing white space, up to its end; where it stripped it, up to the stripped content's end)."""
+    core = final.strip()
+    at = text.rfind(core)
+    if not core or at < 0:
+        raise ValueError("continue_final_message: the last message's content does not appear in the rendered "
+                         "conversation (give it non-blank content the chat template keeps)")
+    lead = final.lstrip()
+    end = at + len(lead) if text[at:at + len(lead)] == lead else at + len(core)
+    return text[:end]

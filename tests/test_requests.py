@@ -176,6 +176,12 @@ def test_vllm_quickstart(plain):
     # vLLM's chat arguments: add_generation_prompt=False leaves the assistant's turn unopened; use_tqdm is taken
     bare = llm.chat(conversation, sampling_params, use_tqdm=False, add_generation_prompt=False)[0]
     assert bare.prompt == tokenizer.apply_chat_template(conversation, add_generation_prompt=False) != rendered
+    # continue_final_message: the assistant's answer begun for it, left open
+    begun = conversation + [{"role": "assistant", "content": "Well"}]
+    going_on = llm.chat(begun, sampling_params, add_generation_prompt=False, continue_final_message=True)[0]
+    assert going_on.prompt == rendered + "Well"
+    with pytest.raises(ValueError, match="set add_generation_prompt=False"):
+        llm.chat(begun, sampling_params, continue_final_message=True)
 
     ids = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=6, logprobs=2))[0]
     assert ids.prompt is None and ids.prompt_token_ids == PROMPTS[0]

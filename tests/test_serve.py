@@ -112,6 +112,14 @@ def test_sync_completions_and_chat_equal_offline(server, offline):
     expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16))[0].outputs[0]
     assert chat.choices[0].message.content == expected.text and chat.choices[0].message.role == "assistant"
     assert chat.usage.completion_tokens == len(expected.token_ids)
+    begun = MESSAGES + [{"role": "assistant", "content": "abc"}]  # vLLM's continue_final_message
+    chat = client.chat.completions.create(model="tiny", messages=begun, max_tokens=8, temperature=0, extra_body={
+        "add_generation_prompt": False, "continue_final_message": True})
+    expected = offline.chat(begun, SamplingParams(temperature=0, max_tokens=8), add_generation_prompt=False,
+                            continue_final_message=True)[0].outputs[0]
+    assert chat.choices[0].message.content == expected.text
+    both = httpx.post(f"{url}/v1/chat/completions", json={"messages": begun, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
     _wait_until(lambda: _idle(llm))
     assert_no_leak(llm)
 

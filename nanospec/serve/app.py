@@ -145,7 +145,7 @@ class Server:
             logprobs = body.num_logprobs()
         except ValueError as e:
             raise APIError(400, str(e), "top_logprobs") from None
-        prompt = self._encode(self._render(messages))
+        prompt = self._encode(self._render(messages, body))
         params = self._params(body, [prompt], "messages", None, logprobs)
         fmt = Formatter(self.tokenizer, self.model_name, chat=True, token_ids=body.return_token_ids)
         return await self._generate(request, body, fmt, [prompt], params)
@@ -191,11 +191,15 @@ class Server:
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
 
-    def _render(self, messages: list[dict]) -> str:
+    def _render(self, messages: list[dict], body: ChatCompletionRequest | None = None) -> str:
+        """The conversation through the chat template; a chat request may continue its last message instead of
+        opening the assistant's turn (vLLM's fields)."""
+        opened, continued = (body.add_generation_prompt, body.continue_final_message) if body else (True, False)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        except ValueError as e:  # a tokenizer without a chat template
-            raise APIError(400, str(e), "messages") from None
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=opened,
+                                                      continue_final_message=continued)
+        except ValueError as e:  # a tokenizer without a chat template, or a message the template does not keep
+            raise APIError(400, str(e), "continue_final_message" if continued else "messages") from None
 
     async def _generate(self, request: Request, body: SamplingFields, fmt: Formatter, prompts: list[list[int]],
                         params: SamplingParams):

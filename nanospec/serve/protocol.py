@@ -108,6 +108,8 @@ class ChatCompletionRequest(SamplingFields):
     """``/v1/chat/completions``: ``max_tokens`` (or ``max_completion_tokens``) defaults to what the context leaves
     after the prompt; ``logprobs`` is a bool and ``top_logprobs`` the count, as OpenAI has them."""
     messages: Any = None  # checked by nanospec.chat_messages, as LLM.chat checks it
+    add_generation_prompt: Bool = True  # vLLM's: open the assistant's turn
+    continue_final_message: Bool = False  # vLLM's: go on with the last message (add_generation_prompt false)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: Bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
