@@ -81,9 +81,12 @@ class Tokenizer:
             self._compiled_template = _compile_chat_template(self.chat_template)
         special_tokens = {name: _token_content(self.config.get(name))
                           for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        final = messages[-1]["content"]
+        if continue_final_message:  # a mark after the last message's content shows where to cut
+            messages = messages[:-1] + [{**messages[-1], "content": final + _CONTINUE_MARK}]
         text = self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                               **special_tokens)
-        return _cut_after_final_message(text, messages[-1]["content"]) if continue_final_message else text
+        return _cut_at_mark(text, final) if continue_final_message else text
 
     def save(self, directory: str | os.PathLike) -> None:
         """Write tokenizer.json and tokenizer_config.json (what transformers' AutoTokenizer reads)."""
@@ -126,14 +129,16 @@ def _compile_chat_template(template: str) -> jinja2.Template:
     return env.from_string(template)
 
 
-def _cut_after_final_message(text: str, final: str) -> str:
-    """``text`` up to the end of the last message's content ``final`` (transformers' rule: where the template kept
-    the message's trailing white space, up to its end; where it stripped it, up to the stripped content's end)."""
-    core = final.strip()
-    at = text.rfind(core)
-    if not core or at < 0:
+_CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_MARK "
+
+
+def _cut_at_mark(text: str, final: str) -> str:
+    """``text`` up to the mark that follows the last message's content ``final`` (transformers' rule: where the
+    template kept the mark's trailing space, it kept the message's white space too; where it trimmed it, the text is
+    cut with its trailing white space stripped)."""
+    mark = _CONTINUE_MARK.strip()
+    at = text.rfind(mark)
+    if at < 0 or final.strip() not in text:
         raise ValueError("continue_final_message: the last message's content does not appear in the rendered "
-                         "conversation (give it non-blank content the chat template keeps)")
-    lead = final.lstrip()
-    end = at + len(lead) if text[at:at + len(lead)] == lead else at + len(core)
-    return text[:end]
+                         "conversation (the chat template drops or changes it)")
+    return text[:at] if text.startswith(_CONTINUE_MARK, at) else text[:at].rstrip()

@@ -143,7 +143,7 @@ def test_each_tree_node_bans_the_bad_words_its_own_path_would_complete():
     ends on the path itself counts), and nowhere else; a one-token word is banned in every row."""
     seq = Sequence(0, [1, 2], SamplingParams(), 0, None, [])
     seq.token_ids += [3, 4]  # output 3 4
-    seq.bad_words_token_ids = [[4, 5, 6], [7, 8], [9]]
+    seq.bad_words_token_ids = [[4, 5, 6], [7, 8], [9], [2, 10]]  # (2 ends the prompt: the prompt does not count)
     node_paths = [[], [5], [5, 7], [7], [8]]  # root, then root -> 5 -> 7, root -> 7, root -> 8
     logits = torch.zeros(5, 12)
     ban_bad_words(logits, [seq], [[0, 1, 2, 3, 4]], [node_paths])

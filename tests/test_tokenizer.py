@@ -81,8 +81,8 @@ def test_chat_template_matches_transformers(tokenizer, hf_tokenizer, messages, a
     assert tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == expected
 
 
-@pytest.mark.parametrize("answer", ["The capital of France is", "Sure! ", "  Well,\n"], ids=["plain", "trailing",
-                                                                                          "leading"])
+@pytest.mark.parametrize("answer", ["The capital of France is", "Sure! ", "  Well,\n", "end", "im", " "],
+                         ids=["plain", "trailing", "leading", "end", "im", "blank"])
 def test_continue_final_message_matches_transformers(tokenizer, hf_tokenizer, answer):
     """vLLM's and transformers' ``continue_final_message``: the text ends with the last message, left open (its
     end-of-turn cut), as transformers renders it, whether or not the template keeps the message's white space."""
@@ -90,14 +90,11 @@ def test_continue_final_message_matches_transformers(tokenizer, hf_tokenizer, an
     expected = hf_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False,
                                                 continue_final_message=True)
     ours = tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True)
-    assert ours == expected and ours.rstrip().endswith(answer.strip())
+    assert ours == expected and ours.rstrip().endswith(answer.strip() or "assistant")
     with pytest.raises(ValueError, match="set add_generation_prompt=False"):
         tokenizer.apply_chat_template(messages, continue_final_message=True)
     with pytest.raises(ValueError, match="continue_final_message must be True or False"):
         tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=1)
-    with pytest.raises(ValueError, match="does not appear in the rendered conversation"):
-        tokenizer.apply_chat_template(messages[:1] + [{"role": "assistant", "content": " "}],
-                                      add_generation_prompt=False, continue_final_message=True)
 
 
 # ---------------------------------------------------------------- on its own

@@ -1,5 +1,5 @@
-"""What plain decoding does to a row of logits before it draws: ``allowed_token_ids``, ``bad_words``, ``min_tokens``,
-``logit_bias`` and the penalties, in that order (vLLM's).
+"""What plain decoding does to a row of logits before it draws: ``allowed_token_ids``, ``bad_words``,
+``min_tokens``, ``logit_bias`` and the penalties, in that order (vLLM's).
 
 Tokens outside ``allowed_token_ids`` get ``-inf``; a bad word's last token gets ``-inf`` in a row whose output (and
 path, under speculation) ends with the rest of the word; a row whose token would be output token number
@@ -42,7 +42,8 @@ def ban_bad_words(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[lis
     for seq, srows, spaths in zip(seqs, seq_rows, paths):
         if not seq.bad_words_token_ids:
             continue
-        output = seq.output_token_ids
+        longest = max(len(word) for word in seq.bad_words_token_ids) - 1
+        output = seq.output_token_ids[-longest:] if longest else []  # all a prefix can reach
         for row, path in zip(srows, spaths):
             past = output + path
             for word in seq.bad_words_token_ids:

@@ -199,7 +199,8 @@ class Server:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=opened,
                                                       continue_final_message=continued)
         except ValueError as e:  # a tokenizer without a chat template, or a message the template does not keep
-            raise APIError(400, str(e), "continue_final_message" if continued else "messages") from None
+            raise APIError(400, str(e), "continue_final_message" if str(e).startswith("continue_final_message")
+                           else "messages") from None
 
     async def _generate(self, request: Request, body: SamplingFields, fmt: Formatter, prompts: list[list[int]],
                         params: SamplingParams):
