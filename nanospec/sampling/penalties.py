@@ -4,8 +4,8 @@
 Tokens outside ``allowed_token_ids`` get ``-inf``; a bad word's last token gets ``-inf`` in a row whose output (and
 path, under speculation) ends with the rest of the word; a row whose token would be output token number
 ``< min_tokens`` gets ``-inf`` at its stop tokens; ``logit_bias[v]`` is added to ``l_v``. Penalties (vLLM's and
-OpenAI's), with ``c_v`` the count of ``v`` in the output followed by the row's path, ``seen_v`` whether ``v`` is in the prompt or
-that output:
+OpenAI's), with ``c_v`` the count of ``v`` in the output followed by the row's path, ``seen_v`` whether ``v`` is in
+the prompt or that output:
 
     l_v = l_v / r   if seen_v and l_v > 0        (r = repetition_penalty; 1 is off)
     l_v = l_v * r   if seen_v and l_v <= 0
