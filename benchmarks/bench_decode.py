@@ -140,14 +140,17 @@ def main():
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true",
                    help="no CUDA graphs (the default on CUDA is to capture decode and verify steps)")
+    p.add_argument("--quantization", default="auto", help="LLM's: auto, int4, int8 or none")
     args = p.parse_args()
+    quantization = None if args.quantization == "none" else args.quantization
 
     torch.set_grad_enabled(False)
     if args.random_shape:
         llm = LLM.with_random_weights(RANDOM_SHAPES[args.random_shape], dtype=args.dtype, device=args.device,
                                       enforce_eager=args.enforce_eager or None)
     else:
-        llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager or None)
+        llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager or None,
+                  quantization=quantization)
     device, dtype = llm.device, llm.dtype
     hf = None if args.no_transformers else load_transformers(args, dtype, device)
     prompt_ids = llm.tokenizer.encode(PROMPT)
@@ -155,7 +158,7 @@ def main():
     wbytes = weight_bytes(llm)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads {torch.get_num_threads()}, dtype {dtype}, prompt {len(prompt_ids)} tokens, "
-          f"{args.new_tokens} new tokens, best of {args.repeats} alternating rounds")
+          f"{args.new_tokens} new tokens, best of {args.repeats} alternating rounds, weights {llm.stats()['quantization']}")
     print(f"measured bandwidth {bandwidth / 1e9:.1f} GB/s; weights {wbytes / 1e6:.0f} MB -> batch-1 roofline "
           f"{bandwidth / wbytes:.1f} tok/s")
     header = f"{'engine':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'roofline':>10}{'vs hf':>8}"

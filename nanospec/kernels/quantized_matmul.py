@@ -25,38 +25,48 @@ def _quantized_matmul_kernel(
     M, N, K, k_per_split,
     x_row_stride, q_row_stride, scale_row_stride, out_split_stride,
     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_ZERO: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILE_GROUPS: tl.constexpr,
 ):
+    """One ``[BLOCK_M, BLOCK_N]`` tile of ``y`` over one K slice. Every load is contiguous along K: int4 reads
+    ``BLOCK_K / 2`` whole bytes a row and interleaves their low and high nibbles back into K order; the tile's
+    ``TILE_GROUPS`` scales (and zeros) a row are read once and broadcast over their groups. int8's per-channel scale
+    multiplies the finished sums."""
     pid_m, pid_n, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok, col_ok = rows < M, cols < N
+    w_rows = cols[:, None].to(tl.int64)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_end
         x = tl.load(x_ptr + rows[:, None].to(tl.int64) * x_row_stride + ks[None, :],
-                    mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w_mask = col_ok[:, None] & k_ok[None, :]
-        w_rows = cols[:, None].to(tl.int64)
-        if BITS == 4:
-            byte = tl.load(q_ptr + w_rows * q_row_stride + (ks // 2)[None, :], mask=w_mask, other=0)
-            q = (byte.to(tl.int32) >> ((ks % 2) * 4)[None, :]) & 15
-            w = (q - 8).to(tl.float32)
+                    mask=row_ok[:, None] & (ks < k_end)[None, :], other=0.0)
+        if BITS == 4:  # K is even (a multiple of the group): byte j holds k = 2j (low nibble) and 2j + 1
+            half = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            byte = tl.load(q_ptr + w_rows * q_row_stride + half[None, :],
+                           mask=col_ok[:, None] & (half < k_end // 2)[None, :], other=0)
+            w = tl.interleave(byte & 15, byte >> 4).to(tl.float32) - 8  # [BLOCK_N, BLOCK_K]
+            first_k = k0 + tl.arange(0, TILE_GROUPS) * (BLOCK_K // TILE_GROUPS)  # each group's first k in the tile
+            at = w_rows * scale_row_stride + (first_k // GROUP)[None, :]
+            group_ok = col_ok[:, None] & (first_k < k_end)[None, :]
+            w = tl.reshape(w, (BLOCK_N, TILE_GROUPS, BLOCK_K // TILE_GROUPS))
+            w = w * tl.load(scale_ptr + at, mask=group_ok, other=0.0).to(tl.float32)[:, :, None]
+            if HAS_ZERO:
+                w += tl.load(zero_ptr + at, mask=group_ok, other=0.0).to(tl.float32)[:, :, None]
+            w = tl.reshape(w, (BLOCK_N, BLOCK_K))
         else:
-            w = tl.load(q_ptr + w_rows * q_row_stride + ks[None, :], mask=w_mask, other=0).to(tl.float32)
-        group = (ks // GROUP)[None, :]
-        w = w * tl.load(scale_ptr + w_rows * scale_row_stride + group, mask=w_mask, other=0.0).to(tl.float32)
-        if HAS_ZERO:
-            w += tl.load(zero_ptr + w_rows * scale_row_stride + group, mask=w_mask, other=0.0).to(tl.float32)
+            w = tl.load(q_ptr + w_rows * q_row_stride + ks[None, :], mask=col_ok[:, None] & (ks < k_end)[None, :],
+                        other=0).to(tl.float32)
         if DOT_FP32:
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))  # int8 values are exact in bf16 and fp16
+    if BITS == 8:
+        acc *= tl.load(scale_ptr + cols * scale_row_stride, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + pid_k * out_split_stride + rows[:, None].to(tl.int64) * N + cols[None, :]
-    tl.store(out, acc, mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 SPLIT_K_MAX_ROWS = 16
@@ -79,18 +89,21 @@ def quantized_matmul_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
     shape = dict(shape or launch_shape(M, N, K))
     split_k = shape.pop("split_k")
     block_k = shape["BLOCK_K"]
+    if bits == 4 and block_k % group_size and group_size % block_k:
+        raise ValueError(f"BLOCK_K={block_k} and the group size {group_size} must divide one another")
     k_per_split = triton.cdiv(triton.cdiv(K, split_k), block_k) * block_k
     split_k = triton.cdiv(K, k_per_split)
-    partial = torch.empty((split_k, M, N), dtype=torch.float32, device=x.device)
+    # one K slice writes y itself; several write float32 partial sums, added in a fixed order
+    partial = torch.empty((split_k, M, N), dtype=torch.float32 if split_k > 1 else x.dtype, device=x.device)
     if M and N:
         x = x.contiguous()
         grid = (triton.cdiv(M, shape["BLOCK_M"]), triton.cdiv(N, shape["BLOCK_N"]), split_k)
         _quantized_matmul_kernel[grid](
             x, q, scale, zero if zero is not None else scale, partial, M, N, K, k_per_split,
             x.stride(0), q.stride(0), scale.stride(0), M * N,
-            GROUP=group_size, BITS=bits, HAS_ZERO=zero is not None, DOT_FP32=x.dtype == torch.float32, **shape)
-    y = partial[0] if split_k == 1 else partial.sum(dim=0)
-    return y.to(x.dtype)
+            GROUP=group_size, BITS=bits, HAS_ZERO=zero is not None, DOT_FP32=x.dtype == torch.float32,
+            TILE_GROUPS=max(block_k // group_size, 1) if bits == 4 else 1, **shape)
+    return partial[0] if split_k == 1 else partial.sum(dim=0).to(x.dtype)
 
 
 def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
