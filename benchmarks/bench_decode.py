@@ -147,7 +147,7 @@ def main():
     torch.set_grad_enabled(False)
     if args.random_shape:
         llm = LLM.with_random_weights(RANDOM_SHAPES[args.random_shape], dtype=args.dtype, device=args.device,
-                                      enforce_eager=args.enforce_eager or None)
+                                      enforce_eager=args.enforce_eager or None, quantization=quantization)
     else:
         llm = LLM(args.model, dtype=args.dtype, device=args.device, enforce_eager=args.enforce_eager or None,
                   quantization=quantization)
