@@ -5,7 +5,7 @@
 
 Shapes: ``x [M, K]``, ``q [N, K / 2]`` uint8 (int4) or ``[N, K]`` int8, ``scale``, ``zero`` ``[N, K / G]``; ``y [M,
 N]`` in ``x.dtype``, accumulated in float32. Triton: tiles of ``y``, K in steps of ``BLOCK_K``; for ``M <= 16``
-(decode, verify) a long K is also split into ``split_k`` slices summed in a fixed order. The reference dequantizes and
+(decode, verify) K may also be split into ``split_k`` slices summed in a fixed order. The reference dequantizes and
 calls ``F.linear``; the CPU path uses PyTorch's own weight-only kernels (``nanospec.model.linear``).
 """
 
@@ -75,15 +75,11 @@ SPLIT_K_MAX_ROWS = 16
 def launch_shape(M: int, N: int, K: int) -> dict:
     """Block sizes and the K split for ``M`` rows (only which side of SPLIT_K_MAX_ROWS ``M`` falls on counts).
 
-    A few rows read each weight once: narrow tiles (32 outputs) over long K steps (256), and K split only where the
-    tiles alone are too few to keep a GPU's ~128 multiprocessors reading and K is long (a split costs a float32
-    partial buffer and its sum). Chosen by ``bench_quantized_matmul.py --sweep`` on an H200 (benchmarks/RESULTS.md).
-    """
+    A few rows read each weight once: narrow tiles (32 outputs) over long K steps (256), one K slice. A split of K
+    (``shape=dict(..., split_k=S)``) costs a float32 partial buffer and its sum, and lost to one slice over SmolLM2's
+    and Llama-3.2-1B's weights together (``bench_quantized_matmul.py --sweep``, benchmarks/RESULTS.md)."""
     if M <= SPLIT_K_MAX_ROWS:
-        block_n, block_k = 32, 256
-        tiles = triton.cdiv(N, block_n)
-        split_k = max(1, min(triton.cdiv(K, block_k), 128 // tiles)) if K >= 2048 else 1
-        return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, split_k=split_k, num_warps=4)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, split_k=1, num_warps=4)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, split_k=1, num_warps=8)
 
 
