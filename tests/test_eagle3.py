@@ -23,12 +23,17 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
+from nanospec.cache.block_manager import BlockManager
+from nanospec.speculative.eagle3 import MAX_BACKOFF, Eagle3Proposer, Eagle3State
+from nanospec.speculative.policy import GoodputPolicy
+from nanospec.speculative.proposal import Proposal
 from tiny import assert_no_leak, assert_prompt_logprobs_as_plain, make_tiny_llama, most_common_successors
 
 HIDDEN, LAYERS, VOCAB = 64, 3, 320
@@ -355,7 +360,9 @@ def test_the_head_drafts_one_depth_deeper_than_the_policy_verified(target, succe
     proposer.read_forward = recording
     for i in (0, 2):
         assert llm.generate([PROMPTS[i]], GREEDY)[0].outputs[0].token_ids == expected[0][i]
-    assert seen and all(drafted == (min(verified + 1, 4) if adaptive else 4) for verified, drafted in seen), seen
+    # (a step that verified none of the guesses drafted nothing: the head paused)
+    assert seen and all(drafted == (min(verified + 1, 4) if adaptive else 4) or (adaptive and drafted == verified == 0)
+                        for verified, drafted in seen), seen
     assert {drafted for _, drafted in seen} != {4} or not adaptive, seen  # the policy did not verify every guess
     assert_head_blocks_returned(llm)
 
@@ -537,6 +544,136 @@ def test_first_tree_follows_eagle2(target, device, tmp_path):
         while engine.has_unfinished():
             engine.step()
     assert_head_blocks_returned(llm)
+
+
+# ---------------------------------------------------------------- a head whose guesses do not pay pauses
+
+def test_the_head_pauses_after_a_declined_step_for_twice_as_long_each_time():
+    """A step that verified none of the guesses drafted pauses the head for 2 steps (counted in the sequence's
+    tokens), then 4, 8, ... up to 64 while no guess is verified; a verified guess starts again at 2. A paused head
+    holds no K/V for the sequence and drafts nothing; with the policy off nothing pauses."""
+    proposer = Eagle3Proposer.__new__(Eagle3Proposer)
+    proposer.adaptive, proposer.block_manager = True, BlockManager(8, 4)
+    seq = type("Seq", (), {})()
+    seq.spec_state, seq.num_tokens = Eagle3State(), 10
+    st = seq.spec_state
+    declined, verified, nothing = Proposal(unverified_guesses=(7,)), Proposal.chain([7]), Proposal()
+
+    def pause_steps(first: Proposal) -> int:
+        """Steps (one token each) the head skips from a step verifying ``first``, then steps with no guesses."""
+        steps = 0
+        while proposer._paused(seq, first if steps == 0 else nothing):
+            assert st.base is None and st.block_table == [] and st.drafted == 0
+            steps += 1
+            seq.num_tokens += 1
+        return steps
+
+    st.base, st.drafted = 4, 3
+    proposer.block_manager.reserve(st.block_table, 9)
+    assert pause_steps(declined) == 2 and proposer.block_manager.num_free_blocks == 8  # its K/V returned
+    st.base = 0  # (the head ran again)
+    assert pause_steps(nothing) == 0 and pause_steps(verified) == 0
+    assert [pause_steps(declined) for _ in range(7)] == [2, 4, 8, 16, 32, 64, MAX_BACKOFF]
+    assert pause_steps(verified) == 0 and st.backoff == 0
+    assert pause_steps(declined) == 2 and pause_steps(declined) == 4
+    proposer.adaptive = False
+    assert pause_steps(declined) == 0 and st.backoff == 4
+
+
+def fixed_costs(llm, draft_cost: float) -> None:
+    """The goodput policy over fixed costs (every target forward 1, each depth guessed ``draft_cost``): what it
+    verifies then depends on the acceptance estimates alone, not on timings."""
+    speculator = llm.engine.speculator
+    k = speculator.max_tokens_per_step
+    speculator.policy = GoodputPolicy(k, [1.0] * (k + 1), draft_cost)
+
+
+class HeadStep(NamedTuple):
+    verified: int   # guesses the step verified
+    declined: bool  # it verified none of those drafted
+    accepted: int
+    paused: bool    # the head skipped the sequence: it then holds no K/V for it and drafted nothing
+    ran: bool
+    blocks: int
+    drafted: int
+    backoff: int
+
+
+def record_pauses(llm) -> dict[int, list[HeadStep]]:
+    """Per sequence, what each step's ``read_forward`` did for it."""
+    proposer, seen = llm.engine.speculator.proposer, {}
+    read_forward = proposer.read_forward
+
+    def recording(proposals, logits, hidden, verification):
+        out = read_forward(proposals, logits, hidden, verification)
+        for b, (seq, p) in enumerate(zip(verification.seqs, proposals)):
+            if (st := seq.spec_state) is not None:
+                seen.setdefault(seq.seq_id, []).append(HeadStep(
+                    len(p.token_ids), not p.token_ids and bool(p.unverified_guesses),
+                    int((verification.path[b] >= 0).sum()), seq.num_tokens < st.resume_at, st.base is not None,
+                    len(st.block_table), st.drafted, st.backoff))
+        return out
+
+    proposer.read_forward = recording
+    return seen
+
+
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_a_random_head_pauses_and_equals_plain(target, expected, device, tmp_path, tree):
+    """A random head's guesses are rarely right, so the policy soon verifies none: the head then pauses for the
+    sequence (no forward over its rows, no K/V, nothing drafted) for 2, 4, ... steps, and runs again after; greedy
+    and seeded outputs are plain decoding's and every block returns."""
+    config = head_config(draft_vocab_size=100)
+    tensors = random_tensors(config, seed=2, embedding=False, hot=list(range(3, 203, 2)))
+    llm = eagle_llm(target, write_head(tmp_path / "head", tensors, config), device, adaptive=True, tree=tree,
+                    max_num_seqs=8)
+    fixed_costs(llm, 0.3)
+    seen = record_pauses(llm)
+    for j, params in enumerate(ALL_PARAMS):
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+    assert_head_blocks_returned(llm)
+    backoffs = []
+    for steps in seen.values():
+        assert all(step.ran != step.paused for step in steps)
+        assert all(step.blocks == step.drafted == 0 for step in steps if step.paused)
+        for i, step in enumerate(steps):
+            if step.declined:  # paused for backoff steps (or to the sequence's end), then ran again
+                assert [s.paused for s in steps[i:i + step.backoff + 1]] == [True] * step.backoff + [False] \
+                    or len(steps) <= i + step.backoff, steps
+                backoffs.append(step.backoff)
+    assert {2, 4} <= set(backoffs), backoffs
+
+
+def test_the_head_runs_again_after_a_pause_and_its_guesses_are_accepted(target, successor_head, expected, device):
+    """A policy that verifies every guess but at every fourth step: the head pauses after each of those, starts again
+    at the sequence's current position, and its guesses are accepted after; a pause lasts 2 steps after a verified
+    guess, else twice the last; the output is plain decoding's."""
+    llm = eagle_llm(target, successor_head, device, adaptive=True, max_num_seqs=1)
+    calls = []
+
+    def every_guess_but_every_fourth_step(chances, num_tokens, num_seqs):
+        calls.append(num_tokens)
+        return [0 if len(calls) % 4 == 0 else len(c) for c in chances]
+
+    llm.engine.speculator.policy.choose_nodes = every_guess_but_every_fourth_step
+    seen = record_pauses(llm)
+    for i in (1, 2):
+        assert llm.generate([PROMPTS[i]], GREEDY)[0].outputs[0].token_ids == expected[0][i]
+    assert_head_blocks_returned(llm)
+    resumed = [steps[i:] for steps in seen.values() for i in range(1, len(steps))
+               if steps[i - 1].paused and not steps[i].paused]
+    assert len(resumed) >= 2, seen
+    assert any(step.accepted for after in resumed for step in after[:3]), seen  # accepted soon after resuming
+    backoffs = []
+    for steps in seen.values():  # 2 steps after a verified guess, else twice the last pause
+        last = 0
+        for step in steps:
+            last = 0 if step.verified else last
+            if step.declined:
+                assert step.backoff == (2 * last if last else 2), steps
+                last = step.backoff
+                backoffs.append(last)
+    assert backoffs.count(2) >= 2 and 4 in backoffs, backoffs
 
 
 # ---------------------------------------------------------------- penalties, log-probabilities, stops, n

@@ -12,6 +12,12 @@ step verified (at most ``k``): the policy rarely verifies all ``k``, and each de
 Guesses are argmaxes mapped to target ids: one-hot, so the matched rule verifies them and output equals plain
 decoding's whatever the head's weights.
 
+With the policy on, a head whose guesses do not pay still costs its forwards every step, so a sequence whose step
+verified none of its guesses pauses its head: for the next ``backoff`` steps the head neither runs over its rows
+nor drafts for it, and holds no K/V for it (it starts again at the current position on resuming, as on its first
+run). ``backoff`` is 2 steps, doubled on each pause without a verified guess since the last (at most 64), and back
+to 2 once a step verifies a guess. The acceptance estimate and calibration are kept across pauses.
+
 The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
 sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
 gives no hidden states) to the last committed token but one. The rows the target ran always fit (the target's pool
@@ -47,6 +53,7 @@ from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
 SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct-eagle3"
+FIRST_BACKOFF, MAX_BACKOFF = 2, 64  # steps a head pauses after a step that verified none of its guesses
 
 
 @dataclass
@@ -59,6 +66,8 @@ class Eagle3State:
     drafted: int = 0          # nodes the last step drafted for it (0: none, its scratch rows did not fit the pool)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a chain's alpha
     calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree's chances
+    backoff: int = 0          # the last pause's steps (0: none since a step verified a guess)
+    resume_at: int = 0        # the head pauses while the sequence holds fewer tokens
 
 
 class Eagle3Proposer(Proposer):
@@ -67,7 +76,8 @@ class Eagle3Proposer(Proposer):
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
                  max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True):
         """``adaptive``: the goodput policy chooses what to verify, so the head drafts one depth deeper than the step
-        verified (at most ``k``), as deep as the policy may want next; else ``k`` deep."""
+        verified (at most ``k``), as deep as the policy may want next, and pauses after a step that verified none;
+        else ``k`` deep, every step."""
         c = head.config.layer
         self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
@@ -101,14 +111,10 @@ class Eagle3Proposer(Proposer):
         return super().rank(seqs, depths)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        proposals = []
-        for seq, depth in zip(seqs, depths):
-            st: Eagle3State = seq.spec_state
-            if st.tree is None or st.num_tokens != seq.num_tokens:
-                proposals.append(Proposal())
-            else:
-                proposals.append(st.tree if self.tree is not None else Proposal.chain(st.tree.token_ids[:depth]))
-        return proposals
+        """The guesses drafted behind each sequence's last token, whole: the speculator cuts them to ``depths`` (and
+        when it verifies none, still checks the first guess, which a chain's estimate learns from)."""
+        return [st.tree if (st := seq.spec_state).tree is not None and st.num_tokens == seq.num_tokens else Proposal()
+                for seq in seqs]
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         st: Eagle3State = seq.spec_state
@@ -123,8 +129,9 @@ class Eagle3Proposer(Proposer):
                 token_ids, parents, scores = (row[:st.drafted] for row in verdict.ahead)
                 st.tree = Proposal([int(v) for v in token_ids], [int(v) for v in parents])
                 st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], scores)
-        st.num_cached = seq.num_tokens - 1
-        self.block_manager.truncate(st.block_table, st.num_cached - st.base)
+        if st.base is not None:  # (None: the head paused)
+            st.num_cached = seq.num_tokens - 1
+            self.block_manager.truncate(st.block_table, st.num_cached - st.base)
 
     def preempt(self, seq: Sequence) -> None:
         st: Eagle3State = seq.spec_state
@@ -143,7 +150,8 @@ class Eagle3Proposer(Proposer):
         out = [torch.zeros(len(seqs), num, dtype=dtype, device=self.device)
                for dtype in ((torch.int64, torch.int64, torch.float32) if self.tree else (torch.int64,))]
         sizes = [s.num_tokens - s.num_cached_tokens + len(p.fed()[0]) for s, p in zip(seqs, proposals)]
-        active = [b for b, s in enumerate(seqs) if s.spec_state is not None]
+        active = [b for b, (s, p) in enumerate(zip(seqs, proposals))
+                  if s.spec_state is not None and not self._paused(s, p)]
         if not active:
             return out
         width = verification.emitted.shape[1]
@@ -211,6 +219,21 @@ class Eagle3Proposer(Proposer):
         for t, value in zip(out, self._draft(tables, last, offset, state, depth)):
             t[index, :value.shape[1]] = value.to(t.dtype)
         return out
+
+    def _paused(self, seq: Sequence, proposal: Proposal) -> bool:
+        """Whether the head skips ``seq`` this step (then it holds no K/V for it and drafts nothing): ``proposal``
+        is the part of its guesses the step verified; none of them (the policy declined them) starts a pause."""
+        st: Eagle3State = seq.spec_state
+        if proposal.token_ids:
+            st.backoff = 0
+        elif self.adaptive and proposal.unverified_guesses:
+            st.backoff = min(2 * st.backoff, MAX_BACKOFF) if st.backoff else FIRST_BACKOFF
+            st.resume_at = seq.num_tokens + st.backoff
+        if seq.num_tokens >= st.resume_at:
+            return False
+        self.block_manager.free(st.block_table)
+        st.base, st.drafted = None, 0
+        return True
 
     def _draft(self, tables: torch.Tensor, last: torch.Tensor, offset: torch.Tensor, state: torch.Tensor,
                depth: int) -> tuple[torch.Tensor, ...]:
