@@ -20,7 +20,7 @@ from nanospec.log import logger
 from nanospec.model.commands import DRAFT, TARGET
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
 from nanospec.model.hub import resolve_model_path
-from nanospec.model.loader import Checkpoint, load_checkpoint
+from nanospec.model.loader import Checkpoint, load_checkpoint, round_checkpoint
 from nanospec.model.parallel import check_shardable
 from nanospec.model.quantization import int4_group_size, parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
@@ -68,7 +68,7 @@ class EngineArgs:
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
         self.speculative: SpeculativeConfig | None = parse_speculative_config(self.speculative_config)
-        if self.device.type == "cuda":  # "auto" on a GPU: float weights, as cuBLAS outruns the Triton int4 matmul
+        if self.device.type == "cuda":  # "auto" on a GPU: float weights (cuBLAS prefills faster than the int4 matmul)
             self.quantization = None if self.quantization == "auto" else self.quantization
             if self.speculative is not None and self.speculative.quantization == "auto":
                 self.speculative = replace(self.speculative, quantization=None)
@@ -87,7 +87,7 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
     shuts down. Under torchrun a rank > 0 serves as a worker, then exits."""
     start = time.perf_counter()
     if isinstance(args.model, Checkpoint):
-        checkpoint = args.model
+        checkpoint = round_checkpoint(args.model, args.quantization)
     else:
         logger.info("loading %s ...", args.model if args.model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)")
         checkpoint = load_checkpoint(args.model, args.dtype, args.quantization)

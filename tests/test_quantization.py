@@ -343,3 +343,11 @@ def test_auto_quantization_on_cuda_loads_float_weights(tmp_path, monkeypatch):
     args = engine_args.EngineArgs(model=str(tmp_path), speculative_config=draft)
     assert args.device.type == "cuda" and args.quantization is None and args.speculative.quantization is None
     assert engine_args.EngineArgs(model=str(tmp_path), quantization="int4").quantization == "int4"
+
+
+@pytest.mark.parametrize("quantization,kind", [("int4", "int4-g32 (5)"), ("int8", "int8 (5)"), (None, "float32 (5)")])
+def test_random_weights_are_rounded_as_asked(quantization, kind):
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1)
+    llm = LLM.with_random_weights(shape, device="cpu", quantization=quantization)
+    assert llm.stats()["quantization"] == kind

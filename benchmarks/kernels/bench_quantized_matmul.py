@@ -89,7 +89,7 @@ def sweep(rows: list[int]) -> int:
 
     print(torch.cuda.get_device_name(), "rules: tiled (BLOCK_M, BLOCK_N, BLOCK_K, warps), "
           "split (BLOCK_N, BLOCK_K, programs the K split aims at, warps)")
-    for bits, bits_rows in ((4, rows), (8, rows[:1])):  # int8 holds only the head, read at decode
+    for bits, bits_rows in ((4, rows), (8, rows[:1])):  # int8: only at one row (a GGUF's head, by default)
         for M in bits_rows:
             totals = collections.defaultdict(float)  # rule -> microseconds summed over the weights
             for model, weights in MODELS.items():

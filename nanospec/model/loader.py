@@ -8,7 +8,7 @@ import json
 import os
 import struct
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -47,6 +47,17 @@ def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None,
         return _load_gguf(path, dtype, scheme, group_size)
     raise ValueError(f"cannot load {path}: expected a .gguf file or a Hugging Face model directory "
                      "(config.json, model.safetensors, tokenizer.json)")
+
+
+def round_checkpoint(checkpoint: Checkpoint, quantization: str | None) -> Checkpoint:
+    """A checkpoint given as tensors (``LLM.with_random_weights``), its float matrices rounded as
+    :func:`load_checkpoint` rounds an HF checkpoint's for "int4" / "int8"; as it is for None and "auto"."""
+    scheme, group_size = parse_quantization(quantization)
+    if scheme not in ("int4", "int8"):
+        return checkpoint
+    rounded = {name: quantize(t, scheme, group_size) if isinstance(t, torch.Tensor) and t.dim() == 2 else t
+               for name, t in checkpoint.tensors.items()}
+    return replace(checkpoint, tensors=rounded)
 
 
 def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int) -> Checkpoint:
