@@ -89,20 +89,22 @@ class Engine:
     # ---------------------------------------------------------------- requests
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
         """Validate and queue a request; returns its id. Raises ValueError before any work."""
-        self.validate_prompt(prompt_token_ids, params)
+        bad_words = self.validate_prompt(prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
         text = TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output,
                           params.skip_special_tokens)
         seq = Sequence(self._next_id, prompt_token_ids, params, seed, text, self._stop_token_ids(params))
-        seq.bad_words_token_ids = bad_words_token_ids(params.bad_words or [], self.tokenizer, self.vocab_size)
+        seq.bad_words_token_ids = bad_words
         self.speculator.start(seq)
         self._next_id += 1
         self.sequences[seq.seq_id] = seq
         self.scheduler.add(seq)
         return seq.seq_id
 
-    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> list[list[int]]:
+        """Raises ValueError, naming the bad value, for a request this engine cannot run; returns its ``bad_words``
+        as token ids (tokenized here to check them against the vocabulary)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         if params.n != 1:  # (LLM.generate turns n into n requests: params.for_choice(i))
@@ -120,7 +122,7 @@ class Engine:
             for t in getattr(params, name) or ():
                 if t >= vocab:
                     raise ValueError(f"{name}: token id {t} is out of the vocabulary [0, {vocab})")
-        bad_words_token_ids(params.bad_words or [], self.tokenizer, vocab)  # a token outside it: ValueError
+        bad_words = bad_words_token_ids(params.bad_words or [], self.tokenizer, vocab)  # a token outside: ValueError
         if params.allowed_token_ids and params.min_tokens > 0 \
                 and set(params.allowed_token_ids) <= set(self._stop_token_ids(params)):
             raise ValueError(f"allowed_token_ids: {params.allowed_token_ids} are all stop tokens, which min_tokens="
@@ -135,6 +137,7 @@ class Engine:
             raise ValueError(f"the KV pool is too small for this request: it needs {need} blocks of "
                              f"{self.block_manager.block_size} tokens ({lifetime} tokens) but the pool has "
                              f"{self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory or lower max_tokens")
+        return bad_words
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
         """The tokens that end a request: eos (unless ignored), then its stop_token_ids."""
