@@ -555,9 +555,10 @@ def test_the_head_pauses_after_a_declined_step_for_twice_as_long_each_time():
     proposer = Eagle3Proposer.__new__(Eagle3Proposer)
     proposer.adaptive, proposer.block_manager = True, BlockManager(8, 4)
     seq = type("Seq", (), {})()
-    seq.spec_state, seq.num_tokens = Eagle3State(), 10
+    seq.spec_state, seq.num_tokens = Eagle3State(head_paths=frozenset({(7,)})), 10
     st = seq.spec_state
     declined, verified, nothing = Proposal(unverified_guesses=(7,)), Proposal.chain([7]), Proposal()
+    lookup_only = Proposal.chain([8, 9])  # the step verified only the n-gram chain: the head's guess was declined
 
     def pause_steps(first: Proposal) -> int:
         """Steps (one token each) the head skips from a step verifying ``first``, then steps with no guesses."""
@@ -575,7 +576,7 @@ def test_the_head_pauses_after_a_declined_step_for_twice_as_long_each_time():
     assert pause_steps(nothing) == 0 and pause_steps(verified) == 0
     assert [pause_steps(declined) for _ in range(7)] == [2, 4, 8, 16, 32, 64, MAX_BACKOFF]
     assert pause_steps(verified) == 0 and st.backoff == 0
-    assert pause_steps(declined) == 2 and pause_steps(declined) == 4
+    assert pause_steps(declined) == 2 and pause_steps(lookup_only) == 4
     proposer.adaptive = False
     assert pause_steps(declined) == 0 and st.backoff == 4
 
@@ -642,6 +643,58 @@ def test_a_random_head_pauses_and_equals_plain(target, expected, device, tmp_pat
                     or len(steps) <= i + step.backoff, steps
                 backoffs.append(step.backoff)
     assert {2, 4} <= set(backoffs), backoffs
+
+
+# ---------------------------------------------------------------- prompt lookup beside the head
+
+@pytest.mark.parametrize("tree, adaptive", [(None, False), (TREE, True)], ids=["chain", "tree-adaptive"])
+def test_prompt_lookup_joins_a_random_heads_guesses_and_equals_plain(target, expected, device, tmp_path, tree,
+                                                                     adaptive):
+    """A random head (its guesses rarely right) with the n-gram chain joined: one ranked tree per step, every path's
+    prefix before it; the chain is proposed also while the head pauses; greedy and seeded outputs are plain
+    decoding's and every block returns."""
+    config = head_config(draft_vocab_size=100)
+    tensors = random_tensors(config, seed=2, embedding=False, hot=list(range(3, 203, 2)))
+    llm = eagle_llm(target, write_head(tmp_path / "head", tensors, config), device, adaptive=adaptive,
+                    tree={**(tree or {}), "prompt_lookup": True}, max_num_seqs=8)
+    proposer = llm.engine.speculator.proposer
+    assert proposer.max_tokens_per_step == (proposer.tree.num_nodes if tree else 3) + 3
+    if adaptive:
+        fixed_costs(llm, 0.3)
+    seen, propose = [], proposer.propose
+
+    def recording(seqs, depths):
+        proposals = propose(seqs, depths)
+        for seq, p in zip(seqs, proposals):
+            paths = [tuple(path) for path in p.paths()]
+            assert all(path[:-1] in paths[:i] for i, path in enumerate(paths) if len(path) > 1), paths
+            assert p.chances is None or p.chances == sorted(p.chances, reverse=True)
+            seen.append((len(set(paths) - seq.spec_state.head_paths), seq.spec_state.backoff > 0))
+        return proposals
+
+    proposer.propose = recording
+    for j, params in enumerate(ALL_PARAMS):
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j], j
+    assert_head_blocks_returned(llm)
+    assert any(lookup for lookup, _ in seen)  # proposals held n-gram paths the head did not draft
+    if adaptive:
+        assert any(lookup and paused for lookup, paused in seen)  # the chain is proposed while the head pauses
+    else:
+        assert_guesses_accepted_and_rejected(llm)
+
+
+def test_the_shipped_heads_prompt_lookup_is_served_and_can_be_set(tmp_path):
+    """``prompt_lookup`` where the config leaves it out: the head directory's ``speculative_config.json``, else
+    off; the config's own value wins."""
+    from nanospec.speculative.config import parse_speculative_config
+    (tmp_path / "speculative_config.json").write_text(json.dumps({"tree_top_k": 2, "prompt_lookup": True}))
+    parsed = parse_speculative_config({"method": "eagle3", "model": str(tmp_path)})
+    assert (parsed.tree_top_k, parsed.prompt_lookup) == (2, True)
+    parsed = parse_speculative_config({"method": "eagle3", "model": str(tmp_path), "num_speculative_tokens": 3,
+                                       "prompt_lookup": False})
+    assert (parsed.num_speculative_tokens, parsed.tree_top_k, parsed.prompt_lookup) == (3, 1, False)
+    (tmp_path / "speculative_config.json").write_text(json.dumps({"tree_top_k": 2}))
+    assert parse_speculative_config({"method": "eagle3", "model": str(tmp_path)}).prompt_lookup is False
 
 
 def test_the_head_runs_again_after_a_pause_and_its_guesses_are_accepted(target, successor_head, expected, device):
@@ -837,6 +890,7 @@ def test_the_shipped_head_serves_the_embedded_model():
     llm = LLM.from_args(args.engine)
     proposer = llm.engine.speculator.proposer
     assert isinstance(proposer, Eagle3Proposer) and proposer.k == served["num_speculative_tokens"]
+    assert (proposer.prompt_lookup is not None) == served.get("prompt_lookup", False)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     with serving(llm) as url:
         chat = _client(url).chat.completions.create(model="tiny", messages=messages, max_tokens=24, temperature=0)
@@ -911,7 +965,9 @@ def test_config_errors(target, device, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
     with pytest.raises(ValueError, match="unknown speculative_config keys"):
-        LLM(speculative_config={"method": "eagle3", "model": str(tmp_path), "prompt_lookup": True})
+        LLM(speculative_config={"method": "eagle3", "model": str(tmp_path), "max_candidates": 2})
+    with pytest.raises(ValueError, match=r"\['prompt_lookup'\] must be True or False, got 'yes'"):
+        LLM(speculative_config={"method": "eagle3", "model": str(tmp_path), "prompt_lookup": "yes"})
     with pytest.raises(ValueError, match=r"\['tree_top_k'\] must be an integer in \[1, 64\], got 0"):
         LLM(speculative_config={"method": "eagle3", "model": str(tmp_path), "tree_top_k": 0})
 

@@ -416,7 +416,7 @@ def test_proposals_are_ranked_by_calibrated_chance(target, speculator, device):
     seq_id, seq = sequence_as_if_prefilled(llm, device)
     state = seq.spec_state
     state.calibration.c = AcceptanceEstimate(successes=1.0, trials=4.0)      # c = (1 + 2 * 0.7) / (4 + 2) = 0.4
-    state.lookup_acceptance = AcceptanceEstimate(successes=3.0, trials=3.0)  # a = (3 + 2 * 0.6) / (3 + 2) = 0.84
+    state.lookup.acceptance = AcceptanceEstimate(successes=3.0, trials=3.0)  # a = (3 + 2 * 0.6) / (3 + 2) = 0.84
     state.ranked = proposer._ranked_tree(state)  # as the next outcome would rank it
     want, paths = {}, []
     for token, parent, score in zip(*state.beam):
@@ -449,11 +449,11 @@ def test_a_stopped_sequence_has_its_whole_first_depth_checked(target, speculator
     # the beam's first depth predicted sum(first) accepted tokens; the n-gram chain's first token was tried once
     for emitted, beam_hit, chain_hit in ((33, 33 in first, 1), (list(first)[1], 1, 0), (miss, 0, 0)):
         state = seq.spec_state
-        state.calibration.c, state.lookup_acceptance = AcceptanceEstimate(), AcceptanceEstimate()
+        state.calibration.c, state.lookup.acceptance = AcceptanceEstimate(), AcceptanceEstimate()
         spec.commit(seq, proposal, Verdict(emitted=[emitted]))
         assert state.calibration.c.successes == beam_hit
         assert state.calibration.c.trials == pytest.approx(sum(first.values()))
-        assert (state.lookup_acceptance.successes, state.lookup_acceptance.trials) == (chain_hit, 1)
+        assert (state.lookup.acceptance.successes, state.lookup.acceptance.trials) == (chain_hit, 1)
     llm.abort(seq_id)
     assert_no_leak(llm)
 

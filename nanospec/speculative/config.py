@@ -9,6 +9,7 @@
     {"method": "eagle3", "model": PATH, "num_speculative_tokens": 4}   # an EAGLE-3 head (vLLM / SGLang format)
     {"method": "eagle3"}   # the head shipped for the embedded model
     {"method": "eagle3", "model": PATH, "tree_top_k": 4, "tree_budget": 24}   # its EAGLE-2 dynamic tree
+    {"method": "eagle3", "prompt_lookup": True}   # the n-gram chain joins the head's guesses
 
 ``"adaptive": True`` (the default) verifies only the guesses that pay (:mod:`nanospec.speculative.policy`). The
 keys of each method and their meaning: ``docs/speculative-decoding.md``.
@@ -46,7 +47,8 @@ _KEYS = {
     "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
     "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "prompt_lookup",
                        "prompt_lookup_min", "prompt_lookup_max"},
-    "eagle3": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "tree_budget"},
+    "eagle3": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "tree_budget",
+               "prompt_lookup", "prompt_lookup_min", "prompt_lookup_max"},
 }
 
 
@@ -67,7 +69,7 @@ class SpeculativeConfig:
     guess_set_size: int = 5
     acceptance: str = "rejection"
     draft_tensor_parallel_size: int | None = None  # None: the target's (vLLM's default); else 1 or the target's
-    prompt_lookup: bool | None = None  # mlp_speculator: the n-gram chain joins its guesses (None: not set)
+    prompt_lookup: bool | None = None  # mlp_speculator, eagle3: the n-gram chain joins its guesses (None: not set)
     quantization: str | None = "auto"  # draft: its weights, as LLM(quantization=...)
 
 
@@ -114,7 +116,7 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     else:
         k = _positive_int(config, "num_speculative_tokens", 5 if method == "ngram" else 4)
     fields = {"tree_budget": _optional_int(config, "tree_budget"), "adaptive": _bool(config, "adaptive", True)}
-    if method in ("ngram", "mlp_speculator"):
+    if method in ("ngram", "mlp_speculator", "eagle3"):
         fields["prompt_lookup_min"] = lo = _positive_int(config, "prompt_lookup_min", 1)
         fields["prompt_lookup_max"] = hi = _positive_int(config, "prompt_lookup_max", 4)
         if lo > hi:
@@ -143,13 +145,17 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         model = None if model is None else _local(model, "the EAGLE-3 head")
         if model is not None and not Path(model).is_dir():
             raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head must be a directory, got {model}")
+        # the head directory's speculative_config.json (if any) gives the tree's shape where none of its keys is set,
+        # and prompt_lookup where it is not set
         shape = {"num_speculative_tokens", "tree_top_k", "tree_budget"}
-        if not shape & set(config):  # none of them set: the head directory's speculative_config.json's (if any)
-            directory = Path(model) if model is not None else SHIPPED_EAGLE3
-            config = {**config, **_served(directory / "speculative_config.json", shape)}
+        directory = Path(model) if model is not None else SHIPPED_EAGLE3
+        served = _served(directory / "speculative_config.json", shape | {"prompt_lookup"})
+        config = {**({k: v for k, v in served.items() if k in shape} if not shape & set(config) else {}),
+                  "prompt_lookup": served.get("prompt_lookup", False), **config}
         k = _positive_int(config, "num_speculative_tokens", 4)
         fields["tree_budget"] = _optional_int(config, "tree_budget")
-        return SpeculativeConfig(method, k, model=model, tree_top_k=_positive_int(config, "tree_top_k", 1), **fields)
+        return SpeculativeConfig(method, k, model=model, tree_top_k=_positive_int(config, "tree_top_k", 1),
+                                 prompt_lookup=_bool(config, "prompt_lookup", False), **fields)
     tree_top_k = _positive_int(config, "tree_top_k", 1)
     acceptance = config.get("acceptance", "rejection")
     if acceptance not in ("rejection", "coupled"):
@@ -276,8 +282,11 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
                                      config.adaptive)
     if config.method == "eagle3":
         head, aux_layers = load_eagle3_head(shipped_path(config.method, config.model, target_config), target_config, device, dtype)
+        lookup = None
+        if config.prompt_lookup:
+            lookup = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         return Eagle3Proposer(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
                               max_model_len or target_config.max_position_embeddings, config.tree_top_k or 1,
-                              config.tree_budget, config.adaptive)
+                              config.tree_budget, config.adaptive, lookup)
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
                          draft_tp, enable_prefix_caching)

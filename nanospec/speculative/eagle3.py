@@ -12,9 +12,13 @@ step verified (at most ``k``): the policy rarely verifies all ``k``, and each de
 Guesses are argmaxes mapped to target ids: one-hot, so the matched rule verifies them and output equals plain
 decoding's whatever the head's weights.
 
+With ``prompt_lookup`` the n-gram chain joins the head's guesses (:class:`~nanospec.speculative.ngram.LookupChain`):
+one ranked tree, each node with its chance (the head's chain: ``alpha^d``; its tree: the calibrated score; the
+n-gram chain: ``a^d``; a node on both the larger), of which the goodput policy verifies the likeliest.
+
 With the policy on, a head whose guesses do not pay still costs its forwards every step, so a sequence whose step
 verified none of its guesses pauses its head: for the next ``backoff`` steps the head neither runs over its rows
-nor drafts for it, and holds no K/V for it (it starts again at the current position on resuming, as on its first
+nor drafts for it (the n-gram chain, with prompt lookup, is still proposed), and holds no K/V for it (it starts again at the current position on resuming, as on its first
 run). ``backoff`` is 2 steps, doubled on each pause without a verified guess since the last (at most 64), and back
 to 2 once a step verifies a guess. The acceptance estimate and calibration are kept across pauses.
 
@@ -48,7 +52,8 @@ from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
 from nanospec.speculative.eagle3_tree import TreeShape, grow_tree
-from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, chain_ranking
+from nanospec.speculative.ngram import LookupChain, NgramProposer
+from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, accepted_depth
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
@@ -62,7 +67,9 @@ class Eagle3State:
     base: int | None = None   # the first position the head holds K/V for (None: none yet)
     num_cached: int = 0       # the head's K/V is exact for positions base .. num_cached - 1
     num_tokens: int = 0       # the sequence's length when its guesses were made
-    tree: Proposal | None = None  # the guesses drafted then: a chain, or a ranked tree with each node's chance
+    tree: Proposal | None = None  # the guesses then, ranked with each node's chance (the n-gram chain's too)
+    head_paths: frozenset = frozenset()  # the paths of that tree the head drafted
+    lookup: LookupChain | None = None  # the sequence's n-gram chain, with prompt lookup
     drafted: int = 0          # nodes the last step drafted for it (0: none, its scratch rows did not fit the pool)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a chain's alpha
     calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree's chances
@@ -74,15 +81,18 @@ class Eagle3Proposer(Proposer):
     ranked = True
 
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
-                 max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True):
+                 max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True,
+                 prompt_lookup: NgramProposer | None = None):
         """``adaptive``: the goodput policy chooses what to verify, so the head drafts one depth deeper than the step
-        verified (at most ``k``), as deep as the policy may want next, and pauses after a step that verified none;
-        else ``k`` deep, every step."""
+        verified of its guesses (at most ``k``), as deep as the policy may want next, and pauses after a step that
+        verified none; else ``k`` deep, every step. ``prompt_lookup``: an n-gram proposer whose chain joins the
+        guesses."""
         c = head.config.layer
         self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.tree = _tree_shape(k, tree_top_k, tree_budget, head.config.draft_vocab_size)
-        self.max_tokens_per_step = self.tree.num_nodes if self.tree else k
+        self.prompt_lookup = prompt_lookup
+        self.max_tokens_per_step = (self.tree.num_nodes if self.tree else k) + (k if prompt_lookup else 0)
         self.scratch = self.tree.max_rows if self.tree else k  # head K/V rows past the last accepted one
         self.block_size = block_size
         self.block_manager = BlockManager(2 * num_blocks, block_size)
@@ -102,13 +112,7 @@ class Eagle3Proposer(Proposer):
 
     # ---------------------------------------------------------------- a sequence's life
     def start(self, seq: Sequence) -> None:
-        seq.spec_state = Eagle3State()
-
-    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        if self.tree is None:
-            return [chain_ranking(seq.spec_state.acceptance.alpha(), len(p.token_ids))
-                    for seq, p in zip(seqs, self.propose(seqs, [self.k] * len(seqs)))]
-        return super().rank(seqs, depths)
+        seq.spec_state = Eagle3State(lookup=self.prompt_lookup.new_chain(seq.token_ids) if self.prompt_lookup else None)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         """The guesses drafted behind each sequence's last token, whole: the speculator cuts them to ``depths`` (and
@@ -117,26 +121,42 @@ class Eagle3Proposer(Proposer):
                 for seq in seqs]
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
+        """Learn from the outcome (the chain's ``alpha`` or the tree's calibration, the n-gram chain's ``a``); rank the
+        guesses drafted behind the new last token (by read_forward) for the next step."""
         st: Eagle3State = seq.spec_state
         st.num_tokens = seq.num_tokens
-        if self.tree is None:  # (read_forward drafted behind the new last token)
-            st.acceptance.observe_chain(proposal, verdict)
-            st.tree = Proposal.chain([int(t) for t in verdict.ahead[0][:st.drafted]]) if st.drafted else None
-        else:  # ranked in the drafted order
-            st.calibration.observe(proposal.checked_paths(), verdict.emitted)
-            st.tree = None
-            if st.drafted:
-                token_ids, parents, scores = (row[:st.drafted] for row in verdict.ahead)
-                st.tree = Proposal([int(v) for v in token_ids], [int(v) for v in parents])
-                st.tree.chances = st.calibration.chances([tuple(p) for p in st.tree.paths()], scores)
+        verified = proposal.checked_paths()
+        if self.tree is None:
+            head = [p for p in verified if p in st.head_paths]
+            if head:
+                st.acceptance.observe(len(head), accepted_depth(head, verdict.emitted))
+        else:
+            st.calibration.observe(verified, verdict.emitted)
+        chance = self._drafted_chances(st, verdict.ahead)
+        st.head_paths = frozenset(chance)
+        if st.lookup is not None:
+            st.lookup.observe(verified, verdict.emitted)
+            st.lookup.join(chance, self.prompt_lookup, self.k)
+        st.tree = Proposal.ranked(chance) if chance else None
         if st.base is not None:  # (None: the head paused)
             st.num_cached = seq.num_tokens - 1
             self.block_manager.truncate(st.block_table, st.num_cached - st.base)
 
+    def _drafted_chances(self, st: Eagle3State, ahead: list) -> dict[tuple[int, ...], float]:
+        """Each path the head drafted this step (read_forward's ``ahead``), with its chance."""
+        if not st.drafted:
+            return {}
+        if self.tree is None:
+            alpha, chain = st.acceptance.alpha(), [int(t) for t in ahead[0][:st.drafted]]
+            return {tuple(chain[:d]): alpha ** d for d in range(1, len(chain) + 1)}
+        token_ids, parents, scores = (row[:st.drafted] for row in ahead)
+        paths = [tuple(p) for p in Proposal([int(v) for v in token_ids], [int(v) for v in parents]).paths()]
+        return dict(zip(paths, st.calibration.chances(paths, scores)))
+
     def preempt(self, seq: Sequence) -> None:
         st: Eagle3State = seq.spec_state
         self.block_manager.free(st.block_table)
-        st.base, st.num_cached, st.tree = None, 0, None
+        st.base, st.num_cached, st.tree, st.head_paths = None, 0, None, frozenset()
 
     def free(self, seq: Sequence) -> None:
         self.block_manager.free(seq.spec_state.block_table)
@@ -181,7 +201,8 @@ class Eagle3Proposer(Proposer):
                 node_roots += [row + len(prompt)] * (size - len(prompt) - 1)
                 head_row += size
             row += sizes[b]
-        depth = min(max((p.max_depth() for p in proposals), default=0) + 1, self.k) if self.adaptive else self.k
+        depth = min(max((self._head_depth(seqs[b], proposals[b]) for b in active), default=0) + 1, self.k) \
+            if self.adaptive else self.k
         num_drafted = replace(self.tree, depth=depth).num_nodes if self.tree is not None else depth
         drafting = []  # (indices into active) the sequences whose scratch rows fit, first come first served
         for i, b in enumerate(active):
@@ -220,13 +241,19 @@ class Eagle3Proposer(Proposer):
             t[index, :value.shape[1]] = value.to(t.dtype)
         return out
 
+    @staticmethod
+    def _head_depth(seq: Sequence, proposal: Proposal) -> int:
+        """The deepest of the head's guesses that ``proposal`` (the part of its tree the step verified) holds."""
+        return max((len(p) for p in map(tuple, proposal.paths()) if p in seq.spec_state.head_paths), default=0)
+
     def _paused(self, seq: Sequence, proposal: Proposal) -> bool:
         """Whether the head skips ``seq`` this step (then it holds no K/V for it and drafts nothing): ``proposal``
-        is the part of its guesses the step verified; none of them (the policy declined them) starts a pause."""
+        is the part of its tree the step verified; none of the head's guesses (the policy declined them) starts a
+        pause."""
         st: Eagle3State = seq.spec_state
-        if proposal.token_ids:
+        if self._head_depth(seq, proposal):
             st.backoff = 0
-        elif self.adaptive and proposal.unverified_guesses:
+        elif self.adaptive and st.head_paths and (proposal.token_ids or proposal.unverified_guesses):
             st.backoff = min(2 * st.backoff, MAX_BACKOFF) if st.backoff else FIRST_BACKOFF
             st.resume_at = seq.num_tokens + st.backoff
         if seq.num_tokens >= st.resume_at:

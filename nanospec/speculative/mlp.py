@@ -19,14 +19,12 @@ import torch
 from nanospec.model.mlp_speculator import MLPSpeculator
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
-from nanospec.speculative.ngram import NgramIndex, NgramProposer
-from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, accepted_depth
+from nanospec.speculative.ngram import LookupChain, NgramProposer
+from nanospec.speculative.policy import TreeCalibration
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
 SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct"
-
-LOOKUP_PRIOR = 0.6  # a before the chain has been tried (the n-gram proposer's prior)
 
 
 @dataclass
@@ -34,10 +32,8 @@ class MLPState:
     num_tokens: int = 0                 # the sequence's length at its last outcome (its last token is t_0)
     beam: list[list] | None = None      # guessed then, during verification: [token ids, parents, scores]
     ranked: Proposal | None = None      # the beam and the n-gram chain, ranked: the next proposal
-    lookup: NgramIndex | None = None    # the sequence's n-gram index, with prompt lookup
-    calibration: TreeCalibration = field(default_factory=TreeCalibration)             # the beam's
-    lookup_acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a
-    chain: list[int] = field(default_factory=list)                                     # last proposal's n-gram chain
+    lookup: LookupChain | None = None   # the sequence's n-gram chain, with prompt lookup
+    calibration: TreeCalibration = field(default_factory=TreeCalibration)  # the beam's
 
 
 class MLPSpeculatorProposer(Proposer):
@@ -65,7 +61,7 @@ class MLPSpeculatorProposer(Proposer):
         self.max_tokens_per_step = k * (tree_top_k + (prompt_lookup is not None))
 
     def start(self, seq: Sequence) -> None:
-        seq.spec_state = MLPState(lookup=self.prompt_lookup.new_index(seq.token_ids) if self.prompt_lookup else None)
+        seq.spec_state = MLPState(lookup=self.prompt_lookup.new_chain(seq.token_ids) if self.prompt_lookup else None)
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
@@ -83,16 +79,9 @@ class MLPSpeculatorProposer(Proposer):
         tokens, parents, scores = state.beam
         paths = [tuple(path) for path in Proposal(tokens, parents).paths()]
         chance = dict(zip(paths, state.calibration.chances(paths, scores)))
-        if self.prompt_lookup is not None:
-            state.chain = self.prompt_lookup.chain(state.lookup, self.k)
-            a = state.lookup_acceptance.alpha(LOOKUP_PRIOR)
-            for d in range(1, len(state.chain) + 1):
-                path = tuple(state.chain[:d])
-                chance[path] = max(chance.get(path, 0.0), min(1.0, a ** d))
-        ranked = sorted(chance, key=lambda path: (-chance[path], len(path)))
-        index = {path: i for i, path in enumerate(ranked)}
-        return Proposal([path[-1] for path in ranked], [index.get(path[:-1], -1) for path in ranked],
-                        chances=[chance[path] for path in ranked])
+        if state.lookup is not None:
+            state.lookup.join(chance, self.prompt_lookup, self.k)
+        return Proposal.ranked(chance)
 
     @staticmethod
     def _has_current_state(seq: Sequence) -> bool:
@@ -105,12 +94,9 @@ class MLPSpeculatorProposer(Proposer):
         state: MLPState = seq.spec_state
         verified = proposal.checked_paths()
         state.calibration.observe(verified, verdict.emitted)
-        chain = [p for p in verified if list(p) == state.chain[: len(p)]]
-        if chain:
-            state.lookup_acceptance.observe(len(chain), accepted_depth(chain, verdict.emitted))
-        state.beam, state.num_tokens = verdict.ahead, seq.num_tokens
         if state.lookup is not None:
-            state.lookup.extend(verdict.emitted)
+            state.lookup.observe(verified, verdict.emitted)
+        state.beam, state.num_tokens = verdict.ahead, seq.num_tokens
         state.ranked = self._ranked_tree(state) if state.beam is not None else None
 
     def preempt(self, seq: Sequence) -> None:

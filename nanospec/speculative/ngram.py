@@ -3,7 +3,8 @@
 For n from ``prompt_lookup_max`` down to ``prompt_lookup_min``, the first n whose last n tokens also end at an
 earlier position e wins (the most recent e), and the guess is ``tokens[e : e + k]``. :class:`NgramIndex` keeps the
 end positions of every n-gram, so a lookup costs O(n_max^2 + k) whatever the length. With ``max_candidates > 1`` the
-continuations of several occurrences merge into a token trie of at most ``budget`` nodes.
+continuations of several occurrences merge into a token trie of at most ``budget`` nodes. :class:`LookupChain` joins
+the chain to a model's ranked guesses (the MLP speculator's, an EAGLE-3 head's).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from nanospec.sequence import Sequence
-from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
+from nanospec.speculative.policy import AcceptanceEstimate, accepted_depth, chain_ranking
 from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
@@ -59,6 +60,31 @@ class NgramState:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the chain's alpha
 
 
+@dataclass
+class LookupChain:
+    """A sequence's prompt-lookup chain beside a model's ranked guesses: the chain's depth ``d`` token has chance
+    ``a^d``, ``a`` its acceptance estimated on the outcomes of the steps that verified it."""
+    index: NgramIndex
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    chain: list[int] = field(default_factory=list)  # the chain last joined
+
+    def join(self, chance: dict[tuple[int, ...], float], proposer: NgramProposer, k: int) -> None:
+        """Add the chain behind the sequence's last token, ``k`` deep, to ``chance`` (path -> chance; a path on both
+        keeps the larger chance)."""
+        self.chain = proposer.chain(self.index, k)
+        a = self.acceptance.alpha()
+        for d in range(1, len(self.chain) + 1):
+            path = tuple(self.chain[:d])
+            chance[path] = max(chance.get(path, 0.0), a ** d)
+
+    def observe(self, verified: list[tuple[int, ...]], emitted: list[int]) -> None:
+        """After a step that checked the ``verified`` paths and emitted ``emitted``."""
+        chain = [p for p in verified if list(p) == self.chain[: len(p)]]
+        if chain:
+            self.acceptance.observe(len(chain), accepted_depth(chain, emitted))
+        self.index.extend(emitted)
+
+
 class NgramProposer(Proposer):
     """Prompt lookup from one incremental index per sequence; a chain is ranked by its acceptance estimate, a tree is
     verified whole."""
@@ -85,6 +111,10 @@ class NgramProposer(Proposer):
     def new_index(self, prompt_ids: list[int]) -> NgramIndex:
         """Per-sequence state; feed it the accepted output with `extend`."""
         return NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max, prompt_ids)
+
+    def new_chain(self, prompt_ids: list[int]) -> LookupChain:
+        """Per-sequence state of a chain joined to another proposer's guesses."""
+        return LookupChain(self.new_index(prompt_ids))
 
     def chain(self, index: NgramIndex, k: int | None = None) -> list[int]:
         """Up to k tokens that followed the most recent earlier occurrence of the longest matching suffix."""

@@ -60,6 +60,15 @@ class Proposal:
     def chain(cls, token_ids: list[int], draft_probs: torch.Tensor | None = None) -> Proposal:
         return cls(list(token_ids), list(range(-1, len(token_ids) - 1)), draft_probs=draft_probs)
 
+    @classmethod
+    def ranked(cls, chance: dict[tuple[int, ...], float]) -> Proposal:
+        """The tree of the paths in ``chance`` (each with its prefixes), best first and shorter first on ties: a path
+        never more likely than its prefix keeps every prefix of the list a tree."""
+        paths = sorted(chance, key=lambda path: (-chance[path], len(path)))
+        index = {path: i for i, path in enumerate(paths)}
+        return cls([path[-1] for path in paths], [index.get(path[:-1], -1) for path in paths],
+                   chances=[chance[path] for path in paths])
+
     def fed(self) -> tuple[list[int], list[int]]:
         """(tokens, parents) of every node the step feeds: the tree, then any nodes fed but not verified."""
         return self.token_ids, self.parents
