@@ -28,8 +28,9 @@ the draft path; a trained small model is a real draft). ``mlp_speculator`` is th
 embedded SmolLM2 (or --mlp-speculator PATH) served as its directory says; ``mlp_chain`` its chain of stages;
 ``mlp_tree`` its beam of --mlp-tree-width candidates per depth; ``mlp_tree_lookup`` that beam with the n-gram chain
 merged in. ``eagle3`` is an EAGLE-3 head (--eagle3 PATH, default the shipped one) served as its directory's
-``speculative_config.json`` says, ``eagle3_lookup`` so with the n-gram chain joined; ``eagle3_chain`` its chain of k; ``eagle3_tree`` its EAGLE-2 tree of
---eagle3-tree-width candidates per depth and --eagle3-tree-budget nodes.
+``speculative_config.json`` says; ``eagle3_chain`` its chain of k; ``eagle3_tree`` its EAGLE-2 tree of
+--eagle3-tree-width candidates per depth and --eagle3-tree-budget nodes; ``eagle3_chain_lookup`` and
+``eagle3_tree_lookup`` those with the n-gram chain joined.
 """
 
 from __future__ import annotations
@@ -54,9 +55,10 @@ from nanospec.model.embedded import embedded_model_path  # noqa: E402
 HERE = Path(__file__).resolve().parent
 # the first three have a transformers counterpart; the others are nanospec only
 METHODS = ("plain", "ngram", "draft", "ngram_tree", "draft_tree", "lookahead", "draft_coupled", "mlp_speculator",
-           "mlp_chain", "mlp_tree", "mlp_tree_lookup", "eagle3", "eagle3_lookup", "eagle3_chain", "eagle3_tree")
+           "mlp_chain", "mlp_tree", "mlp_tree_lookup", "eagle3", "eagle3_chain", "eagle3_tree", "eagle3_chain_lookup",
+           "eagle3_tree_lookup")
 MLP_METHODS = ("mlp_speculator", "mlp_chain", "mlp_tree", "mlp_tree_lookup")
-EAGLE3_METHODS = ("eagle3", "eagle3_lookup", "eagle3_chain", "eagle3_tree")
+EAGLE3_METHODS = ("eagle3", "eagle3_chain", "eagle3_tree", "eagle3_chain_lookup", "eagle3_tree_lookup")
 SHIPPED_EAGLE3 = HERE.parent / "nanospec" / "speculators" / "smollm2-135m-instruct-eagle3"
 HF_LABELS = {"plain": "plain", "ngram": "prompt-lookup", "draft": "assisted"}
 DEFAULT_K = {"ngram": 5, "draft": 4, "mlp_speculator": 3, "eagle3": 5}
@@ -143,12 +145,12 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
         if args.mlp_speculator:
             config["model"] = args.mlp_speculator
         return config
-    if method in ("eagle3", "eagle3_lookup"):  # served as the head directory's speculative_config.json says
-        return {"method": "eagle3", "model": args.eagle3, **adaptive,
-                **({"prompt_lookup": True, "prompt_lookup_max": args.prompt_lookup_max} if method == "eagle3_lookup" else {})}
+    if method == "eagle3":  # served as the head directory's speculative_config.json says
+        return {"method": "eagle3", "model": args.eagle3, **adaptive}
     if method in EAGLE3_METHODS:
-        config = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.k["eagle3"], **adaptive}
-        if method == "eagle3_tree":
+        config = {"method": "eagle3", "model": args.eagle3, "num_speculative_tokens": args.k["eagle3"], **adaptive,
+                  "prompt_lookup": method.endswith("_lookup"), "prompt_lookup_max": args.prompt_lookup_max}
+        if method.startswith("eagle3_tree"):
             config["tree_top_k"] = args.eagle3_tree_width
             if args.eagle3_tree_budget:
                 config["tree_budget"] = args.eagle3_tree_budget

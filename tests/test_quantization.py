@@ -10,7 +10,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from nanospec import LLM
-from nanospec.kernels.quantized_matmul import (SPLIT_K_MAX_ROWS, dequantize_ref, quantized_matmul_ref,
+from nanospec.kernels.quantized_matmul import (FEW_ROWS, dequantize_ref, quantized_matmul_ref,
                                                quantized_matmul_triton)
 from nanospec.model.gguf_file import read_gguf
 from nanospec.model.gguf_quant import gguf_weight, int4_from_blocks
@@ -134,8 +134,8 @@ KERNEL_CASES = [
     (3, 24, 128, 64, 4, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, split_k=3)),
     (5, 17, 256, 128, 4, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=64, split_k=2)),
     (0, 16, 64, 32, 4, None),
-    (SPLIT_K_MAX_ROWS + 3, 33, 96, 32, 4, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, split_k=1)),
-    (SPLIT_K_MAX_ROWS + 1, 40, 160, 32, 4, None),  # the tiled default: two groups a tile, the last tile half empty
+    (FEW_ROWS + 3, 33, 96, 32, 4, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, split_k=1)),
+    (FEW_ROWS + 1, 40, 160, 32, 4, None),  # the tiled default: two groups a tile, the last tile half empty
     (2, 24, 96, 96, 8, dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, split_k=2)),
     (1, 17, 64, 64, 8, None),
 ]

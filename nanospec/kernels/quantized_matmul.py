@@ -69,16 +69,16 @@ def _quantized_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-SPLIT_K_MAX_ROWS = 16
+FEW_ROWS = 16  # at most this many rows (decode, verify): the narrow launch shape
 
 
 def launch_shape(M: int, N: int, K: int) -> dict:
-    """Block sizes and the K split for ``M`` rows (only which side of SPLIT_K_MAX_ROWS ``M`` falls on counts).
+    """Block sizes and the K split for ``M`` rows (only which side of ``FEW_ROWS`` ``M`` falls on counts).
 
     A few rows read each weight once: narrow tiles (32 outputs) over long K steps (256), one K slice. A split of K
     (``shape=dict(..., split_k=S)``) costs a float32 partial buffer and its sum, and lost to one slice over SmolLM2's
     and Llama-3.2-1B's weights together (``bench_quantized_matmul.py --sweep``, benchmarks/RESULTS.md)."""
-    if M <= SPLIT_K_MAX_ROWS:
+    if M <= FEW_ROWS:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, split_k=1, num_warps=4)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, split_k=1, num_warps=8)
 

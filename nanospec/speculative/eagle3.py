@@ -114,6 +114,17 @@ class Eagle3Proposer(Proposer):
     def start(self, seq: Sequence) -> None:
         seq.spec_state = Eagle3State(lookup=self.prompt_lookup.new_chain(seq.token_ids) if self.prompt_lookup else None)
 
+    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
+        """Each node's chance and, as its depth, the deepest of the head's guesses on its path: what the policy prices
+        as drafting (after the step the head drafts one depth deeper than the step verified of its own guesses; the
+        n-gram chain's guesses cost nothing to make)."""
+        ranked = []
+        for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths):
+            head = seq.spec_state.head_paths
+            ranked.append([(chance, max((j for j in range(1, len(path) + 1) if tuple(path[:j]) in head), default=0))
+                           for chance, path in zip(proposal.chances or (), proposal.paths()) if len(path) <= depth])
+        return ranked
+
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         """The guesses drafted behind each sequence's last token, whole: the speculator cuts them to ``depths`` (and
         when it verifies none, still checks the first guess, which a chain's estimate learns from)."""
