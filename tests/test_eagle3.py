@@ -684,8 +684,9 @@ def test_prompt_lookup_joins_a_random_heads_guesses_and_equals_plain(target, exp
 
 
 def test_the_policy_prices_only_the_heads_guesses_as_drafting():
-    """rank: each node's chance, and as its depth the deepest of the head's guesses on its path (the n-gram chain's
-    guesses cost no drafting), nodes deeper than asked left out."""
+    """rank: each node's chance, and as its depth the head forwards verifying it costs: one more than the deepest of
+    the head's guesses on its path (its pass over the step's rows, then its draft one depth deeper), none where the
+    path holds only the n-gram chain's guesses; nodes deeper than asked left out."""
     proposer = Eagle3Proposer.__new__(Eagle3Proposer)
     seq = type("Seq", (), {})()
     seq.num_tokens = 10
@@ -693,7 +694,7 @@ def test_the_policy_prices_only_the_heads_guesses_as_drafting():
     chain = {(1,): 0.8, (1, 4): 0.64, (1, 4, 5): 0.51, (6,): 0.3}  # (the n-gram chain's, merged as join does)
     tree = Proposal.ranked({path: max(head.get(path, 0.0), chain.get(path, 0.0)) for path in {**head, **chain}})
     seq.spec_state = Eagle3State(num_tokens=10, tree=tree, head_paths=frozenset(head))
-    depth = {(1,): 1, (1, 2): 2, (1, 2, 3): 3, (1, 4): 1, (1, 4, 5): 1, (6,): 0}
+    depth = {(1,): 2, (1, 2): 3, (1, 2, 3): 4, (1, 4): 2, (1, 4, 5): 2, (6,): 0}
     want = [(c, depth[tuple(path)]) for c, path in zip(tree.chances, tree.paths())]
     assert proposer.rank([seq], [3]) == [want]
     assert proposer.rank([seq], [2]) == [[(c, d) for (c, d), path in zip(want, tree.paths()) if len(path) <= 2]]

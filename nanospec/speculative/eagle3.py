@@ -115,13 +115,14 @@ class Eagle3Proposer(Proposer):
         seq.spec_state = Eagle3State(lookup=self.prompt_lookup.new_chain(seq.token_ids) if self.prompt_lookup else None)
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        """Each node's chance and, as its depth, the deepest of the head's guesses on its path: what the policy prices
-        as drafting (after the step the head drafts one depth deeper than the step verified of its own guesses; the
-        n-gram chain's guesses cost nothing to make)."""
+        """Each node's chance and, as its depth, the head forwards verifying it costs, which the policy prices as
+        drafting: after a step that verified the head's guesses ``d`` deep, the head runs over the step's rows and
+        drafts ``d + 1`` deep (``d + 1`` forwards); a step that verified none of them pauses the head (none), and the
+        n-gram chain's guesses cost nothing to make."""
         ranked = []
         for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths):
             head = seq.spec_state.head_paths
-            ranked.append([(chance, max((j for j in range(1, len(path) + 1) if tuple(path[:j]) in head), default=0))
+            ranked.append([(chance, max((j + 1 for j in range(1, len(path) + 1) if tuple(path[:j]) in head), default=0))
                            for chance, path in zip(proposal.chances or (), proposal.paths()) if len(path) <= depth])
         return ranked
 

@@ -23,7 +23,8 @@ class Proposer(abc.ABC):
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
         """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first: by
-        default its proposal's ``chances``."""
+        default its proposal's ``chances`` and each node's depth. The depth is what the policy prices as guessing
+        (``depth * D``)."""
         return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
                 for p, depth in zip(self.propose(seqs, depths), depths)]
 
