@@ -128,7 +128,8 @@ def encode_prompt(path, index: int) -> list[int]:
 
 
 def test_the_head_directory_says_how_it_is_served(trained, tmp_path):
-    """``speculative_config.json`` beside the head gives k, tree_top_k and tree_budget where the caller sets none."""
+    """``speculative_config.json`` beside the head gives k, tree_top_k and tree_budget where the caller sets none,
+    and prompt_lookup where the caller leaves it out; other keys are refused."""
     import shutil
 
     from nanospec.speculative.config import parse_speculative_config
@@ -141,5 +142,7 @@ def test_the_head_directory_says_how_it_is_served(trained, tmp_path):
     mine = parse_speculative_config({"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     assert (mine.num_speculative_tokens, mine.tree_top_k, mine.tree_budget) == (3, 1, None)
     (head / "speculative_config.json").write_text('{"prompt_lookup": true}')
+    assert parse_speculative_config({"method": "eagle3", "model": str(head)}).prompt_lookup is True
+    (head / "speculative_config.json").write_text('{"max_candidates": 2}')
     with pytest.raises(ValueError, match="unknown keys"):
         parse_speculative_config({"method": "eagle3", "model": str(head)})
