@@ -275,18 +275,20 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         config = with_served_defaults(config, path)
         speculator = load_mlp_speculator(path, emb_dim=target_config.hidden_size, vocab_size=target_config.vocab_size,
                                          device=device, dtype=dtype)
-        lookup = None
-        if config.prompt_lookup:
-            lookup = NgramProposer(speculator.config.n_predict, config.prompt_lookup_min, config.prompt_lookup_max)
-        return MLPSpeculatorProposer(speculator, config.num_speculative_tokens, config.tree_top_k, lookup,
-                                     config.adaptive)
+        return MLPSpeculatorProposer(speculator, config.num_speculative_tokens, config.tree_top_k,
+                                     _prompt_lookup(config, speculator.config.n_predict), config.adaptive)
     if config.method == "eagle3":
         head, aux_layers = load_eagle3_head(shipped_path(config.method, config.model, target_config), target_config, device, dtype)
-        lookup = None
-        if config.prompt_lookup:
-            lookup = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max)
         return Eagle3Proposer(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
                               max_model_len or target_config.max_position_embeddings, config.tree_top_k or 1,
-                              config.tree_budget, config.adaptive, lookup)
+                              config.tree_budget, config.adaptive,
+                              _prompt_lookup(config, config.num_speculative_tokens))
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
                          draft_tp, enable_prefix_caching)
+
+
+def _prompt_lookup(config: SpeculativeConfig, k: int) -> NgramProposer | None:
+    """The n-gram proposer whose chain, ``k`` long, joins a model's guesses (None without ``prompt_lookup``)."""
+    if not config.prompt_lookup:
+        return None
+    return NgramProposer(k, config.prompt_lookup_min, config.prompt_lookup_max)

@@ -18,9 +18,10 @@ n-gram chain: ``a^d``; a node on both the larger), of which the goodput policy v
 
 With the policy on, a head whose guesses do not pay still costs its forwards every step, so a sequence whose step
 verified none of its guesses pauses its head: for the next ``backoff`` steps the head neither runs over its rows
-nor drafts for it (the n-gram chain, with prompt lookup, is still proposed), and holds no K/V for it (it starts again at the current position on resuming, as on its first
-run). ``backoff`` is 2 steps, doubled on each pause without a verified guess since the last (at most 64), and back
-to 2 once a step verifies a guess. The acceptance estimate and calibration are kept across pauses.
+nor drafts for it (the n-gram chain, with prompt lookup, is still proposed), and holds no K/V for it (it starts
+again at the current position on resuming, as on its first run). ``backoff`` is 2 steps, doubled on each pause
+without a verified guess since the last (at most 64), and back to 2 once a step verifies a guess. The acceptance
+estimate and calibration are kept across pauses.
 
 The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
 sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
