@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
+from nanospec.model.linear import Linear, PackedLinear
 from nanospec.model.mlp_speculator import load_mlp_speculator, save_mlp_speculator
 from nanospec.speculative.config import parse_speculative_config, with_served_defaults
 from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer
@@ -157,6 +158,26 @@ def test_model_follows_the_formula(tmp_path, tie, scale_input, inner_dim, hot):
     if hot:
         guesses = model.propose(torch.randn(32, EMB_DIM, dtype=torch.float64), torch.arange(32), 3)
         assert set(guesses.flatten().tolist()) <= set(tensors["hot_token_ids"].tolist())
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_loaded_in_float32_its_linears_run_on_onednn(tmp_path, tie):
+    """A speculator loaded in float32 on a CPU computes its projections and heads with oneDNN's packed weights
+    (``pack_linears``): each module packed once, tied stages still sharing one, the formula's logits kept."""
+    tensors = published_tensors(inner_dim=24, tie=tie)
+    config = published_config(inner_dim=24, tie=tie)
+    model = load_mlp_speculator(write_checkpoint(tmp_path, tensors, config), EMB_DIM, VOCAB, dtype=torch.float32)
+    linears = [*model.proj, *model.head]
+    if Linear(linears[0].weight).packed is None:
+        pytest.skip("this torch build has no oneDNN packed float32 linear (NANOSPEC_ONEDNN=0, or no mkldnn)")
+    assert all(isinstance(m, PackedLinear) for m in linears)
+    assert len({id(m) for m in linears}) == (3 if tie else 6)  # tied: proj.0, proj.1 (stages 1..) and one head
+    g = torch.Generator().manual_seed(1)
+    hidden = 3 * torch.randn(8, EMB_DIM, generator=g, dtype=torch.float64)
+    teacher = torch.randint(0, VOCAB, (8, N_PREDICT), generator=g)
+    _, want_logits = reference(tensors, config, hidden, teacher[:, 0], N_PREDICT, teacher=teacher)
+    for got, want in zip(model(hidden.float(), teacher), want_logits):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4)
 
 
 def beam_by_enumeration(model, hidden: torch.Tensor, first: int, k: int, width: int) -> list[list[tuple]]:

@@ -29,6 +29,7 @@ from safetensors import safe_open
 from torch import nn
 
 from nanospec.model.config import LLAMA_ARCHITECTURE, REQUIRED_HF_FIELDS, LlamaConfig
+from nanospec.model.linear import pack_linears
 from nanospec.model.loader import read_json
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
@@ -173,8 +174,9 @@ class Eagle3Head(nn.Module):
 
 def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device | str, dtype: torch.dtype
                      ) -> tuple[Eagle3Head, tuple[int, ...]]:
-    """The head at ``path`` for ``target`` and the target layers it reads. Its config and every tensor's name and
-    shape are checked against the target before any weight is read (ValueError naming the field or tensor)."""
+    """The head at ``path`` for ``target``, for inference (its linears packed,
+    :func:`~nanospec.model.linear.pack_linears`), and the target layers it reads. Its config and every tensor's name
+    and shape are checked against the target before any weight is read (ValueError naming the field or tensor)."""
     path = Path(path)
     config = Eagle3Config.from_dict(read_json(path / "config.json"), str(path / "config.json"))
     if config.target_hidden_size != target.hidden_size:
@@ -234,4 +236,4 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
     head.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
     head.to(device=device, dtype=dtype)
     head.d2t = head.d2t.to(device=device, dtype=torch.int64)
-    return head.eval().requires_grad_(False), aux_layers
+    return pack_linears(head.eval().requires_grad_(False)), aux_layers

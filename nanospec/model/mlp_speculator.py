@@ -27,6 +27,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from nanospec.model.linear import pack_linears
 from nanospec.model.loader import read_json
 
 ARCHITECTURE = "MLPSpeculatorPreTrainedModel"
@@ -229,7 +230,8 @@ def save_mlp_speculator(model: MLPSpeculator, directory: str | os.PathLike, dtyp
 
 def load_mlp_speculator(path: str | os.PathLike, emb_dim: int | None = None, vocab_size: int | None = None,
                         device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> MLPSpeculator:
-    """Load a speculator directory; ``emb_dim`` / ``vocab_size``: the target's, checked when given."""
+    """Load a speculator directory for inference (its linears packed, :func:`~nanospec.model.linear.pack_linears`);
+    ``emb_dim`` / ``vocab_size``: the target's, checked when given."""
     directory = Path(path)
     config_file = directory / "config.json"
     if not directory.is_dir():
@@ -274,4 +276,4 @@ def load_mlp_speculator(path: str | os.PathLike, emb_dim: int | None = None, voc
         own = model.stored_tensors()
         for name, tensor in tensors.items():
             own[name].copy_(tensor.to(own[name].dtype))
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    return pack_linears(model.to(device=device, dtype=dtype).eval().requires_grad_(False))
