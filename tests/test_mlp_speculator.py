@@ -32,10 +32,10 @@ from nanospec import LLM, SamplingParams
 from nanospec.model.linear import Linear, PackedLinear
 from nanospec.model.mlp_speculator import load_mlp_speculator, save_mlp_speculator
 from nanospec.speculative.config import parse_speculative_config, with_served_defaults
-from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer
+from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer, MLPState
 from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.policy import AcceptanceEstimate
-from nanospec.speculative.proposal import Verdict
+from nanospec.speculative.proposal import Proposal, Verdict
 from tiny import (KV_TOLERANCE, assert_no_leak, assert_prompt_logprobs_as_plain, forward_hidden, forward_logits,
                   make_tiny_llama, most_common_successors, successor_speculator)
 
@@ -526,6 +526,31 @@ def test_guesses_go_one_depth_past_what_the_step_verified(target, speculator, de
     assert depths == [1, 2, 3, 3, 1, 2]
     llm.abort(seq_id)
     assert_no_leak(llm)
+
+
+def test_the_policy_prices_only_the_beams_guesses_as_drafting():
+    """rank: each node's chance, and as its depth the deepest beam guess on its path (the stages verifying it
+    costs: the next beam is drafted one depth past the deepest beam guess verified), none where the path holds only
+    the n-gram chain's guesses; nodes deeper than asked left out. read_forward drafts that one depth deeper."""
+    proposer = MLPSpeculatorProposer.__new__(MLPSpeculatorProposer)
+    proposer.k, proposer.width, proposer.adaptive = 3, 2, True
+    beam = {(1,): 0.9, (1, 2): 0.5, (1, 2, 3): 0.2}
+    chain = {(1,): 0.8, (1, 4): 0.64, (1, 4, 5): 0.51, (6,): 0.3}  # (the n-gram chain's, merged as join does)
+    tree = Proposal.ranked({path: max(beam.get(path, 0.0), chain.get(path, 0.0)) for path in {**beam, **chain}})
+    seq = type("Seq", (), {"num_tokens": 10})()
+    seq.spec_state = MLPState(num_tokens=10, ranked=tree, beam_paths=frozenset(beam))
+    depth = {(1,): 1, (1, 2): 2, (1, 2, 3): 3, (1, 4): 1, (1, 4, 5): 1, (6,): 0}
+    want = [(c, depth[tuple(path)]) for c, path in zip(tree.chances, tree.paths())]
+    assert proposer.rank([seq], [3]) == [want]
+    assert proposer.rank([seq], [2]) == [[(c, d) for (c, d), path in zip(want, tree.paths()) if len(path) <= 2]]
+
+    asked = []
+    proposer.model = type("Model", (), {"propose_tree": lambda self, hidden, tokens, k, width: asked.append(k) or []})()
+    verification = type("Verification", (), {"seqs": [seq], "last_emitted": lambda self: ([0], torch.tensor([5]))})()
+    for verified in ({(6,)}, {(1,), (1, 4), (1, 4, 5)}, {(1,), (1, 2)}, {(1,), (1, 2), (1, 2, 3)}):
+        proposer.read_forward([Proposal.ranked({path: chain.get(path, beam.get(path)) for path in verified})], None,
+                              torch.zeros(1, EMB_DIM), verification)
+    assert asked == [1, 2, 3, 3]  # the n-gram chain's guesses alone: one stage; at most k
 
 
 def test_tied_hot_vocabulary_speculator_is_lossless(target, expected, tmp_path, device):

@@ -122,9 +122,9 @@ class Eagle3Proposer(Proposer):
         n-gram chain's guesses cost nothing to make."""
         ranked = []
         for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths):
-            head = seq.spec_state.head_paths
-            ranked.append([(chance, max((j + 1 for j in range(1, len(path) + 1) if tuple(path[:j]) in head), default=0))
-                           for chance, path in zip(proposal.chances or (), proposal.paths()) if len(path) <= depth])
+            drafted = proposal.model_depths(seq.spec_state.head_paths)
+            ranked.append([(chance, d + 1 if d else 0) for chance, d, node_depth
+                           in zip(proposal.chances or (), drafted, proposal.depths) if node_depth <= depth])
         return ranked
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
@@ -257,7 +257,7 @@ class Eagle3Proposer(Proposer):
     @staticmethod
     def _head_depth(seq: Sequence, proposal: Proposal) -> int:
         """The deepest of the head's guesses that ``proposal`` (the part of its tree the step verified) holds."""
-        return max((len(p) for p in map(tuple, proposal.paths()) if p in seq.spec_state.head_paths), default=0)
+        return proposal.model_depth(seq.spec_state.head_paths)
 
     def _paused(self, seq: Sequence, proposal: Proposal) -> bool:
         """Whether the head skips ``seq`` this step (then it holds no K/V for it and drafts nothing): ``proposal``

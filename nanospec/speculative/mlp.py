@@ -31,6 +31,7 @@ SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "sm
 class MLPState:
     num_tokens: int = 0                 # the sequence's length at its last outcome (its last token is t_0)
     beam: list[list] | None = None      # guessed then, during verification: [token ids, parents, scores]
+    beam_paths: frozenset = frozenset()  # the paths of the ranked tree the beam drafted
     ranked: Proposal | None = None      # the beam and the n-gram chain, ranked: the next proposal
     lookup: LookupChain | None = None   # the sequence's n-gram chain, with prompt lookup
     calibration: TreeCalibration = field(default_factory=TreeCalibration)  # the beam's
@@ -66,10 +67,22 @@ class MLPSpeculatorProposer(Proposer):
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
         """On the device: the beam behind each sequence's last emitted token, ``k`` deep, or with the policy one depth
-        deeper than this step verified (at most ``k``)."""
+        deeper than the deepest beam guess this step verified (at most ``k``)."""
         rows, last_tokens = verification.last_emitted()
-        depth = max((p.max_depth() for p in proposals), default=0) + 1 if self.adaptive else self.k
+        depth = max((p.model_depth(_beam_paths(s)) for s, p in zip(verification.seqs, proposals)), default=0) + 1 \
+            if self.adaptive else self.k
         return list(self.model.propose_tree(hidden[rows], last_tokens, min(depth, self.k), self.width))
+
+    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
+        """Each node's chance and, as its depth, the beam's depths verifying it costs: the deepest beam guess on its
+        path (the next step's beam is drafted one deeper than the deepest beam guess verified; the n-gram chain's
+        guesses cost nothing to make)."""
+        ranked = []
+        for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths):
+            ranked.append([(chance, d) for chance, d, node_depth
+                           in zip(proposal.chances or (), proposal.model_depths(_beam_paths(seq)), proposal.depths)
+                           if node_depth <= depth])
+        return ranked
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         """Each sequence's ranked tree, made when its last outcome came (none if its state is missing or stale)."""
@@ -79,6 +92,7 @@ class MLPSpeculatorProposer(Proposer):
         tokens, parents, scores = state.beam
         paths = [tuple(path) for path in Proposal(tokens, parents).paths()]
         chance = dict(zip(paths, state.calibration.chances(paths, scores)))
+        state.beam_paths = frozenset(paths)
         if state.lookup is not None:
             state.lookup.join(chance, self.prompt_lookup, self.k)
         return Proposal.ranked(chance)
@@ -101,6 +115,7 @@ class MLPSpeculatorProposer(Proposer):
 
     def preempt(self, seq: Sequence) -> None:
         seq.spec_state.beam = seq.spec_state.ranked = None
+        seq.spec_state.beam_paths = frozenset()
 
     def measure_cost(self) -> float:
         """Seconds per depth of a batch-1 beam ``k`` deep, read back as in a step."""
@@ -113,3 +128,7 @@ class MLPSpeculatorProposer(Proposer):
 
         beam()  # warm-up
         return best_seconds(beam, self.device) / self.k
+
+
+def _beam_paths(seq: Sequence) -> frozenset:
+    return seq.spec_state.beam_paths if seq.spec_state is not None else frozenset()

@@ -93,6 +93,16 @@ class Proposal:
             paths.append((paths[parent] if parent >= 0 else []) + [token])
         return paths
 
+    def model_depths(self, drafted: frozenset) -> list[int]:
+        """Per node, how deep a model drafted to guess it: the longest prefix of its path among ``drafted`` (the
+        paths the model drafted; 0 where none is, as for an n-gram chain's own guesses)."""
+        return [max((j for j in range(1, len(path) + 1) if tuple(path[:j]) in drafted), default=0)
+                for path in self.paths()]
+
+    def model_depth(self, drafted: frozenset) -> int:
+        """The deepest of the model's guesses (``drafted``: the paths it drafted) in this proposal."""
+        return max(self.model_depths(drafted), default=0)
+
     def first_guesses(self) -> tuple[int, ...]:
         return tuple(t for t, p in zip(self.token_ids, self.parents) if p == -1)
 
