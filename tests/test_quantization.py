@@ -161,6 +161,18 @@ def test_quantized_matmul_triton_matches_reference(M, N, K, group, bits, shape, 
     torch.testing.assert_close(y.float(), expected.float(), **tolerance)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_matmul_over_no_inputs_is_zero(bits, device):
+    """K = 0: every output is an empty sum (int8's one group is then empty too)."""
+    q = torch.zeros(5, 0, dtype=torch.uint8 if bits == 4 else torch.int8, device=device)
+    scale = torch.zeros(5, 0, device=device) if bits == 4 else torch.ones(5, device=device)
+    zero = torch.zeros(5, 0, device=device) if bits == 4 else None
+    group = 32 if bits == 4 else 0
+    x = torch.randn(3, 0, device=device)
+    for matmul in (quantized_matmul_triton, quantized_matmul_ref):
+        assert torch.equal(matmul(x, q, scale, zero, group, bits), torch.zeros(3, 5, device=device))
+
+
 def test_dequantize_ref_is_the_layouts_own():
     q = quantize_int4(torch.randn(16, 64), 32)
     torch.testing.assert_close(dequantize_ref(q.packed, q.scale, q.zero, 32, 4), q.dequantize(), rtol=0, atol=0)

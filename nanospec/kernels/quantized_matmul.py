@@ -88,6 +88,8 @@ def quantized_matmul_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
     """``shape``: override :func:`launch_shape` (tests: small blocks, several K slices)."""
     M, K = x.shape
     N = q.shape[0]
+    if K == 0:  # an empty sum
+        return torch.zeros(M, N, dtype=x.dtype, device=x.device)
     shape = dict(shape or launch_shape(M, N, K))
     split_k = shape.pop("split_k")
     block_k = shape["BLOCK_K"]
@@ -111,6 +113,8 @@ def quantized_matmul_triton(x: torch.Tensor, q: torch.Tensor, scale: torch.Tenso
 def dequantize_ref(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, group_size: int,
                    bits: int) -> torch.Tensor:
     """The float32 ``W [N, K]`` that ``q``, ``scale``, ``zero`` stand for."""
+    if q.shape[1] == 0:  # K = 0: no groups
+        return torch.zeros(q.shape[0], 0, device=q.device)
     if bits == 4:
         q = torch.stack([q & 15, q >> 4], dim=-1).reshape(q.shape[0], -1).float() - 8
     else:
