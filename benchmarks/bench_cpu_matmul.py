@@ -2,6 +2,7 @@
 
     python benchmarks/bench_cpu_matmul.py                 # 1 and 4 rows
     python benchmarks/bench_cpu_matmul.py --rows 1 4 8
+    python benchmarks/bench_cpu_matmul.py --rows 1 16     # 16: an MLP speculator's beam of 16 paths
 
 Kernels, as ``nanospec.model.linear`` calls them: int4 in groups of 32 (``_weight_int4pack_mm_for_cpu``, bfloat16
 inputs), int8 per output channel (``_weight_int8pack_mm``, bfloat16 inputs), float32 through oneDNN's packed weight
@@ -23,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_tp import median_ms  # noqa: E402
 
-SHAPES = {"q/k/v": (960, 576), "o": (576, 576), "gate/up": (3072, 576), "down": (576, 1536), "head": (49152, 576)}
+LAYER = {"q/k/v": (960, 576), "o": (576, 576), "gate/up": (3072, 576), "down": (576, 1536)}
+SHAPES = {**LAYER, "head": (49152, 576), "draft head": (4096, 576)}  # (the shipped speculators' heads: 4096 tokens)
 GROUP = 32
 
 
@@ -63,7 +65,7 @@ def main() -> None:
             with torch.inference_mode():
                 us = {name: 1e3 * median_ms(fn, args.repeats if matrix != "head" else max(args.repeats // 10, 5))
                       for name, fn in kernels(n, k, rows).items()}
-            if matrix != "head":
+            if matrix in LAYER:
                 for name, value in us.items():
                     totals[rows, name] = totals.get((rows, name), 0.0) + value
             print(f"| {rows} | {matrix} {n}x{k} | " + " | ".join(f"{us[name]:.0f}" for name in names) + " |",

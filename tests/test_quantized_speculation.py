@@ -1,13 +1,16 @@
 """Speculation over a weight-only quantized target equals plain decoding of that same quantized target: greedy and
-seeded, for every method (a quantized draft included), alone and batched, with no KV block leaked. The CPU
-kernels give each token's logits independently of the batch (``test_quantization``), so equality is exact."""
+seeded, for every method (a quantized draft and an int8 EAGLE-3 head included), alone and batched, with no KV block
+leaked. The CPU kernels give each token's logits independently of the batch (``test_quantization``), so equality is
+exact."""
 
 import pytest
 import torch
 
 from nanospec import LLM, SamplingParams
 from nanospec.device import cpu_has_fast_bfloat16
+from nanospec.model.linear import Int8Linear
 from nanospec.model.mlp_speculator import save_mlp_speculator
+from test_eagle3 import build_successor_head
 from tiny import assert_no_leak, make_tiny_llama, most_common_successors, successor_speculator
 
 PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 3], [11, 12]]
@@ -22,16 +25,17 @@ METHODS = {
     "int8_draft_tree": {"method": "draft", "num_speculative_tokens": 2, "tree_top_k": 2, "quantization": "int8",
                         "adaptive": False},
     "mlp_speculator": {"method": "mlp_speculator", "tree_top_k": 2, "prompt_lookup": True, "adaptive": False},
+    "eagle3_int8": {"method": "eagle3", "num_speculative_tokens": 3, "prompt_lookup": True, "adaptive": False},
 }
 
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory):
     target = tmp_path_factory.mktemp("quantized_target")
-    make_tiny_llama(target, seed=1, tie=True, layers=3, max_pos=256)
+    model = make_tiny_llama(target, seed=1, tie=True, layers=3, max_pos=256)
     draft = tmp_path_factory.mktemp("quantized_draft")
     make_tiny_llama(draft, seed=2, tie=False, layers=1, num_heads=2, num_kv_heads=1, hidden=32, max_pos=256)
-    return target, draft
+    return target, draft, model
 
 
 def quantized(path, **kwargs) -> LLM:
@@ -53,13 +57,19 @@ def speculator(paths, plain_outputs, tmp_path_factory):
     return save_mlp_speculator(model, tmp_path_factory.mktemp("speculator"), dtype=torch.float32)
 
 
+@pytest.fixture(scope="module")
+def eagle3_head(paths, plain_outputs, tmp_path_factory):
+    sequences = [prompt + out for outputs in plain_outputs for prompt, out in zip(PROMPTS, outputs)]
+    return build_successor_head(tmp_path_factory.mktemp("eagle3_head"), paths[2], sequences)
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))
-def test_speculation_over_a_quantized_target_equals_its_plain_decoding(paths, plain_outputs, speculator, method):
+def test_speculation_over_a_quantized_target_equals_its_plain_decoding(paths, plain_outputs, speculator, eagle3_head,
+                                                                        method):
     config = dict(METHODS[method])
-    if config["method"] == "draft":
-        config["model"] = str(paths[1])
-    if config["method"] == "mlp_speculator":
-        config["model"] = str(speculator)
+    models = {"draft": paths[1], "mlp_speculator": speculator, "eagle3": eagle3_head}
+    if config["method"] in models:
+        config["model"] = str(models[config["method"]])
     llm = quantized(paths[0], speculative_config=config)
     for j, params in enumerate(PARAMS):
         alone = [llm.generate([prompt], params)[0].outputs[0].token_ids for prompt in PROMPTS]
@@ -70,6 +80,8 @@ def test_speculation_over_a_quantized_target_equals_its_plain_decoding(paths, pl
     if config["method"] == "mlp_speculator":  # bfloat16 as the target's CPU matmuls, where the CPU has it natively
         expected = torch.bfloat16 if cpu_has_fast_bfloat16() else torch.float32
         assert llm.engine.speculator.proposer.model.proj[0].weight.dtype == expected
+    if config["method"] == "eagle3":  # over a CPU's weight-only kernels, the head's matrices are int8 too
+        assert isinstance(llm.engine.speculator.proposer.head.fc.linear, Int8Linear)
     if config["method"] == "draft":
         kind = "int4-g32" if config["quantization"] == "int4" else "int8"
         assert llm.engine.speculator.proposer.model.quantization == f"{kind} (5)"

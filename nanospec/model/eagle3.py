@@ -172,11 +172,12 @@ class Eagle3Head(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
 
-def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device | str, dtype: torch.dtype
-                     ) -> tuple[Eagle3Head, tuple[int, ...]]:
-    """The head at ``path`` for ``target``, for inference (its linears packed,
-    :func:`~nanospec.model.linear.pack_linears`), and the target layers it reads. Its config and every tensor's name
-    and shape are checked against the target before any weight is read (ValueError naming the field or tensor)."""
+def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device | str, dtype: torch.dtype,
+                     int8: bool = False) -> tuple[Eagle3Head, tuple[int, ...]]:
+    """The head at ``path`` for ``target``, for inference (its linears packed, or with ``int8`` rounded to int8 per
+    output channel: :func:`~nanospec.model.linear.pack_linears`), and the target layers it reads. Its config and
+    every tensor's name and shape are checked against the target before any weight is read (ValueError naming the
+    field or tensor)."""
     path = Path(path)
     config = Eagle3Config.from_dict(read_json(path / "config.json"), str(path / "config.json"))
     if config.target_hidden_size != target.hidden_size:
@@ -236,4 +237,4 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
     head.load_state_dict({k: v.to(torch.float32) if v.is_floating_point() else v for k, v in state.items()})
     head.to(device=device, dtype=dtype)
     head.d2t = head.d2t.to(device=device, dtype=torch.int64)
-    return pack_linears(head.eval().requires_grad_(False)), aux_layers
+    return pack_linears(head.eval().requires_grad_(False), int8), aux_layers

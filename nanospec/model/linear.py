@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanospec.kernels.quantized_matmul import quantized_matmul
-from nanospec.model.quantization import Int4Weight, Int8Weight, Weight, select_rows
+from nanospec.model.quantization import Int4Weight, Int8Weight, Weight, quantize_int8, select_rows
 
 
 def make_linear(weight: Weight, keep_weight: bool = True):
@@ -83,28 +83,32 @@ class Linear:
 
 
 class PackedLinear(nn.Module):
-    """A bias-free ``nn.Linear`` computed by :class:`Linear` (its weight pre-packed for oneDNN), over any leading dims."""
+    """A bias-free ``nn.Linear`` computed by one of this module's linears (its weight packed, or int8), over any
+    leading dims, its output in the input's dtype."""
 
-    def __init__(self, linear: nn.Linear, packed: Linear):
+    def __init__(self, linear: nn.Linear, packed):
         super().__init__()
         self.weight, self.linear = linear.weight, packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        y = self.linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
 
-def pack_linears(module: nn.Module) -> nn.Module:
-    """For inference: each bias-free ``nn.Linear`` in ``module`` (a shared one once) becomes a :class:`PackedLinear`
-    where :class:`Linear` packs its weight (float32 on a CPU). Where MKL's ``F.linear`` is slow (an AMD CPU) oneDNN is
-    2-3x faster from a few rows on, as a speculator's beam or a head's pass over a step's rows has. Weights and
-    outputs stay float32; ``module`` can no longer be trained."""
+def pack_linears(module: nn.Module, int8: bool = False) -> nn.Module:
+    """For inference: each bias-free ``nn.Linear`` in ``module`` (a shared one once) becomes a :class:`PackedLinear`.
+    ``int8``: its weight rounded to int8 per output channel (:class:`Int8Linear`: a quarter of float32's bytes, which
+    a head's one-row draft steps read from memory each time); else where :class:`Linear` packs it (float32 on a CPU:
+    oneDNN, 2-3x faster than ``F.linear`` from a few rows on where MKL's is slow, an AMD CPU). ``module`` can no
+    longer be trained."""
     packed: dict[int, nn.Module] = {}
     for parent in list(module.modules()):
         for name, child in list(parent._modules.items()):  # (named_children lists a module shared twice once)
             if isinstance(child, nn.Linear) and child.bias is None:
                 if id(child) not in packed:
-                    linear = Linear(child.weight.detach())
-                    packed[id(child)] = PackedLinear(child, linear) if linear.packed is not None else child
+                    weight = child.weight.detach()
+                    linear = Int8Linear(quantize_int8(weight)) if int8 else Linear(weight)
+                    packed[id(child)] = PackedLinear(child, linear) if int8 or linear.packed is not None else child
                 setattr(parent, name, packed[id(child)])
     return module
 

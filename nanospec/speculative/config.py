@@ -259,11 +259,13 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
                   dtype, max_model_len: int | None = None, draft_tp: ParallelGroup | None = None,
                   enable_prefix_caching: bool = True, matmul_dtype: torch.dtype | None = None) -> Proposer:
     """The proposer the speculator drives, in ``config.dtype`` or the target's ``dtype`` (an MLP speculator over a
-    target whose matmuls read ``matmul_dtype``, on a CPU with native bfloat16: that dtype); ``draft_tp``: a draft
-    model's group under tensor parallelism (None: whole on this process)."""
+    target whose matmuls read ``matmul_dtype``, on a CPU with native bfloat16: that dtype; an EAGLE-3 head over such a
+    target keeps its matrices in int8); ``draft_tp``: a draft model's group under tensor parallelism (None: whole on
+    this process)."""
+    weight_only = matmul_dtype not in (None, dtype)  # the target's matmuls are a CPU's weight-only kernels
     if config.dtype is not None:
         dtype = resolve_dtype(config.dtype, device)
-    elif config.method == "mlp_speculator" and matmul_dtype not in (None, dtype) and cpu_has_fast_bfloat16():
+    elif config.method == "mlp_speculator" and weight_only and cpu_has_fast_bfloat16():
         dtype = matmul_dtype
     if config.method == "ngram":
         return NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max,
@@ -278,7 +280,8 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
         return MLPSpeculatorProposer(speculator, config.num_speculative_tokens, config.tree_top_k,
                                      _prompt_lookup(config, speculator.config.n_predict), config.adaptive)
     if config.method == "eagle3":
-        head, aux_layers = load_eagle3_head(shipped_path(config.method, config.model, target_config), target_config, device, dtype)
+        head, aux_layers = load_eagle3_head(shipped_path(config.method, config.model, target_config), target_config,
+                                            device, dtype, int8=weight_only)
         return Eagle3Proposer(head, aux_layers, config.num_speculative_tokens, num_blocks, block_size,
                               max_model_len or target_config.max_position_embeddings, config.tree_top_k or 1,
                               config.tree_budget, config.adaptive,
