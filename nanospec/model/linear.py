@@ -83,8 +83,9 @@ class Linear:
 
 
 class PackedLinear(nn.Module):
-    """A bias-free ``nn.Linear`` computed by one of this module's linears (its weight packed, or int8), over any
-    leading dims, its output in the input's dtype."""
+    """A bias-free ``nn.Linear`` computed by :class:`Linear` (its weight packed) or :class:`Int8Linear`, over any
+    leading dims, its output in the input's dtype. It keeps the float weight too (``weight``: its shape, dtype and
+    device for the code around it)."""
 
     def __init__(self, linear: nn.Linear, packed):
         super().__init__()
