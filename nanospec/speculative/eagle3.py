@@ -120,12 +120,8 @@ class Eagle3Proposer(Proposer):
         drafting: after a step that verified the head's guesses ``d`` deep, the head runs over the step's rows and
         drafts ``d + 1`` deep (``d + 1`` forwards); a step that verified none of them pauses the head (none), and the
         n-gram chain's guesses cost nothing to make."""
-        ranked = []
-        for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths):
-            drafted = proposal.model_depths(seq.spec_state.head_paths)
-            ranked.append([(chance, d + 1 if d else 0) for chance, d, node_depth
-                           in zip(proposal.chances or (), drafted, proposal.depths) if node_depth <= depth])
-        return ranked
+        return [proposal.model_ranking(seq.spec_state.head_paths, depth, extra_forwards=1)
+                for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths)]
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         """The guesses drafted behind each sequence's last token, whole: the speculator cuts them to ``depths`` (and

@@ -77,12 +77,8 @@ class MLPSpeculatorProposer(Proposer):
         """Each node's chance and, as its depth, the beam's depths verifying it costs: the deepest beam guess on its
         path (the next step's beam is drafted one deeper than the deepest beam guess verified; the n-gram chain's
         guesses cost nothing to make)."""
-        ranked = []
-        for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths):
-            ranked.append([(chance, d) for chance, d, node_depth
-                           in zip(proposal.chances or (), proposal.model_depths(_beam_paths(seq)), proposal.depths)
-                           if node_depth <= depth])
-        return ranked
+        return [proposal.model_ranking(_beam_paths(seq), depth)
+                for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths)]
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         """Each sequence's ranked tree, made when its last outcome came (none if its state is missing or stale)."""
