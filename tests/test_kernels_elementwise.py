@@ -2,6 +2,10 @@
 hand-written loops, Triton kernels (interpreted on CPU, compiled on CUDA) against the references, on the test
 device. The RoPE tables are built on the CPU and checked against HF's there (host code, no kernel)."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -78,6 +82,30 @@ def test_rms_norm_dispatch(device, triton_backend):
     assert torch.equal(rms_norm(x, weight, 1e-5), rms_norm_triton(x, weight, 1e-5))
     with backend("torch"):
         assert torch.equal(rms_norm(x, weight, 1e-5), rms_norm_ref(x, weight, 1e-5))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a process with a CUDA GPU imports Triton to run its kernels")
+def test_a_cpu_process_without_the_interpreter_never_imports_triton():
+    """Where no kernel can launch (no GPU, no TRITON_INTERPRET=1), the engine runs without importing Triton (about
+    70 MB resident), its ops run their torch paths, and a Triton kernel asked for says what it needs."""
+    code = """
+import os, sys, torch
+os.environ.pop("TRITON_INTERPRET", None)
+from nanospec.kernels.backend import backend
+from nanospec.kernels.rmsnorm import rms_norm, rms_norm_triton
+import nanospec.llm, nanospec.engine, nanospec.kernels.paged_attention, nanospec.kernels.tree_rejection
+x = torch.randn(2, 16)
+rms_norm(x, torch.ones(16), 1e-5)
+assert "triton" not in sys.modules, "triton was imported"
+try:
+    rms_norm_triton(x, torch.ones(16), 1e-5)
+except RuntimeError as error:
+    print(error)
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Triton kernels run on a CUDA GPU, or on a CPU with TRITON_INTERPRET=1" in result.stdout
 
 
 # ----------------------------------------------------------------------------------------------

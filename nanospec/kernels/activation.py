@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-import triton
-import triton.language as tl
 
-from nanospec.kernels.backend import dispatch
+from nanospec.kernels.backend import dispatch, tl, triton
 
 
 @triton.jit

@@ -9,9 +9,8 @@ Triton and torch pick the same token; ties go to the lowest id.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
+from nanospec.kernels.backend import tl, triton
 from nanospec.kernels.random import uniform, uniform_ref
 
 

@@ -11,10 +11,8 @@ so a destination may be another pair's source; ``dst_slots`` must be distinct.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from nanospec.kernels.backend import dispatch
+from nanospec.kernels.backend import dispatch, tl, triton
 
 
 @triton.jit

@@ -16,10 +16,8 @@ tiles of BLOCK_N with an online softmax. The CPU backend is :mod:`nanospec.kerne
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from nanospec.kernels.backend import dispatch
+from nanospec.kernels.backend import dispatch, tl, triton
 
 _LOG2E = 1.4426950408889634
 

@@ -10,8 +10,8 @@ so u is one of 2**23 exact float32 values strictly inside (0, 1). ``mix32`` is "
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
+
+from nanospec.kernels.backend import tl, triton
 
 _M1 = 0x7FEB352D
 _M2 = 0x846CA68B

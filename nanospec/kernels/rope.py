@@ -15,8 +15,8 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
-import triton.language as tl
+
+from nanospec.kernels.backend import tl, triton
 
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None, device=None) -> torch.Tensor:

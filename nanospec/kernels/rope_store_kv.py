@@ -12,10 +12,8 @@ Triton: one program per token. The caches must have k's dtype.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from nanospec.kernels.backend import dispatch
+from nanospec.kernels.backend import dispatch, tl, triton
 from nanospec.kernels.kv_store import store_kv_ref
 from nanospec.kernels.rope import apply_rope_ref, load_cos_sin, rotate_heads
 

@@ -19,10 +19,8 @@ top_p and min_p ``[N]`` float32 (min_p None: 0, off), top_k ``[N]`` int32, seeds
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from nanospec.kernels.backend import dispatch
+from nanospec.kernels.backend import dispatch, tl, triton
 from nanospec.kernels.exponential_race import race, race_ref
 
 _MAX_BLOCK_V = 1024

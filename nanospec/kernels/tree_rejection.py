@@ -23,10 +23,8 @@ padded: ``path_nodes`` (root excluded) and ``emitted`` (one more than the path).
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from nanospec.kernels.backend import dispatch
+from nanospec.kernels.backend import dispatch, tl, triton
 from nanospec.kernels.exponential_race import exponentials_ref
 from nanospec.kernels.random import uniform, uniform_ref
 

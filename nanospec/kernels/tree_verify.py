@@ -9,10 +9,8 @@ is ``target[cur]``; when none, emit ``target[cur]`` and stop. Outputs ``[B, N]``
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
-from nanospec.kernels.backend import dispatch
+from nanospec.kernels.backend import dispatch, tl, triton
 
 
 @triton.jit

@@ -24,15 +24,14 @@ from nanospec.model.quantization import Int4Weight, Int8Weight, Weight, quantize
 
 def make_linear(weight: Weight, keep_weight: bool = True):
     """The module for ``weight``: a float tensor, an ``Int4Weight`` or an ``Int8Weight`` (on its device).
-    ``keep_weight=False``: an int4 module on a CPU keeps only its kernel's repacked copy (the head keeps both)."""
-    if isinstance(weight, Int4Weight):
-        linear = Int4Linear(weight)
-        if not keep_weight and linear.packed is not None:
-            linear.weight = None
-        return linear
+    ``keep_weight=False``: a module whose CPU kernel reads a repacked copy (int4; float32 on oneDNN) keeps only that
+    copy (the head keeps both: the embedding and the logits' refinement read its weight)."""
     if isinstance(weight, Int8Weight):
         return Int8Linear(weight)
-    return Linear(weight)
+    linear = Int4Linear(weight) if isinstance(weight, Int4Weight) else Linear(weight)
+    if not keep_weight and linear.packed is not None:
+        linear.weight = None
+    return linear
 
 
 # The CPU kernels round their output to bfloat16: 8 bits, 1/8 apart at a logit of 25, where the likeliest tokens often
@@ -84,12 +83,14 @@ class Linear:
 
 class PackedLinear(nn.Module):
     """A bias-free ``nn.Linear`` computed by :class:`Linear` (its weight packed) or :class:`Int8Linear`, over any
-    leading dims, its output in the input's dtype. It keeps the float weight too (``weight``: its shape, dtype and
-    device for the code around it)."""
+    leading dims, its output in the input's dtype. Only the packed copy is kept: ``weight`` is a stand-in of no
+    storage with the float weight's shape, dtype and device, for the code around it."""
 
     def __init__(self, linear: nn.Linear, packed):
         super().__init__()
-        self.weight, self.linear = linear.weight, packed
+        w = linear.weight
+        self.weight = torch.empty((), dtype=w.dtype, device=w.device).expand(w.shape)
+        self.linear = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
@@ -108,7 +109,7 @@ def pack_linears(module: nn.Module, int8: bool = False) -> nn.Module:
             if isinstance(child, nn.Linear) and child.bias is None:
                 if id(child) not in packed:
                     weight = child.weight.detach()
-                    linear = Int8Linear(quantize_int8(weight)) if int8 else Linear(weight)
+                    linear = Int8Linear(quantize_int8(weight)) if int8 else make_linear(weight, keep_weight=False)
                     packed[id(child)] = PackedLinear(child, linear) if int8 or linear.packed is not None else child
                 setattr(parent, name, packed[id(child)])
     return module
