@@ -8,11 +8,8 @@ and are skipped, with that reason, where there is none. Where a GPU's numerics d
 kernels, cuBLAS), each test states its tolerance; fp32 comparisons on CUDA run without TF32 (below).
 """
 
-import atexit
 import json
 import os
-import shutil
-import tempfile
 
 if "TRITON_INTERPRET" not in os.environ:
     import torch
@@ -20,12 +17,9 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
-# The forward-cost cache (nanospec.speculative.cost_cache) lives in a directory of this run's own, removed at its end:
-# engines of the same model and shape share one timing (as a user's runs do), and nothing is written to the user's
-# cache. The cache's own tests, and the README's commands, point it at directories of their own.
-_COST_CACHE = tempfile.mkdtemp(prefix="nanospec-test-costs-")
-atexit.register(shutil.rmtree, _COST_CACHE, ignore_errors=True)
-os.environ["NANOSPEC_CACHE_DIR"] = _COST_CACHE
+# The forward-cost cache (nanospec.speculative.cost_cache) is off: each test's engine times its own model, and
+# nothing is written to the user's cache; the cache's own tests point it at a temporary directory.
+os.environ["NANOSPEC_CACHE_DIR"] = ""
 
 import signal  # noqa: E402
 
