@@ -88,11 +88,11 @@ def non_decreasing_fit(values: list[float]) -> list[float]:
 class GoodputPolicy:
     def __init__(self, max_k: int, target_cost: list[float], draft_cost: float = 0.0,
                  larger_forwards: dict[int, float] | None = None):
-        """``target_cost[m - 1]``: the time of a target forward over m = 1..max_k+1 tokens; ``larger_forwards``: more
-        token counts and their times. The points are made non-decreasing, interpolated linearly, extrapolated along the
-        last two."""
-        if len(target_cost) < max_k + 1:
-            raise ValueError(f"need target costs for 1..{max_k + 1} tokens, got {len(target_cost)}")
+        """``target_cost[m - 1]``: the time of a target forward over m = 1, 2, ... tokens; ``larger_forwards``: more
+        token counts and their times, together reaching max_k + 1 tokens or more. The points are made non-decreasing,
+        interpolated linearly, extrapolated along the last two."""
+        if max(len(target_cost), *(larger_forwards or {0: 0})) < max_k + 1:
+            raise ValueError(f"need target costs up to {max_k + 1} tokens, got {len(target_cost)}")
         self.max_k = max_k
         self.target_cost = target_cost
         measured = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())

@@ -19,6 +19,8 @@ from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 from nanospec.speculative.verify import verify
 
+DENSE_COUNTS = 16  # the token counts up to which every forward is timed at start-up
+
 
 class Speculator:
     def __init__(self, proposer: Proposer | None, runner: ModelRunner, block_manager: BlockManager, *,
@@ -49,11 +51,15 @@ class Speculator:
         (or the cached times, :mod:`nanospec.speculative.cost_cache`), and one depth of guessing, timed again after the
         target when it was measured (keeping the faster)."""
         k = self.max_tokens_per_step
-        larger: list[int] = []
-        while (m := (k + 1) * 2 ** (len(larger) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
-                                                            self.max_model_len // 2):
-            larger.append(m)
-        counts = list(range(1, k + 2)) + larger
+        # every count of a few tokens; above DENSE_COUNTS, every fourth (and k + 1) with the policy interpolating
+        dense = min(k + 1, DENSE_COUNTS)
+        sparse = list(range(4 * (dense // 4 + 1), k + 1, 4)) + ([k + 1] if k + 1 > dense else [])
+        batches: list[int] = []  # batches of sequences k + 1 tokens each, as many as the engine can run
+        while (m := (k + 1) * 2 ** (len(batches) + 1)) <= min(max_num_seqs * (k + 1), max_num_batched_tokens, 256,
+                                                             self.max_model_len // 2):
+            batches.append(m)
+        larger = sparse + batches
+        counts = list(range(1, dense + 1)) + larger
         execute = lambda batch: self.runner.execute(batch)[0]  # noqa: E731
 
         def key() -> dict | None:  # (under tensor parallelism the collectives are timed too: not cached)
@@ -70,7 +76,7 @@ class Speculator:
                                                self.model.device)
         if measured:
             guess_cost = min(guess_cost, self.proposer.measure_cost())
-        return GoodputPolicy(k, costs[:k + 1], guess_cost, larger_forwards=dict(zip(larger, costs[k + 1:])))
+        return GoodputPolicy(k, costs[:dense], guess_cost, larger_forwards=dict(zip(larger, costs[dense:])))
 
     # ---------------------------------------------------------------- a sequence's life
     def speculates(self, seq: Sequence) -> bool:
