@@ -172,6 +172,9 @@ def test_loaded_in_float32_its_linears_run_on_onednn(tmp_path, tie):
         pytest.skip("this torch build has no oneDNN packed float32 linear (NANOSPEC_ONEDNN=0, or no mkldnn)")
     assert all(isinstance(m, PackedLinear) for m in linears)
     assert len({id(m) for m in linears}) == (3 if tie else 6)  # tied: proj.0, proj.1 (stages 1..) and one head
+    for m in linears:  # only the packed copy is held: the float weight is a stand-in of one element
+        assert m.linear.weight is None and m.weight.untyped_storage().nbytes() == m.weight.element_size()
+        assert m.weight.shape == (m.linear.out_features, m.linear.in_features) and m.weight.dtype == torch.float32
     g = torch.Generator().manual_seed(1)
     hidden = 3 * torch.randn(8, EMB_DIM, generator=g, dtype=torch.float64)
     teacher = torch.randint(0, VOCAB, (8, N_PREDICT), generator=g)
