@@ -91,11 +91,11 @@ class GoodputPolicy:
         """``target_cost[m - 1]``: the time of a target forward over m = 1, 2, ... tokens; ``larger_forwards``: more
         token counts and their times, together reaching max_k + 1 tokens or more. The points are made non-decreasing,
         interpolated linearly, extrapolated along the last two."""
-        if max(len(target_cost), *(larger_forwards or {0: 0})) < max_k + 1:
-            raise ValueError(f"need target costs up to {max_k + 1} tokens, got {len(target_cost)}")
+        measured = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())
+        if not measured or measured[-1][0] < max_k + 1:
+            raise ValueError(f"need target costs up to {max_k + 1} tokens, got costs up to {measured[-1][0] if measured else 0}")
         self.max_k = max_k
         self.target_cost = target_cost
-        measured = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())
         self.points = list(zip([m for m, _ in measured], non_decreasing_fit([t for _, t in measured])))
         self.draft_cost = draft_cost
 

@@ -105,7 +105,7 @@ class Proposal:
 
     def model_ranking(self, drafted: frozenset, max_depth: int, extra_forwards: int = 0) -> list[tuple[float, int]]:
         """(chance, cost) of each node at most ``max_depth`` deep, best first, for the policy: the cost is the model
-        forwards verifying the node costs, its :meth:`model_depths` plus ``extra_forwards``, or 0 where that depth is
+        forwards verifying the node costs, its :meth:`model_depths` plus ``extra_forwards``, or 0 where that depth is 0
         (the n-gram chain's own guesses cost nothing to make)."""
         return [(chance, d + extra_forwards if d else 0) for chance, d, depth
                 in zip(self.chances or (), self.model_depths(drafted), self.depths) if depth <= max_depth]
