@@ -92,8 +92,9 @@ class GoodputPolicy:
         token counts and their times, together reaching max_k + 1 tokens or more. The points are made non-decreasing,
         interpolated linearly, extrapolated along the last two."""
         measured = sorted({**{m + 1: t for m, t in enumerate(target_cost)}, **(larger_forwards or {})}.items())
-        if not measured or measured[-1][0] < max_k + 1:
-            raise ValueError(f"need target costs up to {max_k + 1} tokens, got costs up to {measured[-1][0] if measured else 0}")
+        reach = measured[-1][0] if measured else 0
+        if reach < max_k + 1:
+            raise ValueError(f"need target costs up to {max_k + 1} tokens, got costs up to {reach}")
         self.max_k = max_k
         self.target_cost = target_cost
         self.points = list(zip([m for m, _ in measured], non_decreasing_fit([t for _, t in measured])))
