@@ -31,7 +31,8 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
                   max_len: int, context: int = 64) -> list[float]:
     """Seconds of a verify-shaped forward over each of ``token_counts`` new tokens after ``context`` cached ones (larger
     counts as sequences of ``per_seq``), best of two passes where the count is small, so one stall does not price a
-    point as free."""
+    point as free. Only the first sequence's context is written: attention over the others' costs the same whatever
+    their K/V holds (zeros, or a finished sequence's), and writing them took a prefill of ``context`` tokens each."""
     bm = block_manager
     per_seq = max(1, min(per_seq, max_len - 1))
     if bm.blocks_for(context + per_seq) > bm.num_free_blocks or context + per_seq > max_len:
@@ -46,10 +47,8 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
                                     [range(tokens)] * num_seqs, batch_device)
         return execute(batch)
 
-    if context:
-        for i in range(len(tables)):
-            build = build_forward_batch([[0] * context], [0], [tables[i]], bm.block_size, [[context - 1]], batch_device)
-            execute(build)
+    if context:  # (the first sequence's context is written, which also warms the forward up)
+        execute(build_forward_batch([[0] * context], [0], tables[:1], bm.block_size, [[context - 1]], batch_device))
     costs: dict[int, float] = {}
     for m in list(token_counts) + [m for m in reversed(token_counts) if m <= 16]:
         num_seqs, tokens = (1, min(m, per_seq)) if m <= per_seq else (min(-(-m // per_seq), len(tables)), per_seq)
