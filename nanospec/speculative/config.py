@@ -249,9 +249,9 @@ def shipped_path(method: str, model: str | None, target_config) -> Path:
                          f"SmolLM2-135M-Instruct has a shipped one, and this target (hidden_size {c.hidden_size}, "
                          f"{c.num_hidden_layers} layers, vocab_size {c.vocab_size}) is not it")
     if not (shipped / "config.json").is_file():
-        raise FileNotFoundError(f"the {what.split(' ', 1)[1]} shipped for the embedded SmolLM2-135M-Instruct is missing "
-                                f"from this installation ({shipped}); pass speculative_config['model'], the directory "
-                                f"of one ({train} trains one)")
+        raise FileNotFoundError(f"the {what.split(' ', 1)[1]} shipped for the embedded SmolLM2-135M-Instruct is "
+                                f"missing from this installation ({shipped}); pass speculative_config['model'], the "
+                                f"directory of one ({train} trains one)")
     return shipped
 
 

@@ -333,11 +333,13 @@ class Eagle3Proposer(Proposer):
             tables = torch.tensor([table], dtype=torch.int32, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             state = torch.zeros(1, self.head.config.layer.hidden_size, device=self.device, dtype=self.dtype)
-            if self.tree is not None:
-                step = lambda: [t.tolist() for t in self._draft(tables, zero + context, zero, state, self.k)]  # noqa: E731
-            else:
-                batch = self._step_batch(tables, zero + context, zero, zero)
-                step = lambda: self._guess(self._run(batch, state)).tolist()  # noqa: E731
+            batch = self._step_batch(tables, zero + context, zero, zero)
+
+            def step():
+                if self.tree is not None:
+                    return [t.tolist() for t in self._draft(tables, zero + context, zero, state, self.k)]
+                return self._guess(self._run(batch, state)).tolist()
+
             step()
             return best_seconds(step, self.device) / (self.k if self.tree is not None else 1)
         finally:
