@@ -16,12 +16,8 @@ With ``prompt_lookup`` the n-gram chain joins the head's guesses (:class:`~nanos
 one ranked tree, each node with its chance (the head's chain: ``alpha^d``; its tree: the calibrated score; the
 n-gram chain: ``a^d``; a node on both the larger), of which the goodput policy verifies the likeliest.
 
-With the policy on, a head whose guesses do not pay still costs its forwards every step, so a sequence whose step
-verified none of its guesses pauses its head: for the next ``backoff`` steps the head neither runs over its rows
-nor drafts for it (the n-gram chain, with prompt lookup, is still proposed), and holds no K/V for it (it starts
-again at the current position on resuming, as on its first run). ``backoff`` is 2 steps, doubled on each pause
-without a verified guess since the last (at most 64), and back to 2 once a step verifies a guess. The acceptance
-estimate and calibration are kept across pauses.
+The head runs for every speculating sequence at every step, also where the policy verified none of its guesses:
+its K/V then stays whole, and its next guesses see the whole context.
 
 The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
 sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
@@ -59,7 +55,6 @@ from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
 
 SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct-eagle3"
-FIRST_BACKOFF, MAX_BACKOFF = 2, 64  # steps a head pauses after a step that verified none of its guesses
 
 
 @dataclass
@@ -74,8 +69,6 @@ class Eagle3State:
     drafted: int = 0          # nodes the last step drafted for it (0: none, its scratch rows did not fit the pool)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a chain's alpha
     calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree's chances
-    backoff: int = 0          # the last pause's steps (0: none since a step verified a guess)
-    resume_at: int = 0        # the head pauses while the sequence holds fewer tokens
 
 
 class Eagle3Proposer(Proposer):
@@ -85,8 +78,7 @@ class Eagle3Proposer(Proposer):
                  max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True,
                  prompt_lookup: NgramProposer | None = None):
         """``adaptive``: the goodput policy chooses what to verify, so the head drafts one depth deeper than the step
-        verified of its guesses (at most ``k``), as deep as the policy may want next, and pauses after a step that
-        verified none; else ``k`` deep, every step. ``prompt_lookup``: an n-gram proposer whose chain joins the
+        verified of its guesses (at most ``k``), as deep as the policy may want next; else ``k`` deep, every step. ``prompt_lookup``: an n-gram proposer whose chain joins the
         guesses."""
         c = head.config.layer
         self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
@@ -117,9 +109,9 @@ class Eagle3Proposer(Proposer):
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
         """Each node's chance and, as its depth, the head forwards verifying it costs, which the policy prices as
-        drafting: after a step that verified the head's guesses ``d`` deep, the head runs over the step's rows and
-        drafts ``d + 1`` deep (``d + 1`` forwards); a step that verified none of them pauses the head (none), and the
-        n-gram chain's guesses cost nothing to make."""
+        drafting: after a step that verified the head's guesses ``d`` deep, the head runs over the step's rows (one
+        more each) and drafts ``d + 1`` deep, priced ``d + 1`` forwards (priced ``d``, the drafting alone, it ran
+        slower on the benchmark prompts); the n-gram chain's guesses cost nothing to make."""
         return [proposal.model_ranking(seq.spec_state.head_paths, depth, extra_forwards=1)
                 for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths)]
 
@@ -147,7 +139,7 @@ class Eagle3Proposer(Proposer):
             st.lookup.observe(verified, verdict.emitted)
             st.lookup.join(chance, self.prompt_lookup, self.k)
         st.tree = Proposal.ranked(chance) if chance else None
-        if st.base is not None:  # (None: the head paused)
+        if st.base is not None:  # (None: the head has not run for it)
             st.num_cached = seq.num_tokens - 1
             self.block_manager.truncate(st.block_table, st.num_cached - st.base)
 
@@ -179,8 +171,7 @@ class Eagle3Proposer(Proposer):
         out = [torch.zeros(len(seqs), num, dtype=dtype, device=self.device)
                for dtype in ((torch.int64, torch.int64, torch.float32) if self.tree else (torch.int64,))]
         sizes = [s.num_tokens - s.num_cached_tokens + len(p.fed()[0]) for s, p in zip(seqs, proposals)]
-        active = [b for b, (s, p) in enumerate(zip(seqs, proposals))
-                  if s.spec_state is not None and not self._paused(s, p)]
+        active = [b for b, s in enumerate(seqs) if s.spec_state is not None]
         if not active:
             return out
         width = verification.emitted.shape[1]
@@ -254,22 +245,6 @@ class Eagle3Proposer(Proposer):
     def _head_depth(seq: Sequence, proposal: Proposal) -> int:
         """The deepest of the head's guesses that ``proposal`` (the part of its tree the step verified) holds."""
         return proposal.model_depth(seq.spec_state.head_paths)
-
-    def _paused(self, seq: Sequence, proposal: Proposal) -> bool:
-        """Whether the head skips ``seq`` this step (then it holds no K/V for it and drafts nothing): ``proposal``
-        is the part of its tree the step verified; none of the head's guesses (the policy declined them) starts a
-        pause."""
-        st: Eagle3State = seq.spec_state
-        if self._head_depth(seq, proposal):
-            st.backoff = 0
-        elif self.adaptive and st.head_paths and (proposal.token_ids or proposal.unverified_guesses):
-            st.backoff = min(2 * st.backoff, MAX_BACKOFF) if st.backoff else FIRST_BACKOFF
-            st.resume_at = seq.num_tokens + st.backoff
-        if seq.num_tokens >= st.resume_at:
-            return False
-        self.block_manager.free(st.block_table)
-        st.base, st.drafted = None, 0
-        return True
 
     def _draft(self, tables: torch.Tensor, last: torch.Tensor, offset: torch.Tensor, state: torch.Tensor,
                depth: int) -> tuple[torch.Tensor, ...]:
