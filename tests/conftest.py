@@ -87,3 +87,15 @@ def prompts(request, tmp_path_factory):
 def recordings(tmp_path_factory):
     """A trainer's recording cache, shared by a module's runs so that they record once."""
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="session")
+def transformers_smollm2():
+    """transformers' own reading of the embedded GGUF in fp32, the oracle of the real-model tests (read once for the
+    session: dequantizing the file takes it about 20 s on a small CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    from nanospec.model.embedded import embedded_model_path
+
+    path = embedded_model_path()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()

@@ -26,14 +26,6 @@ def converted_dir(tmp_path_factory):
     return convert(embedded_model_path(), tmp_path_factory.mktemp("smollm2"), dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def transformers_from_gguf():
-    """transformers' own reading of the GGUF, in fp32 (about a minute on a small CPU)."""
-    path = embedded_model_path()
-    model = transformers.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-    return model.eval()
-
-
 def short_input(converted_dir):
     tokenizer = load_checkpoint(converted_dir, torch.float32).tokenizer
     return torch.tensor([tokenizer.encode(tokenizer.apply_chat_template(CHAT))])
@@ -61,20 +53,20 @@ def test_transformers_loads_converted_gguf(converted_dir):
 
 
 @pytest.mark.slow
-def test_read_gguf_matches_transformers_gguf_loader(converted_dir, transformers_from_gguf):
+def test_read_gguf_matches_transformers_gguf_loader(converted_dir, transformers_smollm2):
     ours = load_file(converted_dir / "model.safetensors")  # read_gguf's fp32 tensors, saved as they are
-    theirs = transformers_from_gguf.state_dict()
+    theirs = transformers_smollm2.state_dict()
     assert set(theirs) - {"lm_head.weight"} == set(ours)  # tied: transformers lists the shared head too
     for name, tensor in ours.items():  # both dequantize the same blocks the same way: bit-identical
         assert torch.equal(tensor, theirs[name]), f"{name}: max difference {(tensor - theirs[name]).abs().max()}"
 
 
 @pytest.mark.slow
-def test_converted_logits_match_transformers_gguf_loader(converted_dir, transformers_from_gguf):
+def test_converted_logits_match_transformers_gguf_loader(converted_dir, transformers_smollm2):
     input_ids = short_input(converted_dir)
     model = transformers.LlamaForCausalLM.from_pretrained(converted_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = transformers_from_gguf(input_ids).logits
+        expected = transformers_smollm2(input_ids).logits
         actual = model(input_ids).logits
     torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-4)
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -89,6 +90,13 @@ def as_run_here(text: str, env) -> str:
         .replace("python ", f"{shlex.quote(sys.executable)} ")
 
 
+def run_two_at_a_time(args: list[list[str]], **kwargs) -> list[subprocess.CompletedProcess]:
+    """``subprocess.run(a, **kwargs)`` for each of ``args``, two at once (each is mostly one thread starting Python
+    and torch, and the suite's machine has two cores; none may time forwards); in order."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda a: subprocess.run(a, capture_output=True, text=True, **kwargs), args))
+
+
 def test_the_install_commands_are_what_ci_runs():
     install = [c for c in commands() if kind(c) == "install"]
     assert len(install) == 2, install
@@ -130,7 +138,7 @@ def test_the_commands_that_run_in_seconds(env):
 def test_the_python_blocks_that_run_alone(env):
     alone = [b for b in blocks("python") if "OpenAI(" not in b and not PLACEHOLDER.search(b)]
     assert alone
-    for block in alone:
+    for block in alone:  # one at a time: a start-up times forwards, which another process would disturb
         result = subprocess.run([sys.executable, "-c", as_run_here(block, env)], env=env["vars"],
                                 capture_output=True, text=True, timeout=600)
         assert result.returncode == 0, (block, result.stderr[-2000:])
@@ -142,8 +150,8 @@ def test_the_server_and_its_clients(env):
     clients = [c for c in commands() if kind(c) == "curl"]
     (openai_block,) = [b for b in blocks("python") if "OpenAI(" in b]
     for command in [c for c in commands() if kind(c) == "server"]:
-        proc = subprocess.Popen(as_run_here(command, env), shell=True, env={**env["vars"], "NANOSPEC_LOG_LEVEL": "INFO"},
-                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = subprocess.Popen(as_run_here(command, env), shell=True, stderr=subprocess.PIPE, text=True,
+                                env={**env["vars"], "NANOSPEC_LOG_LEVEL": "INFO"}, start_new_session=True)
         try:
             log = ""
             for line in proc.stderr:
@@ -171,7 +179,7 @@ def test_the_server_and_its_clients(env):
 
 def test_the_long_and_the_template_commands_take_their_options(env):
     """Not run here: the program exists and its --help names every option the command gives."""
-    checked = 0
+    options = {}  # program -> [(command, its options)]
     for command in [c for c in commands() if kind(c) == "options"]:
         words = shlex.split(command)
         if words[0] == "bash":
@@ -179,11 +187,14 @@ def test_the_long_and_the_template_commands_take_their_options(env):
             continue
         if words[0] == "torchrun":
             words = ["python"] + words[next(i for i, w in enumerate(words) if w.endswith(".py")):]
-        program = words[:3] if words[1] == "-m" else words[:2]
-        result = subprocess.run([sys.executable, *program[1:], "--help"], cwd=ROOT, env=env["vars"],
-                                capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, (command, result.stderr[-1000:])
-        for option in (w.split("=")[0] for w in words[len(program):] if w.startswith("-") and w != "-"):
-            assert re.search(rf"(^|[\s,\[]){re.escape(option)}\b", result.stdout), (command, option)
-        checked += 1
-    assert checked >= 3
+        program = tuple(words[1:3] if words[1] == "-m" else words[1:2])
+        given = [w.split("=")[0] for w in words[len(program) + 1:] if w.startswith("-") and w != "-"]
+        options.setdefault(program, []).append((command, given))
+    helps = run_two_at_a_time([[sys.executable, *program, "--help"] for program in options], cwd=ROOT,
+                              env=env["vars"], timeout=120)
+    for (program, uses), result in zip(options.items(), helps):
+        assert result.returncode == 0, (program, result.stderr[-1000:])
+        for command, given in uses:
+            for option in given:
+                assert re.search(rf"(^|[\s,\[]){re.escape(option)}\b", result.stdout), (command, option)
+    assert sum(len(uses) for uses in options.values()) >= 3

@@ -584,16 +584,19 @@ def test_command_line_checks_every_argument_before_loading(model_path, tmp_path)
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
         port = taken.getsockname()[1]
-        for args, message in ((["--port", "99999"], "--port 99999"), (["--port", "-1"], "--port -1"),
-                              (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
-                              (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
-                              (["--max-queue-len", "-1"], "--max-queue-len"),
-                              (["--generation-config", str(tmp_path)], "no generation_config.json"),
-                              (["--speculative-config", '{"method": "nope"}'], "method"),
-                              (["--dtype", "float8"], "float8"), (["--log-level", "loud"], "--log-level"),
-                              (["--model", str(tmp_path / "missing")], "model path does not exist")):
-            bad = subprocess.run([sys.executable, "-m", "nanospec.serve", "--model", model_path, *args], env=env,
-                                 capture_output=True, text=True, timeout=120)
+        cases = ((["--port", "99999"], "--port 99999"), (["--port", "-1"], "--port -1"),
+                 (["--host", "no-such-host.invalid"], "--host no-such-host.invalid"),
+                 (["--port", str(port)], f"cannot listen on 127.0.0.1:{port}"),
+                 (["--max-queue-len", "-1"], "--max-queue-len"),
+                 (["--generation-config", str(tmp_path)], "no generation_config.json"),
+                 (["--speculative-config", '{"method": "nope"}'], "method"),
+                 (["--dtype", "float8"], "float8"), (["--log-level", "loud"], "--log-level"),
+                 (["--model", str(tmp_path / "missing")], "model path does not exist"))
+        runs = [subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--model", model_path, *args], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in cases]
+        for (args, message), run in zip(cases, runs):  # (all at once: each is mostly Python starting)
+            _, stderr = run.communicate(timeout=120)
+            bad = subprocess.CompletedProcess(run.args, run.returncode, stderr=stderr)
             assert bad.returncode == 2, (args, bad.stderr)
             assert bad.stderr.startswith("error: ") and bad.stderr.count("\n") == 1, (args, bad.stderr)
             assert message in bad.stderr, (args, bad.stderr)
