@@ -78,8 +78,8 @@ class Eagle3Proposer(Proposer):
                  max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True,
                  prompt_lookup: NgramProposer | None = None):
         """``adaptive``: the goodput policy chooses what to verify, so the head drafts one depth deeper than the step
-        verified of its guesses (at most ``k``), as deep as the policy may want next; else ``k`` deep, every step. ``prompt_lookup``: an n-gram proposer whose chain joins the
-        guesses."""
+        verified of its guesses (at most ``k``), as deep as the policy may want next; else ``k`` deep, every step.
+        ``prompt_lookup``: an n-gram proposer whose chain joins the guesses."""
         c = head.config.layer
         self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
@@ -308,13 +308,14 @@ class Eagle3Proposer(Proposer):
             tables = torch.tensor([table], dtype=torch.int32, device=self.device)
             zero = torch.zeros(1, dtype=torch.int64, device=self.device)
             state = torch.zeros(1, self.head.config.layer.hidden_size, device=self.device, dtype=self.dtype)
-            batch = self._step_batch(tables, zero + context, zero, zero)
-
-            def step():
-                if self.tree is not None:
+            if self.tree is not None:
+                def step():
                     return [t.tolist() for t in self._draft(tables, zero + context, zero, state, self.k)]
-                return self._guess(self._run(batch, state)).tolist()
+            else:
+                batch = self._step_batch(tables, zero + context, zero, zero)
 
+                def step():
+                    return self._guess(self._run(batch, state)).tolist()
             step()
             return best_seconds(step, self.device) / (self.k if self.tree is not None else 1)
         finally:
