@@ -1,15 +1,14 @@
 """The GPU micro-benchmarks (benchmarks/kernels/bench_*.py) on a machine without a CUDA GPU: each exits with
 status 2 and one line on stderr saying so, rather than a traceback or a silent success."""
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from checkout import ROOT, checkout_env
+
 SCRIPTS = sorted((ROOT / "benchmarks" / "kernels").glob("bench_*.py"))
 
 
@@ -20,7 +19,7 @@ def test_the_benchmarks_are_found():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present, so the benchmarks would run for real")
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda path: path.stem)
 def test_benchmark_without_a_gpu_exits_2_with_one_line(script):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = checkout_env()
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
                             cwd=ROOT)
     assert result.returncode == 2, result.stderr

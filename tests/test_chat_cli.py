@@ -318,7 +318,7 @@ def test_sigint_while_loading_exits_130_without_a_traceback():
 def test_tensor_parallel_answers_as_one_process(tiny_path):
     """``-tp 2``: the model split over this process and a spawned worker answers what one process answers
     (greedy); a size the model's heads do not split into is one error line."""
-    args = ["--model", str(tiny_path), "--greedy", "--max-tokens", "6"]
+    args = ["--model", str(tiny_path), "--device", "cpu", "--greedy", "--max-tokens", "6"]  # one GPU is not two
     one = run_chat(args, stdin=b"hello there\n")
     two = run_chat([*args, "--tensor-parallel-size", "2"], stdin=b"hello there\n")
     assert one.returncode == two.returncode == 0, (one.stderr, two.stderr)

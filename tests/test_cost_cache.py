@@ -74,14 +74,15 @@ def test_costs_are_measured_once_then_read(model_path, cache_dir, timings):
 
 
 def test_a_change_of_threads_dtype_or_k_is_measured_anew(model_path, cache_dir, timings):
-    LLM(model_path, num_blocks=64, block_size=4, speculative_config=NGRAM)
+    LLM(model_path, dtype="float32", num_blocks=64, block_size=4, speculative_config=NGRAM)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        LLM(model_path, num_blocks=64, block_size=4, speculative_config=NGRAM)
+        LLM(model_path, dtype="float32", num_blocks=64, block_size=4, speculative_config=NGRAM)
     finally:
         torch.set_num_threads(threads)
-    LLM(model_path, num_blocks=64, block_size=4, speculative_config={**NGRAM, "num_speculative_tokens": 2})
+    LLM(model_path, dtype="float32", num_blocks=64, block_size=4,
+        speculative_config={**NGRAM, "num_speculative_tokens": 2})
     LLM(model_path, dtype="bfloat16", num_blocks=64, block_size=4, speculative_config=NGRAM)
     keys = [e["key"] for e in entries(cache_dir).values()]
     assert len(keys) == 4 - (threads == 1)

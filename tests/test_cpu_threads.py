@@ -95,7 +95,7 @@ def test_the_engine_runs_each_step_at_the_tuners_count_and_restores_torchs(tmp_p
     from tiny import make_tiny_llama
 
     make_tiny_llama(tmp_path, layers=1, max_pos=64)
-    llm = LLM(str(tmp_path), num_blocks=16, block_size=4)
+    llm = LLM(str(tmp_path), num_blocks=16, block_size=4, device="cpu")  # the tuner is the CPU's
     tuner = llm.engine.threads
     assert tuner is not None and tuner.max_threads == torch.get_num_threads()
     observed, during = [], []

@@ -2,7 +2,6 @@
 laid out as ``huggingface_hub`` lays it out, offline; an id the Hub cannot give is a clear error before any work."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,15 +9,14 @@ from pathlib import Path
 import pytest
 
 from nanospec.model.hub import resolve_model_path
+from checkout import checkout_env
 from tiny import make_tiny_llama
 
-REPO = Path(__file__).resolve().parents[1]
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
 def _run(code: str, cache: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}"
-           f"{os.environ.get('PYTHONPATH', '')}"}
+    env = checkout_env(HF_HUB_CACHE=str(cache), HF_HUB_OFFLINE="1")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
 
 

@@ -32,7 +32,8 @@ def paths(tmp_path_factory):
 
 
 def make_llm(path, device, **kwargs):
-    return LLM(str(path), num_blocks=32, block_size=4, device=device, dtype="float32", **kwargs)
+    """Eager on CUDA too: a CUDA graph replays the kernels it captured whichever backend is chosen after."""
+    return LLM(str(path), num_blocks=32, block_size=4, device=device, dtype="float32", enforce_eager=True, **kwargs)
 
 
 def run(llm, params, backend_name):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanospec.speculative.ngram import OCCURRENCES_SCANNED_PER_CANDIDATE, NgramIndex, NgramProposer
+from nanospec.speculative.ngram import OCCURRENCES_SCANNED_PER_CANDIDATE, NgramProposer
 
 
 # ----------------------------------------------------------------------------- brute-force reference

@@ -17,11 +17,10 @@ import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
+from checkout import ROOT, checkout_env
 
-ROOT = Path(__file__).resolve().parents[1]
 README = "\n".join(path.read_text() for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))])
 LONG = ("nanospec.train", "benchmarks/", "torchrun", "-tp ", "--tensor-parallel-size", ".sh")
 PLACEHOLDER = re.compile(r"path/to/|\bDIR\b|\bPATH\b|\bDRAFT\b")
@@ -80,8 +79,8 @@ def env(tmp_path_factory):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     return {"tmp": str(tmp), "port": port,
-            "vars": {**os.environ, "PYTHONPATH": str(ROOT), "NANOSPEC_LOG_LEVEL": "WARNING",
-                     "NANOSPEC_CACHE_DIR": str(tmp / "cache")}}  # the forward costs: timed once, as for a user
+            # the forward costs: timed once, as for a user
+            "vars": checkout_env(NANOSPEC_LOG_LEVEL="WARNING", NANOSPEC_CACHE_DIR=str(tmp / "cache"))}
 
 
 def as_run_here(text: str, env) -> str:

@@ -5,7 +5,6 @@ token for token, with and without speculation; errors, limits, auth, disconnects
 import asyncio
 import contextlib
 import json
-import os
 import re
 import signal
 import socket
@@ -29,6 +28,7 @@ from nanospec.model.mlp_speculator import save_mlp_speculator  # noqa: E402
 from nanospec.serve import __main__ as serve_main  # noqa: E402
 from nanospec.serve.app import build_app  # noqa: E402
 from nanospec.serve.engine_loop import ServedEngine  # noqa: E402
+from checkout import checkout_env  # noqa: E402
 from tiny import assert_no_leak, make_tiny_llama, most_common_successors, successor_speculator  # noqa: E402
 
 PROMPTS = ["abcabcabcab", "the cat sat on the mat, the cat", "0101010", "hello"]
@@ -426,7 +426,7 @@ def _url_of(proc: subprocess.Popen) -> str | None:
 def test_command_line(model_path):
     """``python -m nanospec.serve`` binds 127.0.0.1, takes the key from NANOSPEC_API_KEY, serves, and on SIGTERM
     shuts down cleanly and ends by that signal (uvicorn's convention); a bad model exits 2 with one 'error' line."""
-    env = {**os.environ, "NANOSPEC_API_KEY": "k3y", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = checkout_env(NANOSPEC_API_KEY="k3y")
     proc = _serve(model_path, "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}', env=env)
     try:
         url = _url_of(proc)
@@ -451,7 +451,7 @@ def test_command_line(model_path):
 def test_command_line_tensor_parallel(model_path, offline):
     """``--tensor-parallel-size 2``: the server answers what the one-process engine answers, and on SIGTERM its
     worker ends with it."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = checkout_env()
     proc = _serve(model_path, "--tensor-parallel-size", "2", env=env)
     try:
         url = _url_of(proc)
@@ -579,7 +579,7 @@ def test_default_sampling_applies_to_what_a_request_leaves_out(model_path, offli
 
 def test_command_line_checks_every_argument_before_loading(model_path, tmp_path):
     """Bad arguments and an address in use: one 'error:' line and exit 2, before any model is read."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = checkout_env()
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -602,7 +602,7 @@ def test_command_line_checks_every_argument_before_loading(model_path, tmp_path)
 
 
 def test_sigterm_ends_open_streams_with_a_final_chunk_and_done(model_path):
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = checkout_env()
     proc = _serve(model_path, env=env)
     try:
         url = _url_of(proc)

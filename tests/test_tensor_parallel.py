@@ -35,9 +35,9 @@ import torch.distributed as dist
 from nanospec import LLM, SamplingParams
 from nanospec.model.parallel import TensorParallelError, check_shardable, head_range, vocab_range
 import test_eagle3
+from checkout import ROOT, checkout_env
 from tiny import assert_no_leak, make_tiny_llama
 
-ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = ["The quick brown fox", "abc abc abc abc abc", "Hello, world! Hello, world!", "x = [1, 2, 3]; y = [1, 2,"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
 SAMPLED = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=10, seed=7, ignore_eos=True)
@@ -312,7 +312,7 @@ def test_the_workers_end_with_their_driver(target_path, ending):
                 os.kill(os.getpid(), signal.SIGKILL)
     """)
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env=checkout_env())
     assert done.returncode == (0 if ending == "exit" else -signal.SIGKILL), done.stderr
     pid = int(done.stdout.split()[-1])
     deadline = time.monotonic() + 10
@@ -339,7 +339,7 @@ def test_torchrun_runs_example_08(target_path, draft_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
          str(ROOT / "examples" / "08_tensor_parallel.py"), "--model", target_path, "--draft", draft_path,
          "--draft-tp", "1", "--max-tokens", "6", "--cpu"],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        capture_output=True, text=True, timeout=300, env=checkout_env())
     assert done.returncode == 0, done.stdout + done.stderr
     assert "same tokens as tensor_parallel_size=1: True" in done.stdout
 
