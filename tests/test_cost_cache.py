@@ -1,5 +1,5 @@
-"""The goodput policy's forward costs are timed once per model, weights, device and thread count and read back
-after (nanospec.speculative.cost_cache); a busy machine is timed at one thread and its costs are not kept."""
+"""The goodput policy's forward costs are timed once per model, weights, device, thread count and forward shape and
+read back after (nanospec.speculative.cost_cache); a busy machine is timed at one thread and its costs are not kept."""
 
 import json
 
@@ -73,22 +73,27 @@ def test_costs_are_measured_once_then_read(model_path, cache_dir, timings):
     assert second.engine.speculator.policy.points == first.engine.speculator.policy.points
 
 
-def test_a_change_of_threads_dtype_or_k_is_measured_anew(model_path, cache_dir, timings):
-    LLM(model_path, dtype="float32", num_blocks=64, block_size=4, speculative_config=NGRAM)
+def test_a_change_of_threads_or_dtype_is_measured_anew_and_of_k_only_its_new_shapes(model_path, cache_dir, timings):
+    LLM(model_path, dtype="float32", num_blocks=64, block_size=4, speculative_config=NGRAM)  # k = 3: 4 tokens a row
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         LLM(model_path, dtype="float32", num_blocks=64, block_size=4, speculative_config=NGRAM)
     finally:
         torch.set_num_threads(threads)
+    timings.clear()
     LLM(model_path, dtype="float32", num_blocks=64, block_size=4,
-        speculative_config={**NGRAM, "num_speculative_tokens": 2})
+        speculative_config={**NGRAM, "num_speculative_tokens": 2})  # k = 2: rows of 3 in its batches
+    (timed,) = timings
+    assert timed and all(n > 1 and t == 3 for n, t in timed)  # one row of 1..3 tokens was timed for k = 3
     LLM(model_path, dtype="bfloat16", num_blocks=64, block_size=4, speculative_config=NGRAM)
-    keys = [e["key"] for e in entries(cache_dir).values()]
-    assert len(keys) == 4 - (threads == 1)
-    assert {k["weights"]["dtype"] for k in keys} == {"torch.float32", "torch.bfloat16"}
-    assert {k["per_seq"] for k in keys} == {3, 4}  # k + 1
-    assert all(k["device"].startswith("cpu") or k["device"].startswith("cuda") for k in keys)
+    stored = list(entries(cache_dir).values())
+    assert len(stored) == 3 - (threads == 1)
+    assert {e["key"]["weights"]["dtype"] for e in stored} == {"torch.float32", "torch.bfloat16"}
+    assert all(e["key"]["device"].startswith("cpu") or e["key"]["device"].startswith("cuda") for e in stored)
+    (both_ks,) = [e["costs"] for e in stored if e["key"]["weights"]["dtype"] == "torch.float32"
+                  and e["key"]["threads"] == threads]
+    assert {"1x1", "1x4", "2x4", "2x3"} <= set(both_ks)
 
 
 def test_a_file_that_cannot_be_read_is_ignored_and_rewritten(model_path, cache_dir, timings):
@@ -97,13 +102,13 @@ def test_a_file_that_cannot_be_read_is_ignored_and_rewritten(model_path, cache_d
     assert len(entries(cache_dir)) == 1
     data = json.loads((cache_dir / cost_cache.FILE_NAME).read_text())
     (entry,) = data["entries"].values()
-    entry["costs"] = [-1.0] * len(entry["costs"])  # not a cost: measured again
+    entry["costs"] = {name: -1.0 for name in entry["costs"]}  # not a cost: measured again
     (cache_dir / cost_cache.FILE_NAME).write_text(json.dumps(data))
     timings.clear()
     LLM(model_path, num_blocks=64, block_size=4, speculative_config=NGRAM)
     assert len(timings) == 1
     (entry,) = entries(cache_dir).values()
-    assert all(c > 0 for c in entry["costs"])
+    assert entry["costs"] and all(c > 0 for c in entry["costs"].values())
 
 
 def test_an_empty_cache_dir_turns_the_cache_off(model_path, monkeypatch, timings, tmp_path):
@@ -121,25 +126,26 @@ def test_a_busy_machine_is_timed_at_one_thread_and_not_kept(cache_dir, capsys):
     def key():
         return {"threads": torch.get_num_threads(), "counts": [1, 2]}
 
-    def measure():
+    def measure(shapes):
         threads_seen.append(torch.get_num_threads())
-        return [0.01, 0.02]
+        return [0.01 * t for _, t in shapes]
 
     def probe():
         probes_seen.append(torch.get_num_threads())
 
     cpu = torch.device("cpu")
+    shapes = [(1, 1), (1, 2)]
     torch.set_num_threads(2)
     try:
         FakeContention.waiting_of_next = [1.3, 0.6]  # the probe, then the measurement: waiting for cores
-        costs, measured = cost_cache.cached_forward_costs(key, measure, probe, cpu)
+        costs, measured = cost_cache.cached_forward_costs(key, shapes, measure, probe, cpu)
         assert torch.get_num_threads() == 2
         assert measured and costs == [0.01, 0.02] and probes_seen == [2] and threads_seen == [1]
         assert not (cache_dir / cost_cache.FILE_NAME).exists()
         assert "busy" in capsys.readouterr().err
         FakeContention.waiting_of_next = [0.0, 0.0]  # a free machine: measured at its threads and kept
-        costs, measured = cost_cache.cached_forward_costs(key, measure, probe, cpu)
+        costs, measured = cost_cache.cached_forward_costs(key, shapes, measure, probe, cpu)
         assert threads_seen[-1] == 2 and len(entries(cache_dir)) == 1
-        assert cost_cache.cached_forward_costs(key, measure, probe, cpu) == (costs, False)
+        assert cost_cache.cached_forward_costs(key, shapes, measure, probe, cpu) == (costs, False)
     finally:
         torch.set_num_threads(threads)

@@ -165,9 +165,17 @@ def test_non_decreasing_fit_is_the_least_squares_isotonic_regression():
     assert non_decreasing_fit([3.0, 4.0, 1.0]) == pytest.approx([8 / 3] * 3)  # one value undoes two blocks
 
 
-def test_start_up_timing_keeps_each_counts_faster_pass(monkeypatch):
-    """Counts up to 16 are timed ascending, then again descending, and keep the faster of the two timings (a slow
-    first forward after loading does not stick); larger counts once; the costs come back in the asked order."""
+def test_a_count_is_timed_as_one_row_up_to_per_seq_then_as_rows_of_per_seq():
+    assert cost.forward_shapes([1, 4, 5, 8, 40], per_seq=4, max_seqs=3) == [(1, 1), (1, 4), (2, 4), (2, 4), (3, 4)]
+    assert cost.forward_shapes([9], per_seq=4, max_seqs=0) == [(1, 4)]
+    assert cost.timing_context(BlockManager(8, 16), 4, max_len=256) == 64
+    assert cost.timing_context(BlockManager(4, 16), 4, max_len=256) == 0  # 68 tokens: more than the pool's 64
+    assert cost.timing_context(BlockManager(8, 16), 4, max_len=60) == 0
+
+
+def test_start_up_timing_keeps_each_shapes_faster_pass(monkeypatch):
+    """Shapes of up to 16 tokens are timed ascending, then again descending, and keep the faster of the two timings
+    (a slow first forward after loading does not stick); larger ones once; the costs come back in the asked order."""
     timed: list[int] = []
     slow_first = {1: 0.050}  # the first timing of one token: cold
 
@@ -182,8 +190,8 @@ def test_start_up_timing_keeps_each_counts_faster_pass(monkeypatch):
 
     monkeypatch.setattr(cost, "best_seconds", fake_best_seconds)
     bm = BlockManager(64, 4)
-    costs = cost.time_forwards(execute, bm, [1, 2, 3, 20], per_seq=20, device=torch.device("cpu"),
-                               batch_device="cpu", max_len=256, context=8)
+    costs = cost.time_forwards(execute, bm, [(1, 1), (1, 2), (1, 3), (1, 20)], device=torch.device("cpu"),
+                               batch_device="cpu", context=8)
     assert timed == [8, 1, 2, 3, 20, 3, 2, 1]  # the context's prefill, ascending, then descending up to 16
     assert costs[0] == pytest.approx(0.010 + 0.001 + 0.0001 * 8)  # the cold 50 ms replaced by the warm timing
     assert costs[1] == pytest.approx(0.010 + 0.002 + 0.0001 * 3)  # each keeps its faster pass

@@ -26,37 +26,48 @@ def best_seconds(fn: Callable[[], object], device: torch.device, repeats: int = 
     return best
 
 
-def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager: BlockManager,
-                  token_counts: list[int], *, per_seq: int, device: torch.device, batch_device: torch.device | str,
-                  max_len: int, context: int = 64) -> list[float]:
-    """Seconds of a verify-shaped forward over each of ``token_counts`` new tokens after ``context`` cached ones (larger
-    counts as sequences of ``per_seq``), best of two passes where the count is small, so one stall does not price a
-    point as free. Only the first sequence's context is written: attention over the others' costs the same whatever
-    their K/V holds (zeros, or a finished sequence's), and writing them took a prefill of ``context`` tokens each."""
-    bm = block_manager
-    per_seq = max(1, min(per_seq, max_len - 1))
-    if bm.blocks_for(context + per_seq) > bm.num_free_blocks or context + per_seq > max_len:
-        context = 0
-    most = min(max(-(-m // per_seq) for m in token_counts), bm.num_free_blocks // bm.blocks_for(context + per_seq))
-    tables: list[list[int]] = [[] for _ in range(max(most, 1))]
-    for table in tables:
-        bm.reserve(table, context + per_seq)
+def timing_context(block_manager: BlockManager, tokens: int, max_len: int, context: int = 64) -> int:
+    """The cached tokens a timed sequence of ``tokens`` new ones follows: ``context``, or 0 where the pool or
+    ``max_len`` has no room for them."""
+    fits = block_manager.blocks_for(context + tokens) <= block_manager.num_free_blocks and context + tokens <= max_len
+    return context if fits else 0
 
-    def run(num_seqs: int, tokens: int, start: int) -> torch.Tensor:
-        batch = build_forward_batch([[0] * tokens] * num_seqs, [start] * num_seqs, tables[:num_seqs], bm.block_size,
+
+def forward_shapes(token_counts: list[int], per_seq: int, max_seqs: int) -> list[tuple[int, int]]:
+    """(sequences, tokens each) of the forward timed for each count ``m``: one sequence of ``m`` tokens up to
+    ``per_seq``, else ``ceil(m / per_seq)`` sequences of ``per_seq`` (at most ``max_seqs``, at least 1)."""
+    return [(1, m) if m <= per_seq else (max(1, min(-(-m // per_seq), max_seqs)), per_seq) for m in token_counts]
+
+
+def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager: BlockManager,
+                  shapes: list[tuple[int, int]], *, device: torch.device, batch_device: torch.device | str,
+                  context: int) -> list[float]:
+    """Seconds of a verify-shaped forward of each of ``shapes`` (sequences, new tokens each) after ``context`` cached
+    tokens each, best of two passes where the shape holds at most 16 tokens, so one stall does not price a point as
+    free. Only the first sequence's context is written: attention over the others' costs the same whatever their K/V
+    holds (zeros, or a finished sequence's), and writing them took a prefill of ``context`` tokens each."""
+    bm = block_manager
+    if not shapes:
+        return []
+    tables: list[list[int]] = [[] for _ in range(max(n for n, _ in shapes))]
+    for table in tables:
+        bm.reserve(table, context + max(t for _, t in shapes))
+
+    def run(num_seqs: int, tokens: int) -> torch.Tensor:
+        batch = build_forward_batch([[0] * tokens] * num_seqs, [context] * num_seqs, tables[:num_seqs], bm.block_size,
                                     [range(tokens)] * num_seqs, batch_device)
         return execute(batch)
 
     if context:  # (the first sequence's context is written, which also warms the forward up)
         execute(build_forward_batch([[0] * context], [0], tables[:1], bm.block_size, [[context - 1]], batch_device))
-    costs: dict[int, float] = {}
-    for m in list(token_counts) + [m for m in reversed(token_counts) if m <= 16]:
-        num_seqs, tokens = (1, min(m, per_seq)) if m <= per_seq else (min(-(-m // per_seq), len(tables)), per_seq)
-        seconds = best_seconds(lambda: run(num_seqs, tokens, context), device, repeats=2 if m <= 16 else 1)
-        costs[m] = min(costs.get(m, seconds), seconds)
+    costs: dict[tuple[int, int], float] = {}
+    small = [shape for shape in reversed(shapes) if shape[0] * shape[1] <= 16]
+    for num_seqs, tokens in list(shapes) + small:
+        seconds = best_seconds(lambda: run(num_seqs, tokens), device, repeats=2 if num_seqs * tokens <= 16 else 1)
+        costs[num_seqs, tokens] = min(costs.get((num_seqs, tokens), seconds), seconds)
     for table in tables:
         bm.free(table)
-    return [costs[m] for m in token_counts]
+    return [costs[shape] for shape in shapes]
 
 
 def run_one_forward(execute: Callable[[ForwardBatch], torch.Tensor], block_manager: BlockManager,

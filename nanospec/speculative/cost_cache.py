@@ -1,7 +1,9 @@
 """The target's measured forward costs, kept between runs in ``$NANOSPEC_CACHE_DIR/forward_costs.json`` (default
 ``~/.cache/nanospec``; empty: off). An entry's key is everything a forward's time depends on (:func:`cost_key`):
-config, weight storage, device, threads, torch version, runner and what was timed. JSON, written atomically; a file
-that cannot be read is ignored and rewritten.
+config, weight storage, device, threads, torch version, runner, block size and the context the forwards follow. It
+holds one time per forward shape (sequences x new tokens each), so engines of one target that time different shapes
+(another ``k``, another ``max_num_seqs``) share the shapes they have in common and time only the others. JSON,
+written atomically; a file that cannot be read is ignored and rewritten.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from nanospec.cpu_threads import BUSY_WAIT, Contention
 from nanospec.log import logger
 
-FORMAT = 1  # bumped when what is measured, or how, changes
+FORMAT = 2  # bumped when what is measured, or how, changes
 MAX_ENTRIES = 64
 FILE_NAME = "forward_costs.json"
 
@@ -63,12 +65,15 @@ def weights_kind(model) -> dict:
     return {"dtype": str(model.dtype), "quantization": getattr(model, "quantization", None), "layers": kinds}
 
 
-def cost_key(model, *, runner: str, counts: list[int], per_seq: int, block_size: int, num_blocks: int,
-             max_len: int) -> dict:
+def cost_key(model, *, runner: str, block_size: int, context: int) -> dict:
     return {"format": FORMAT, "config": dataclasses.asdict(model.config), "weights": weights_kind(model),
             "device": device_name(model.device), "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "runner": runner, "counts": list(counts), "per_seq": per_seq, "block_size": block_size,
-            "num_blocks": num_blocks, "max_len": max_len}
+            "runner": runner, "block_size": block_size, "context": context}
+
+
+def shape_name(shape: tuple[int, int]) -> str:
+    """A forward shape as the file names it: ``"4x3"``, four sequences of three new tokens."""
+    return f"{shape[0]}x{shape[1]}"
 
 
 def _digest(key: dict) -> str:
@@ -88,30 +93,30 @@ def _read(path: Path) -> dict:
     return data["entries"]
 
 
-def load_costs(key: dict | None) -> list[float] | None:
-    """The costs stored for ``key``, one per count, or None (no key, no cache, no entry, or an entry that does not
-    fit)."""
+def load_costs(key: dict | None) -> dict[str, float]:
+    """The times stored for ``key`` by shape name, those that are times (none: no key, no cache or no entry)."""
     path = cache_path()
     if path is None or key is None:
-        return None
+        return {}
     entry = _read(path).get(_digest(key))
     if not isinstance(entry, dict) or entry.get("key") != json.loads(json.dumps(key, default=str)):
-        return None
+        return {}
     costs = entry.get("costs")
-    if not isinstance(costs, list) or len(costs) != len(key["counts"]) or not all(
-            isinstance(c, float) and math.isfinite(c) and c > 0 for c in costs):
-        return None
-    return costs
+    if not isinstance(costs, dict):
+        return {}
+    return {name: c for name, c in costs.items() if isinstance(c, float) and math.isfinite(c) and c > 0}
 
 
-def store_costs(key: dict | None, costs: list[float]) -> Path | None:
-    """Keep ``costs`` for ``key`` (the oldest entries go beyond ``MAX_ENTRIES``); the file's path, or None if there
-    is no key, no cache, or it cannot be written (a warning says why)."""
+def store_costs(key: dict | None, costs: dict[str, float]) -> Path | None:
+    """Keep ``costs`` (shape name -> seconds) for ``key`` beside the times it holds for other shapes (the oldest
+    entries go beyond ``MAX_ENTRIES``); the file's path, or None if there is no key, no cache, or it cannot be
+    written (a warning says why)."""
     path = cache_path()
     if path is None or key is None:
         return None
     entries = _read(path)
-    entries[_digest(key)] = {"key": key, "costs": [float(c) for c in costs], "measured": time.time()}
+    entries[_digest(key)] = {"key": key, "costs": {**load_costs(key), **{n: float(c) for n, c in costs.items()}},
+                             "measured": time.time()}
     newest = sorted(entries.items(), key=lambda item: item[1].get("measured", 0) if isinstance(item[1], dict) else 0)
     data = {"format": FORMAT, "entries": dict(newest[-MAX_ENTRIES:])}
     try:
@@ -125,38 +130,44 @@ def store_costs(key: dict | None, costs: list[float]) -> Path | None:
     return path
 
 
-def cached_forward_costs(key: Callable[[], dict | None], measure: Callable[[], list[float]],
-                         probe: Callable[[], object], device: torch.device) -> tuple[list[float], bool]:
-    """(costs, whether they were measured now): read for ``key()`` (a key at torch's current thread count, None: not
-    cached) or else ``measure()`` d and kept. Before measuring on a CPU, ``probe()`` (one small forward) checks how
-    long the threads wait for a core; beyond ``BUSY_WAIT`` (a busy machine, where the steps run at one thread:
-    ``nanospec.cpu_threads``) the costs are read or measured at one thread. Costs measured while the threads waited
-    beyond ``BUSY_WAIT`` serve this run and are not kept. Torch's thread count is the same after as before."""
-    costs = load_costs(key())
+def cached_forward_costs(key: Callable[[], dict | None], shapes: list[tuple[int, int]],
+                         measure: Callable[[list[tuple[int, int]]], list[float]], probe: Callable[[], object],
+                         device: torch.device) -> tuple[list[float], bool]:
+    """(the time of each of ``shapes``, whether any was measured now): read for ``key()`` (a key at torch's current
+    thread count, None: not cached), and the shapes it lacks ``measure``d and kept. Before measuring on a CPU,
+    ``probe()`` (one small forward) checks how long the threads wait for a core; beyond ``BUSY_WAIT`` (a busy
+    machine, where the steps run at one thread: ``nanospec.cpu_threads``) the costs are read or measured at one
+    thread. Times measured while the threads waited beyond ``BUSY_WAIT`` serve this run and are not kept. Torch's
+    thread count is the same after as before."""
+    known = load_costs(key())
     threads = torch.get_num_threads()
     try:
-        if costs is None and device.type == "cpu" and threads > 1:
+        missing = sorted({shape for shape in shapes if shape_name(shape) not in known})
+        if missing and device.type == "cpu" and threads > 1:
             with Contention() as probed:
                 probe()
             if probed.waiting is not None and probed.waiting > BUSY_WAIT:
                 logger.warning("the machine is busy (this process's threads waited %.0f%% of the time for a core): "
                                "forward costs are timed at one thread", 100 * probed.waiting)
                 torch.set_num_threads(1)
-                costs = load_costs(key())
-        if costs is not None:
+                known = load_costs(key())
+                missing = sorted({shape for shape in shapes if shape_name(shape) not in known})
+        if not missing:
             logger.info("forward costs: read from %s", cache_path())
-            return costs, False
-        logger.info("measuring forward costs (once for this model, weights, device and thread count) ...")
+            return [known[shape_name(shape)] for shape in shapes], False
+        logger.info("measuring the costs of %d forward shapes (%d read from the cache) ...", len(missing),
+                    len({shape for shape in shapes if shape_name(shape) in known}))
         with Contention() as measured:
-            costs = measure()
+            new = {shape_name(shape): seconds for shape, seconds in zip(missing, measure(missing))}
         path = None
         if measured.waiting is not None and measured.waiting > BUSY_WAIT:
             logger.warning("the machine was busy while timing (the threads waited %.0f%% of the time for a core): "
                            "these costs serve this run and are not kept", 100 * measured.waiting)
         else:
-            path = store_costs(key(), costs)
+            path = store_costs(key(), new)
         logger.info("forward costs measured in %.1f s%s", measured.seconds,
                     f", kept in {path}" if path is not None else "")
-        return costs, True
+        known = {**known, **new}
+        return [known[shape_name(shape)] for shape in shapes], True
     finally:
         torch.set_num_threads(threads)

@@ -28,7 +28,7 @@ from nanospec.model.quantization import int4_group_size
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
 from nanospec.sampling.tensors import SamplingTensors, draw_tokens
-from nanospec.speculative.cost import time_forwards
+from nanospec.speculative.cost import time_forwards, timing_context
 from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
 from nanospec.speculative.proposal import Proposal, Verdict, tree_depths, tree_mask
 from nanospec.speculative.proposer import Proposer
@@ -200,9 +200,9 @@ class DraftProposer(Proposer):
     def measure_cost(self) -> float:
         """Seconds of one single-token draft forward after 64 cached tokens."""
         model = self.model
-        return time_forwards(lambda batch: self.runner.execute(batch)[0], self.block_manager, [1], per_seq=1,
-                             device=model.device, batch_device=model.device,
-                             max_len=model.config.max_position_embeddings)[0]
+        context = timing_context(self.block_manager, 1, model.config.max_position_embeddings)
+        return time_forwards(lambda batch: self.runner.execute(batch)[0], self.block_manager, [(1, 1)],
+                             device=model.device, batch_device=model.device, context=context)[0]
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor, j: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Guess j for every sequence (on the device) and, when rejection-sampling, the draft's ``q`` ``[S, V]``."""

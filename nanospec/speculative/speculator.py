@@ -12,7 +12,7 @@ import torch
 from nanospec.cache.block_manager import BlockManager, slots_of
 from nanospec.model.runner import ModelRunner
 from nanospec.sequence import Sequence
-from nanospec.speculative.cost import run_one_forward, time_forwards
+from nanospec.speculative.cost import forward_shapes, run_one_forward, time_forwards, timing_context
 from nanospec.speculative.cost_cache import cached_forward_costs, cost_key
 from nanospec.speculative.policy import GoodputPolicy
 from nanospec.speculative.proposal import Proposal, Verdict
@@ -48,8 +48,8 @@ class Speculator:
     def _calibrated_policy(self, block_manager: BlockManager, max_num_seqs: int,
                            max_num_batched_tokens: int) -> GoodputPolicy:
         """The goodput policy over measured costs: the target over 1..k+1 tokens and the batch sizes this engine can run
-        (or the cached times, :mod:`nanospec.speculative.cost_cache`), and one depth of guessing, timed again after the
-        target when it was measured (keeping the faster)."""
+        (the shapes the cache lacks timed, :mod:`nanospec.speculative.cost_cache`), and one depth of guessing, timed
+        again after the target when any shape was measured (keeping the faster)."""
         k = self.max_tokens_per_step
         # every count of a few tokens; above DENSE_COUNTS, every fourth (and k + 1) with the policy interpolating
         dense = min(k + 1, DENSE_COUNTS)
@@ -61,19 +61,24 @@ class Speculator:
         larger = sparse + batches
         counts = list(range(1, dense + 1)) + larger
         execute = lambda batch: self.runner.execute(batch)[0]  # noqa: E731
+        per_seq = max(1, min(k + 1, self.max_model_len - 1))
+        context = timing_context(block_manager, per_seq, self.max_model_len)
+        max_seqs = block_manager.num_free_blocks // block_manager.blocks_for(context + per_seq)
+        shapes = forward_shapes(counts, per_seq, max_seqs)
 
         def key() -> dict | None:  # (under tensor parallelism the collectives are timed too: not cached)
             if self.model.tp is not None:
                 return None
             runner = "graphs" if self.runner.use_graphs else "eager" if self.runner.enforce_eager else "static"
-            return cost_key(self.model, runner=runner, counts=counts, per_seq=k + 1, block_size=self.block_size,
-                            num_blocks=block_manager.num_blocks, max_len=self.max_model_len)
+            return cost_key(self.model, runner=runner, block_size=self.block_size, context=context)
 
-        measure = lambda: time_forwards(execute, block_manager, counts, per_seq=k + 1,  # noqa: E731
-                                        device=self.model.device, batch_device="cpu", max_len=self.max_model_len)
+        def measure(missing: list[tuple[int, int]]) -> list[float]:
+            return time_forwards(execute, block_manager, missing, device=self.model.device, batch_device="cpu",
+                                 context=context)
+
         guess_cost = self.proposer.measure_cost()
-        costs, measured = cached_forward_costs(key, measure, lambda: run_one_forward(execute, block_manager, "cpu"),
-                                               self.model.device)
+        probe = lambda: run_one_forward(execute, block_manager, "cpu")  # noqa: E731
+        costs, measured = cached_forward_costs(key, shapes, measure, probe, self.model.device)
         if measured:
             guess_cost = min(guess_cost, self.proposer.measure_cost())
         return GoodputPolicy(k, costs[:dense], guess_cost, larger_forwards=dict(zip(larger, costs[dense:])))
