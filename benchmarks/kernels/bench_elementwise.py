@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-from common import require_cuda
+from common import require_cuda, warm_up_gpu
 
 MODELS = {
     # name: (hidden, q heads, kv heads, head dim, ffn)
@@ -85,6 +85,7 @@ def main():
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     args = parser.parse_args()
     require_cuda("bench_elementwise")
+    warm_up_gpu()
 
     from triton.testing import do_bench
 

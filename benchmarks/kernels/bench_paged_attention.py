@@ -15,7 +15,7 @@ import math
 import torch
 import triton
 
-from common import require_cuda
+from common import require_cuda, warm_up_gpu
 from nanospec.kernels.attention_mask import concat_masks
 from nanospec.speculative.proposal import tree_mask
 from nanospec.kernels.paged_attention import paged_attention_ref, paged_attention_triton
@@ -61,6 +61,7 @@ def two_branch_tree_mask(num_seqs, q_len, device):
 
 def main() -> None:
     require_cuda("bench_paged_attention")
+    warm_up_gpu()
     dtype = torch.bfloat16
     print(f"{torch.cuda.get_device_name()}  dtype={dtype}  block_size={BLOCK_SIZE}")
     print(f"{'model':<13} {'case':<12} {'seqs':>4} {'q_len':>5} {'ctx':>5} "

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from common import require_cuda
+from common import require_cuda, warm_up_gpu
 
 MODELS = {
     # name: {weight: (out, in)}
@@ -37,6 +37,7 @@ def main():
     parser.add_argument("--sweep", action="store_true", help="time a grid of launch shapes instead")
     args = parser.parse_args()
     require_cuda("bench_quantized_matmul")
+    warm_up_gpu()
     if args.sweep:
         return sweep(args.rows)
 

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from common import require_cuda
+from common import require_cuda, warm_up_gpu
 
 VOCABS = {"SmolLM2-135M": 49152, "Llama-3.2-1B": 128256}
 ROW_COUNTS = [1, 8, 64]
@@ -71,6 +71,7 @@ def main():
     parser.add_argument("--dtype", choices=DTYPES, default="bf16")
     args = parser.parse_args()
     require_cuda("bench_sampling")
+    warm_up_gpu()
 
     from triton.testing import do_bench
 

@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from common import require_cuda
+from common import require_cuda, warm_up_gpu
 
 VOCABS = {"SmolLM2-135M": 49152, "Llama-3.2-1B": 128256}
 BATCHES = [1, 8, 64]
@@ -45,6 +45,7 @@ def problem(batch: int, parents: list[int], vocab_size: int, device: str = "cuda
 
 def main():
     require_cuda("bench_tree_rejection")
+    warm_up_gpu()
 
     from triton.testing import do_bench
 
