@@ -31,7 +31,8 @@ ALLOWED = SamplingParams(temperature=0.9, max_tokens=16, ignore_eos=True, seed=8
                          allowed_token_ids=[5, 9, 33, 40, 41, 42, 11, 12, 7])
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
-    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2,
+                   "adaptive": False},
     "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3},
     # the target drafts for itself, without the penalties, so its guesses are often right and sometimes not (a
     # greedy draft guesses the argmax in either acceptance mode; coupled, its seeded guesses are one-hot too)

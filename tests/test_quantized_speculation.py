@@ -18,7 +18,8 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
           SamplingParams(temperature=0.8, top_p=0.95, max_tokens=30, seed=11, ignore_eos=True)]
 METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False},
-    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "max_candidates": 3, "prompt_lookup_max": 2},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "max_candidates": 3, "prompt_lookup_max": 2,
+                   "adaptive": False},
     "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3},
     "int4_draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "acceptance": "coupled",
                            "quantization": "int4", "adaptive": False},

@@ -214,8 +214,9 @@ def test_unknown_engine_arguments_are_named(paths):
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2},
     {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
+    {"method": "draft", "num_speculative_tokens": 3},  # the policy: its start-up times the draft within 24 positions
     {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5},
-], ids=["ngram", "lookahead", "draft", "draft_tree"])
+], ids=["ngram", "lookahead", "draft", "draft_adaptive", "draft_tree"])
 def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config, device):
     if config["method"] == "draft":
         config = {**config, "model": str(paths[0])}

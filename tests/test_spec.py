@@ -143,15 +143,22 @@ def test_seeded_sampling_with_speculation_is_reproducible(target_path, device, d
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft"])
+@pytest.mark.parametrize("method", ["ngram", "ngram_tree", "draft", "draft_tree"])
 def test_adaptive_speculation_is_lossless(target_path, device, draft_path, plain, method):
-    config = {"method": method, "num_speculative_tokens": 4}
-    if method == "draft":
+    """The goodput policy governs chains and trees alike (a tree ranked as its nodes in order, node j with
+    alpha^j)."""
+    config = {"method": method.removesuffix("_tree"), "num_speculative_tokens": 4}
+    if method == "ngram_tree":
+        config["max_candidates"] = 3
+    if method == "draft_tree":
+        config.update(tree_top_k=2, tree_budget=7)
+    if method.startswith("draft"):
         config["model"] = str(draft_path)
     llm = LLM(str(target_path), num_blocks=256, block_size=4, speculative_config=config, device=device,
               dtype="float32")
     policy = llm.engine.speculator.policy
-    assert policy is not None and len(policy.target_cost) == 5
+    nodes = {"ngram_tree": 12, "draft_tree": 7}.get(method, 4)  # the most one proposal verifies
+    assert policy is not None and len(policy.target_cost) == nodes + 1
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
     assert_no_leak(llm)

@@ -45,6 +45,8 @@ class DraftState:
 
 
 class DraftProposer(Proposer):
+    ranked = True  # before any draft forward runs: node j (a chain's depth j, a tree's j-th node) with alpha^j
+
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
                  tp: ParallelGroup | None = None, enable_prefix_caching: bool = True):
@@ -73,7 +75,6 @@ class DraftProposer(Proposer):
         self.max_model_len = c.max_position_embeddings
         self.k = config.num_speculative_tokens
         self.max_tokens_per_step = self.k if self.tree_top_k == 1 else self.tree_budget
-        self.ranked = self.tree_top_k == 1  # a chain's depths, ranked by alpha^j before any draft forward runs
         self.block_size = block_size
         self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
         self.kv_cache = KVCache(c.num_hidden_layers, num_blocks, block_size, self.model.num_kv_heads, c.head_dim,
@@ -198,9 +199,9 @@ class DraftProposer(Proposer):
         st.num_cached = self.block_manager.allocate(st.block_table, prefix, seq.num_tokens, num_tokens)
 
     def measure_cost(self) -> float:
-        """Seconds of one single-token draft forward after 64 cached tokens."""
+        """Seconds of one single-token draft forward after 64 cached tokens (fewer where the context is shorter)."""
         model = self.model
-        context = timing_context(self.block_manager, 1, model.config.max_position_embeddings)
+        context = timing_context(self.block_manager, 1, len(model.cos_sin_cache))  # the positions its RoPE covers
         return time_forwards(lambda batch: self.runner.execute(batch)[0], self.block_manager, [(1, 1)],
                              device=model.device, batch_device=model.device, context=context)[0]
 

@@ -86,8 +86,10 @@ class LookupChain:
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup from one incremental index per sequence; a chain is ranked by its acceptance estimate, a tree is
-    verified whole."""
+    """Prompt lookup from one incremental index per sequence, ranked by its acceptance estimate: node ``j`` of a
+    proposal with ``alpha^j``, a tree's nodes in the trie's order (the most recent occurrence's continuation first)."""
+
+    ranked = True
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  max_candidates: int = 1, tree_budget: int | None = None):
@@ -106,7 +108,6 @@ class NgramProposer(Proposer):
         self.max_candidates = max_candidates
         self.tree_budget = tree_budget or num_speculative_tokens * max_candidates
         self.max_tokens_per_step = num_speculative_tokens if max_candidates == 1 else self.tree_budget
-        self.ranked = max_candidates == 1
 
     def new_index(self, prompt_ids: list[int]) -> NgramIndex:
         """Per-sequence state; feed it the accepted output with `extend`."""
