@@ -66,7 +66,8 @@ CONFIGS = {
     "lookahead": {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2},
     "draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False, "acceptance": "coupled"},
     "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
-    "draft_tree": {"method": "draft", "num_speculative_tokens": 2, "tree_top_k": 2, "tree_budget": 4, "adaptive": False},
+    "draft_tree": {"method": "draft", "num_speculative_tokens": 2, "tree_top_k": 2, "tree_budget": 4,
+                   "adaptive": False},
     "mlp": {"method": "mlp_speculator", "num_speculative_tokens": 3, "adaptive": False},
     "mlp_tree_lookup": {"method": "mlp_speculator", "tree_top_k": 2, "prompt_lookup": True},
 }

@@ -62,7 +62,8 @@ METHODS = {
     "lookahead": {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2},
     "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
     "draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "acceptance": "coupled", "adaptive": False},
-    "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5, "adaptive": False},
+    "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5,
+                   "adaptive": False},
     "mlp": {"method": "mlp_speculator", "adaptive": False},
     "mlp_tree": {"method": "mlp_speculator", "tree_top_k": 2, "prompt_lookup": True},
 }

@@ -17,7 +17,8 @@ PROMPTS = [[5, 9, 33, 5, 9, 34, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 
 CONFIGS = {
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2,
                    "adaptive": False},
-    "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 7, "adaptive": False},
+    "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 7,
+                   "adaptive": False},
     "lookahead": {"method": "lookahead", "window_size": 4, "ngram_size": 3, "guess_set_size": 3},
 }
 
