@@ -28,7 +28,8 @@ METHODS = {
     "draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "acceptance": "coupled"},
     "draft_coupled_no_adaptive": {"method": "draft", "num_speculative_tokens": 2, "acceptance": "coupled",
                                   "adaptive": False},
-    "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 6},
+    "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 6,
+                   "adaptive": False},  # verified whole: under the policy a random draft's tree may never be drafted
     "self_draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "acceptance": "coupled",
                            "adaptive": False},  # the target as its own draft: its coupled guesses are right
 }
