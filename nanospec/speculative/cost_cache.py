@@ -108,15 +108,14 @@ def load_costs(key: dict | None) -> dict[str, float]:
 
 
 def store_costs(key: dict | None, costs: dict[str, float]) -> Path | None:
-    """Keep ``costs`` (shape name -> seconds) for ``key`` beside the times it holds for other shapes (the oldest
-    entries go beyond ``MAX_ENTRIES``); the file's path, or None if there is no key, no cache, or it cannot be
-    written (a warning says why)."""
+    """Keep ``costs`` (shape name -> seconds, every shape known for ``key``) as ``key``'s entry (the oldest entries go
+    beyond ``MAX_ENTRIES``); the file's path, or None if there is no key, no cache, or it cannot be written (a
+    warning says why)."""
     path = cache_path()
     if path is None or key is None:
         return None
     entries = _read(path)
-    entries[_digest(key)] = {"key": key, "costs": {**load_costs(key), **{n: float(c) for n, c in costs.items()}},
-                             "measured": time.time()}
+    entries[_digest(key)] = {"key": key, "costs": {n: float(c) for n, c in costs.items()}, "measured": time.time()}
     newest = sorted(entries.items(), key=lambda item: item[1].get("measured", 0) if isinstance(item[1], dict) else 0)
     data = {"format": FORMAT, "entries": dict(newest[-MAX_ENTRIES:])}
     try:
@@ -139,10 +138,13 @@ def cached_forward_costs(key: Callable[[], dict | None], shapes: list[tuple[int,
     machine, where the steps run at one thread: ``nanospec.cpu_threads``) the costs are read or measured at one
     thread. Times measured while the threads waited beyond ``BUSY_WAIT`` serve this run and are not kept. Torch's
     thread count is the same after as before."""
+    def lacking(known: dict[str, float]) -> list[tuple[int, int]]:
+        return sorted({shape for shape in shapes if shape_name(shape) not in known})
+
     known = load_costs(key())
     threads = torch.get_num_threads()
     try:
-        missing = sorted({shape for shape in shapes if shape_name(shape) not in known})
+        missing = lacking(known)
         if missing and device.type == "cpu" and threads > 1:
             with Contention() as probed:
                 probe()
@@ -151,23 +153,22 @@ def cached_forward_costs(key: Callable[[], dict | None], shapes: list[tuple[int,
                                "forward costs are timed at one thread", 100 * probed.waiting)
                 torch.set_num_threads(1)
                 known = load_costs(key())
-                missing = sorted({shape for shape in shapes if shape_name(shape) not in known})
+                missing = lacking(known)
         if not missing:
             logger.info("forward costs: read from %s", cache_path())
             return [known[shape_name(shape)] for shape in shapes], False
         logger.info("measuring the costs of %d forward shapes (%d read from the cache) ...", len(missing),
-                    len({shape for shape in shapes if shape_name(shape) in known}))
+                    len(set(shapes)) - len(missing))
         with Contention() as measured:
-            new = {shape_name(shape): seconds for shape, seconds in zip(missing, measure(missing))}
+            known = {**known, **{shape_name(shape): seconds for shape, seconds in zip(missing, measure(missing))}}
         path = None
         if measured.waiting is not None and measured.waiting > BUSY_WAIT:
             logger.warning("the machine was busy while timing (the threads waited %.0f%% of the time for a core): "
                            "these costs serve this run and are not kept", 100 * measured.waiting)
         else:
-            path = store_costs(key(), new)
+            path = store_costs(key(), known)
         logger.info("forward costs measured in %.1f s%s", measured.seconds,
                     f", kept in {path}" if path is not None else "")
-        known = {**known, **new}
         return [known[shape_name(shape)] for shape in shapes], True
     finally:
         torch.set_num_threads(threads)
