@@ -136,7 +136,7 @@ def speculative_config(method: str, args, draft: Path | None) -> dict | None:
         return {**drafted, "tree_top_k": 2, "tree_budget": args.k["draft"]}
     if method.startswith("lookahead"):
         w, n, g = args.lookahead_configs[method]
-        return {"method": "lookahead", "window_size": w, "ngram_size": n, "guess_set_size": g}
+        return {"method": "lookahead", "window_size": w, "ngram_size": n, "guess_set_size": g, **adaptive}
     if method in MLP_METHODS:  # without --mlp-speculator: the one shipped for the embedded model
         config = {"method": "mlp_speculator", "num_speculative_tokens": args.k["mlp_speculator"], **adaptive}
         if method != "mlp_speculator":  # a chain, or a beam of candidates, and the n-gram chain with it or not

@@ -63,7 +63,7 @@ CONFIGS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "max_candidates": 2, "adaptive": False},
-    "lookahead": {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2},
+    "lookahead": {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2, "adaptive": False},
     "draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False, "acceptance": "coupled"},
     "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
     "draft_tree": {"method": "draft", "num_speculative_tokens": 2, "tree_top_k": 2, "tree_budget": 4,

@@ -507,7 +507,7 @@ def test_a_sequence_not_guessing_still_has_its_best_guess_checked(target, specul
     seq = llm.engine.sequences[seq_id]
     llm.engine.step()
     proposal = llm.engine.speculator.proposer.propose([seq], [0])[0]
-    verified = llm.engine.speculator._verified_part(proposal, 0, 100)
+    verified = llm.engine.speculator._verified_part(proposal, 0, 100, 100)
     assert not verified.token_ids and len(verified.unverified_guesses) == 2  # depth 1 of the beam
     llm.abort(seq_id)
     assert_no_leak(llm)

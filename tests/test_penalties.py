@@ -33,7 +33,7 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2,
                    "adaptive": False},
-    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3},
+    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3, "adaptive": False},
     # the target drafts for itself, without the penalties, so its guesses are often right and sometimes not (a
     # greedy draft guesses the argmax in either acceptance mode; coupled, its seeded guesses are one-hot too)
     "self_draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False, "acceptance": "coupled"},

@@ -130,6 +130,14 @@ def test_a_ranked_tree_verifies_the_nodes_likely_enough_to_pay():
     assert GoodputPolicy(8, rising).choose_nodes([unsure, sure], 2, 2) == [0, 3]  # 5 tokens: only the sure pay
 
 
+def test_a_node_is_priced_for_every_token_it_feeds():
+    """A node may feed more than itself (lookahead's first node brings its window): its tokens are priced."""
+    rising = [0.75 + 0.25 * m for m in range(1, 13)]  # T(m) = 0.75 + 0.25 m
+    assert GoodputPolicy(11, rising).choose_nodes([[(0.9, 1), (0.8, 2)]], 1, 1) == [2]
+    assert GoodputPolicy(11, rising).choose_nodes([[(0.9, 1, 9), (0.8, 2)]], 1, 1) == [0]  # 2.7 / T(11) < 1 / T(1)
+    assert GoodputPolicy(11, [1.0] * 12).choose_nodes([[(0.9, 1, 9), (0.8, 2)]], 1, 1) == [2]
+
+
 def test_a_ranked_chain_is_the_chain_rule():
     policy = GoodputPolicy(5, CPU_CURVE, larger_forwards=CPU_LARGER, draft_cost=2.0)
     for successes in (0, 5, 10, 15, 19):

@@ -20,7 +20,7 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "adaptive": False},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "max_candidates": 3, "prompt_lookup_max": 2,
                    "adaptive": False},
-    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3},
+    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3, "adaptive": False},
     "int4_draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "acceptance": "coupled",
                            "quantization": "int4", "adaptive": False},
     "int8_draft_tree": {"method": "draft", "num_speculative_tokens": 2, "tree_top_k": 2, "quantization": "int8",

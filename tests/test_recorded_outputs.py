@@ -25,7 +25,7 @@ METHODS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 5},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 5, "max_candidates": 3, "tree_budget": 8},
-    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 2},
+    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 2, "adaptive": False},
     "draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
     "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5},
 }

@@ -212,7 +212,7 @@ def test_unknown_engine_arguments_are_named(paths):
 
 @pytest.mark.parametrize("config", [
     {"method": "ngram", "num_speculative_tokens": 3},
-    {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2},
+    {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2, "adaptive": False},
     {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
     {"method": "draft", "num_speculative_tokens": 3},  # the policy: its start-up times the draft within 24 positions
     {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5},

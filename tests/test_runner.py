@@ -19,7 +19,7 @@ CONFIGS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 3, "max_candidates": 3},
-    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 2},
+    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 2, "adaptive": False},
     "self_draft": {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
 }
 

@@ -24,7 +24,7 @@ METHODS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3},
     "ngram_no_adaptive": {"method": "ngram", "num_speculative_tokens": 3, "adaptive": False},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2},
-    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3},
+    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3, "adaptive": False},
     "draft_coupled": {"method": "draft", "num_speculative_tokens": 3, "acceptance": "coupled"},
     "draft_coupled_no_adaptive": {"method": "draft", "num_speculative_tokens": 2, "acceptance": "coupled",
                                   "adaptive": False},

@@ -140,7 +140,7 @@ def test_truncated_draft_greedy_equals_plain_on_real_prompts(draft_dir, prompts,
 
 @pytest.mark.parametrize("config", [
     {"method": "ngram", "num_speculative_tokens": 5, "max_candidates": 3},
-    {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5},
+    {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5, "adaptive": False},
 ], ids=["ngram_tree", "lookahead"])
 def test_tree_methods_greedy_equal_plain_on_real_prompts(prompts, plain_on_device, config, device):
     llm = LLM(speculative_config=config, dtype="float32", device=device)

@@ -143,11 +143,13 @@ def test_seeded_sampling_with_speculation_is_reproducible(target_path, device, d
     assert_no_leak(llm)
 
 
-@pytest.mark.parametrize("method", ["ngram", "ngram_tree", "draft", "draft_tree"])
+@pytest.mark.parametrize("method", ["ngram", "ngram_tree", "draft", "draft_tree", "lookahead"])
 def test_adaptive_speculation_is_lossless(target_path, device, draft_path, plain, method):
-    """The goodput policy governs chains and trees alike (a tree ranked as its nodes in order, node j with
-    alpha^j)."""
+    """The goodput policy governs chains, trees and lookahead alike (a tree ranked as its nodes in order, node j with
+    alpha^j; lookahead's first node bringing its window)."""
     config = {"method": method.removesuffix("_tree"), "num_speculative_tokens": 4}
+    if method == "lookahead":
+        config = {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3}
     if method == "ngram_tree":
         config["max_candidates"] = 3
     if method == "draft_tree":
@@ -157,7 +159,7 @@ def test_adaptive_speculation_is_lossless(target_path, device, draft_path, plain
     llm = LLM(str(target_path), num_blocks=256, block_size=4, speculative_config=config, device=device,
               dtype="float32")
     policy = llm.engine.speculator.policy
-    nodes = {"ngram_tree": 12, "draft_tree": 7}.get(method, 4)  # the most one proposal verifies
+    nodes = {"ngram_tree": 12, "draft_tree": 7, "lookahead": 11}.get(method, 4)  # the most one proposal feeds
     assert policy is not None and len(policy.target_cost) == nodes + 1
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected

@@ -1,8 +1,9 @@
 """Token trees and lookahead decoding end to end on tiny random models: lossless, compacted KV, no leaks.
 
 fp32 on the test device with its default backend, speculative against plain on the same device and backend: the
-tokens must be equal, exactly (see tests/test_spec.py). The trees are verified whole (``"adaptive": False``): with the
-goodput policy a random draft's tree would rarely be verified at all (tests/test_spec.py runs trees with it)."""
+tokens must be equal, exactly (see tests/test_spec.py). The trees are verified whole and lookahead's window runs at
+every step (``"adaptive": False``): with the goodput policy a random model's guesses would rarely be verified at all
+(tests/test_spec.py runs trees and lookahead with it)."""
 
 import pytest
 
@@ -15,10 +16,8 @@ from tiny import assert_no_leak, assert_same_kv, make_tiny_llama
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 PROMPTS = [[5, 9, 33, 5, 9, 34, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 3], [11, 12]]
 CONFIGS = {
-    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2,
-                   "adaptive": False},
-    "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 7,
-                   "adaptive": False},
+    "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3, "prompt_lookup_max": 2},
+    "draft_tree": {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 7},
     "lookahead": {"method": "lookahead", "window_size": 4, "ngram_size": 3, "guess_set_size": 3},
 }
 
@@ -37,8 +36,8 @@ def plain(paths, device):
     return LLM(str(paths[0]), num_blocks=256, block_size=4, device=device, dtype="float32")
 
 
-def make(paths, name, device, **kwargs):
-    config = dict(CONFIGS[name])
+def make(paths, name, device, adaptive=False, **kwargs):
+    config = dict(CONFIGS[name], adaptive=adaptive)
     if config["method"] == "draft":
         config["model"] = str(paths[1])
     return LLM(str(paths[0]), num_blocks=kwargs.pop("num_blocks", 256), block_size=4, speculative_config=config,
@@ -71,6 +70,32 @@ def test_lookahead_with_preemption_and_plain_requests(paths, plain, device):
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     llm = make(paths, "lookahead", device, num_blocks=40)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+    assert_no_leak(llm)
+
+
+def test_lookahead_window_runs_beside_verified_guesses_only(paths, plain, device):
+    """Under the goodput policy lookahead's first node brings its window (priced as 1 + window tokens); where the
+    policy verifies none of the trie, no window is fed, and the trie's first guesses are still checked. Here the policy
+    verifies every guess at even steps and none at odd ones."""
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
+    llm = make(paths, "lookahead", device, adaptive=True)
+    speculator = llm.engine.speculator
+    rankings, steps = [], []
+
+    def choose(chances, num_tokens, num_seqs):
+        rankings.append(chances)
+        return [len(nodes) if len(rankings) % 2 == 0 else 0 for nodes in chances]
+    speculator.policy.choose_nodes = choose
+    propose = speculator.propose
+    speculator.propose = lambda seqs: steps.append(propose(seqs)) or steps[-1]
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    for nodes in (n for ranking in rankings for n in ranking if n):  # (chance, depth[, tokens]) in trie order
+        assert [len(node) for node in nodes] == [3] + [2] * (len(nodes) - 1) and nodes[0][2] > 1
+        assert [c for c, *_ in nodes] == sorted((c for c, *_ in nodes), reverse=True)
+    proposals = [p for step in steps for p in step]
+    fed = [p for p in proposals if len(p.fed()[0]) > len(p.token_ids)]
+    assert fed and all(p.token_ids for p in fed)  # a window only beside guesses
+    assert any(p.unverified_guesses for p in proposals)  # a trie left out: its first guesses checked
     assert_no_leak(llm)
 
 

@@ -16,7 +16,7 @@ METHODS = {
     "plain": None,
     "ngram": {"method": "ngram", "num_speculative_tokens": 4, "adaptive": False},
     "ngram_tree": {"method": "ngram", "num_speculative_tokens": 4, "max_candidates": 3},
-    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3},
+    "lookahead": {"method": "lookahead", "window_size": 3, "ngram_size": 3, "guess_set_size": 3, "adaptive": False},
     "self_draft": {"method": "draft", "num_speculative_tokens": 4, "adaptive": False},  # accepts (nearly) all
 }
 GREEDY = dict(temperature=0, max_tokens=40, ignore_eos=True)

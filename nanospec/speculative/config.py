@@ -44,7 +44,7 @@ _KEYS = {
               "max_candidates", "tree_budget"},
     "draft": {"method", "num_speculative_tokens", "model", "dtype", "adaptive", "tree_top_k", "tree_budget",
               "acceptance", "draft_tensor_parallel_size", "quantization"},
-    "lookahead": {"method", "window_size", "ngram_size", "guess_set_size"},
+    "lookahead": {"method", "window_size", "ngram_size", "guess_set_size", "adaptive"},
     "mlp_speculator": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "prompt_lookup",
                        "prompt_lookup_min", "prompt_lookup_max"},
     "eagle3": {"method", "model", "num_speculative_tokens", "adaptive", "dtype", "tree_top_k", "tree_budget",
@@ -110,7 +110,8 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
     if method == "lookahead":
         return SpeculativeConfig(method, 0, window_size=_positive_int(config, "window_size", 5),
                                  ngram_size=_positive_int(config, "ngram_size", 4),
-                                 guess_set_size=_positive_int(config, "guess_set_size", 5), adaptive=False)
+                                 guess_set_size=_positive_int(config, "guess_set_size", 5),
+                                 adaptive=_bool(config, "adaptive", True))
     if method == "mlp_speculator":
         k = _optional_int(config, "num_speculative_tokens") or 0
     else:

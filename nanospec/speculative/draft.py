@@ -45,8 +45,6 @@ class DraftState:
 
 
 class DraftProposer(Proposer):
-    ranked = True  # before any draft forward runs: node j (a chain's depth j, a tree's j-th node) with alpha^j
-
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
                  tp: ParallelGroup | None = None, enable_prefix_caching: bool = True):
@@ -88,6 +86,7 @@ class DraftProposer(Proposer):
         seq.spec_state = DraftState()
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
+        """Before any draft forward runs: node ``j`` (a chain's depth ``j``, a tree's ``j``-th node), ``alpha^j``."""
         return [chain_ranking(seq.spec_state.acceptance.alpha(), self.max_tokens_per_step) for seq in seqs]
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:

@@ -8,6 +8,12 @@ for the pool. Then the window moves one position on: level l takes level l + 1 (
 last level takes the argmaxes. A fresh window holds level 0 only (W + L - 2 prompt tokens drawn by a seeded RNG) and
 grows a level a step. The pool keeps per token at most G continuations, most recent first: the window's n-grams and
 the committed text's. The output does not depend on the window: the verifier checks every guess.
+
+As the engine's proposer, lookahead is ranked like an n-gram tree: the trie's ``j``-th node has chance ``alpha^j``,
+``alpha`` its acceptance estimated per sequence, and the first node brings the window into the forward (it is fed only
+beside verified guesses). So the goodput policy verifies the part of the trie that pays for its nodes and the window,
+or none of it; then no window runs, the pool grows from the committed text alone, and the trie's first guesses are
+still checked against the outcome, which keeps the estimate current.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanospec.sequence import Sequence
+from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
 from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
@@ -50,6 +57,7 @@ class LookaheadState:
     recent: list[int] = field(default_factory=list)
     root_in_recent: bool = False
     step: LookaheadStep | None = None  # the step proposed, until its outcome is committed
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the trie's alpha (the policy's)
 
     @property
     def width(self) -> int:
@@ -183,10 +191,12 @@ class LookaheadProposal(Proposal):
     def is_chain(self) -> bool:
         return not self.window_tokens and super().is_chain
 
-    def truncated(self, max_depth: int, max_nodes: int) -> Proposal:
-        """The trie cut as any tree is; the window stays only if it still fits in ``max_nodes`` with it."""
-        tree = Proposal.truncated(self, max_depth, max_nodes)
-        if len(tree.token_ids) + len(self.window_tokens) > max_nodes:
+    def truncated(self, max_depth: int, max_nodes: int, room: int | None = None) -> Proposal:
+        """The trie cut as any tree is; the window stays where ``max_nodes`` > 0 and it fits in ``room`` (None:
+        ``max_nodes``) beside the trie."""
+        tree = Proposal.truncated(self, max_depth, max_nodes, room)
+        room = max_nodes if room is None else room
+        if max_nodes == 0 or len(tree.token_ids) + len(self.window_tokens) > room:
             return Proposal(tree.token_ids, tree.parents)
         shift = len(tree.token_ids) - len(self.token_ids)  # window nodes hang under the root or one another
         return LookaheadProposal(tree.token_ids, tree.parents, window_tokens=self.window_tokens,
@@ -194,7 +204,8 @@ class LookaheadProposal(Proposal):
 
 
 class LookaheadProposer(Proposer):
-    """Each step's proposal is the trie, then the window; unranked: the window must run every step."""
+    """Each step's proposal is the trie, then the window; ranked as a chain's nodes, the first bringing the window."""
+
 
     def __init__(self, window_size: int, ngram_size: int, guess_set_size: int):
         self.decoder = LookaheadDecoder(window_size, ngram_size, guess_set_size)
@@ -202,6 +213,18 @@ class LookaheadProposer(Proposer):
 
     def start(self, seq: Sequence) -> None:
         seq.spec_state = self.decoder.new_state(seq.token_ids)
+
+    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple]]:
+        """Per sequence, the trie's nodes at most ``depths[i]`` deep in order, the ``j``-th with chance ``alpha^j``;
+        the first feeds the window too: (chance, depth, 1 + window)."""
+        ranking = []
+        for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths):
+            num_nodes = sum(d <= depth for d in proposal.depths)
+            nodes: list[tuple] = chain_ranking(seq.spec_state.acceptance.alpha(), num_nodes)
+            if nodes:
+                nodes[0] = (*nodes[0], 1 + len(proposal.window_tokens))
+            ranking.append(nodes)
+        return ranking
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         proposals = []
@@ -227,6 +250,7 @@ class LookaheadProposer(Proposer):
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         st: LookaheadState = seq.spec_state
+        st.acceptance.observe_chain(proposal, verdict)
         window = len(proposal.window_tokens) if isinstance(proposal, LookaheadProposal) else 0
         if st.step is not None and window:
             self.decoder.update(st, st.step, verdict.ahead[0][:window], verdict.emitted)

@@ -39,7 +39,6 @@ class MLPState:
 
 class MLPSpeculatorProposer(Proposer):
     needs_hidden_states = True
-    ranked = True
 
     def __init__(self, speculator: MLPSpeculator, num_speculative_tokens: int | None = None, tree_top_k: int = 1,
                  prompt_lookup: NgramProposer | None = None, adaptive: bool = True):

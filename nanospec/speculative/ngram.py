@@ -89,7 +89,6 @@ class NgramProposer(Proposer):
     """Prompt lookup from one incremental index per sequence, ranked by its acceptance estimate: node ``j`` of a
     proposal with ``alpha^j``, a tree's nodes in the trie's order (the most recent occurrence's continuation first)."""
 
-    ranked = True
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  max_candidates: int = 1, tree_budget: int | None = None):

@@ -3,8 +3,10 @@
 Each ranked node has a chance ``c`` to lie on the accepted path (a chain's depth ``j``: ``alpha^j``). Verifying a set
 of nodes of ``S`` sequences yields ``S + sum c`` tokens in expectation and costs ``T(M + n) + d * D``: ``T(m)`` the
 target's forward over ``m`` tokens (``M`` fed without guesses, ``n`` nodes), ``D`` one depth of guessing, ``d`` the
-most depths of guessing a node taken costs (its depth, unless its proposer's ranking says otherwise).
-:meth:`GoodputPolicy.choose_nodes` takes nodes in order of chance and keeps the prefix that maximises the ratio.
+most depths of guessing a node taken costs (its depth, unless its proposer's ranking says otherwise). A node may
+bring more tokens than itself into the forward (lookahead's first node brings the window fed beside the guesses), and
+``n`` counts them. :meth:`GoodputPolicy.choose_nodes` takes nodes in order of chance and keeps the prefix that
+maximises the ratio.
 ``alpha`` per request: ``(S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)`` over decayed counts of accepted and tried
 guesses. Outputs are unaffected: only how many candidates are checked changes.
 """
@@ -111,20 +113,22 @@ class GoodputPolicy:
         (m0, t0), (m1, t1) = points[-2:] if len(points) > 1 else (points[0], (points[0][0] + 1, points[0][1]))
         return t1 + max(t1 - t0, 0.0) * (num_tokens - m1) / (m1 - m0)
 
-    def choose_nodes(self, chances: list[list[tuple[float, int]]], num_tokens: int, num_seqs: int) -> list[int]:
-        """How many of each sequence's nodes to verify: ``chances[i]`` lists (chance, depth) best first; the forward
-        already feeds ``num_tokens`` tokens of ``num_seqs`` sequences."""
-        nodes = sorted(((chance, -j, i, depth) for i, node_list in enumerate(chances)
-                        for j, (chance, depth) in enumerate(node_list)), reverse=True)
-        expected, longest = float(num_seqs), 0
+    def choose_nodes(self, chances: list[list[tuple]], num_tokens: int, num_seqs: int) -> list[int]:
+        """How many of each sequence's nodes to verify: ``chances[i]`` lists (chance, depth) best first, or (chance,
+        depth, tokens) for a node that feeds ``tokens`` tokens (1 otherwise); the forward already feeds ``num_tokens``
+        tokens of ``num_seqs`` sequences."""
+        nodes = sorted(((node[0], -j, i, node[1], node[2] if len(node) > 2 else 1)
+                        for i, node_list in enumerate(chances) for j, node in enumerate(node_list)), reverse=True)
+        expected, longest, fed = float(num_seqs), 0, num_tokens
         best_n, best = 0, expected / self.forward_cost(num_tokens)
-        for n, (chance, _, _, depth) in enumerate(nodes, 1):
+        for n, (chance, _, _, depth, tokens) in enumerate(nodes, 1):
             expected += chance
             longest = max(longest, depth)
-            goodput = expected / (self.forward_cost(num_tokens + n) + longest * self.draft_cost)
+            fed += tokens
+            goodput = expected / (self.forward_cost(fed) + longest * self.draft_cost)
             if goodput > best:
                 best, best_n = goodput, n
         counts = [0] * len(chances)
-        for _, _, i, _ in nodes[:best_n]:
+        for _, _, i, _, _ in nodes[:best_n]:
             counts[i] += 1
         return counts

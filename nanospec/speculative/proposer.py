@@ -1,5 +1,5 @@
-"""What the speculator asks of a proposer: a token tree per sequence (a chain is a tree). A **ranked** one tells the
-goodput policy each node's chance (:meth:`Proposer.rank`) before ``propose`` is asked for the depths that pay.
+"""What the speculator asks of a proposer: a ranked token tree per sequence (a chain is a tree). It tells the goodput
+policy each node's chance (:meth:`Proposer.rank`) before ``propose`` is asked for the depths that pay.
 ``bind`` hands it the target's runner once; per sequence: ``start``, ``rank`` / ``propose`` each decode step,
 ``read_forward`` on the device after verification (its values come back as ``Verdict.ahead``), ``commit`` after the
 sequence grew, ``preempt`` when its KV is dropped, ``free`` when it ends.
@@ -17,14 +17,14 @@ from nanospec.speculative.proposal import Proposal, Verdict
 
 class Proposer(abc.ABC):
     max_tokens_per_step: int  # the most nodes one proposal feeds: KV slots to reserve beyond the root
-    ranked = False  # its proposals are ranked (rank() gives the chances): the policy may verify a prefix of each
     max_model_len: int | None = None  # the longest sequence it can guess for (a draft model's context); None: any
     needs_hidden_states = False  # the step's forward returns the target's final hidden states, for read_forward
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
         """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first: by
         default its proposal's ``chances`` and each node's depth. The depth is what the policy prices as guessing
-        (``depth * D``)."""
+        (``depth * D``); a third value, where given, is the tokens the node feeds (lookahead's first node: itself and
+        the window)."""
         return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
                 for p, depth in zip(self.propose(seqs, depths), depths)]
 

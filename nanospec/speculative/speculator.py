@@ -42,7 +42,7 @@ class Speculator:
             raise ValueError(f"the KV pool ({block_manager.num_blocks} blocks of {self.block_size} tokens) cannot "
                              f"hold one speculative step ({self.max_tokens_per_step + 2} tokens); raise num_blocks "
                              f"/ block_size or lower num_speculative_tokens")
-        if adaptive and proposer.ranked:
+        if adaptive:
             self.policy = self._calibrated_policy(block_manager, max_num_seqs, max_num_batched_tokens)
 
     def _calibrated_policy(self, block_manager: BlockManager, max_num_seqs: int,
@@ -125,24 +125,26 @@ class Speculator:
         rooms = [max(self.max_model_len - s.num_tokens - 1, 0) for s in guessers]
         depths = [max(0, min(self.max_tokens_per_step, room, s.params.max_tokens - s.num_output_tokens - 1))
                   for s, room in zip(guessers, rooms)]
+        counts = rooms
         if self.policy is not None:  # the prefix of each ranking that pays; the first c nodes lie at most c deep
             num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
             counts = self.policy.choose_nodes(self.proposer.rank(guessers, depths), num_tokens, len(seqs))
             depths = [min(count, depth) for count, depth in zip(counts, depths)]
-            rooms = [min(count, room) for count, room in zip(counts, rooms)]
         vocab = self.model.config.vocab_size
-        for i, proposal, depth, room in zip(guessing, self.proposer.propose(guessers, depths), depths, rooms):
+        for i, proposal, depth, count, room in zip(guessing, self.proposer.propose(guessers, depths), depths, counts,
+                                                   rooms):
             bad = next((t for t in proposal.fed()[0] if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"{type(self.proposer).__name__} proposed token id {bad}, outside the vocabulary "
                                  f"[0, {vocab})")
-            proposals[i] = self._verified_part(proposal, depth, room)
+            proposals[i] = self._verified_part(proposal, depth, min(count, room), room)
         return proposals
 
     @staticmethod
-    def _verified_part(proposal: Proposal, max_depth: int, max_nodes: int) -> Proposal:
-        """The nodes to verify; when none, the first guesses are still checked against the outcome."""
-        verified = proposal.truncated(max_depth, max_nodes)
+    def _verified_part(proposal: Proposal, max_depth: int, max_nodes: int, room: int) -> Proposal:
+        """The nodes to verify (at most ``room`` fed); when none, the first guesses are still checked against the
+        outcome."""
+        verified = proposal.truncated(max_depth, max_nodes, room)
         if not verified.token_ids:
             verified.unverified_guesses = proposal.first_guesses()
         return verified
