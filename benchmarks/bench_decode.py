@@ -158,7 +158,8 @@ def main():
     wbytes = weight_bytes(llm)
     print(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}), "
           f"threads {torch.get_num_threads()}, dtype {dtype}, prompt {len(prompt_ids)} tokens, "
-          f"{args.new_tokens} new tokens, best of {args.repeats} alternating rounds, weights {llm.stats()['quantization']}")
+          f"{args.new_tokens} new tokens, best of {args.repeats} alternating rounds, "
+          f"weights {llm.stats()['quantization']}")
     print(f"measured bandwidth {bandwidth / 1e9:.1f} GB/s; weights {wbytes / 1e6:.0f} MB -> batch-1 roofline "
           f"{bandwidth / wbytes:.1f} tok/s")
     header = f"{'engine':<14}{'batch':>6}{'prefill tok/s':>15}{'decode tok/s':>14}{'roofline':>10}{'vs hf':>8}"

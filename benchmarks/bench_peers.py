@@ -133,8 +133,9 @@ def main(argv=None) -> int:
     if args.batch > 1:
         engines_asked = [e for e in engines_asked if e in NANOSPEC_ENGINES]
     if any(e in LLAMA_CPP_ENGINES for e in engines_asked) and not llama_cpp_available():
-        print(f"llama-cpp-python is not installed: skipping {', '.join(e for e in engines_asked if e in LLAMA_CPP_ENGINES)}"
-              f" (install it with {INSTALL_LLAMA_CPP}; it compiles llama.cpp, ~20 minutes)", file=sys.stderr)
+        skipped = ", ".join(e for e in engines_asked if e in LLAMA_CPP_ENGINES)
+        print(f"llama-cpp-python is not installed: skipping {skipped} (install it with {INSTALL_LLAMA_CPP}; it "
+              f"compiles llama.cpp, ~20 minutes)", file=sys.stderr)
         engines_asked = [e for e in engines_asked if e not in LLAMA_CPP_ENGINES]
     if not engines_asked:
         print("no engine left to run", file=sys.stderr)
@@ -176,9 +177,8 @@ def run_alternating(engines, ids, args) -> dict:
             t["decode_s"] += decode_s
             outputs[engine.name].append(tokens)
     base = engines[0].name
-    rate = lambda t: dict(decode=t["decode_tokens"] / t["decode_s"], prefill=t["prompt_tokens"] / t["prefill_s"],  # noqa: E731
-                          end_to_end=t["tokens"] / (t["prefill_s"] + t["decode_s"]))
-    rates = {name: rate(t) for name, t in totals.items()}
+    rates = {name: dict(decode=t["decode_tokens"] / t["decode_s"], prefill=t["prompt_tokens"] / t["prefill_s"],
+                        end_to_end=t["tokens"] / (t["prefill_s"] + t["decode_s"])) for name, t in totals.items()}
     print(f"\n{'engine':18s} {'decode tok/s':>13s} {'prefill tok/s':>14s} {'end-to-end tok/s':>17s}   "
           f"(x {base}: decode, prefill, end to end)   greedy tokens equal to {base}'s")
     for name, r in rates.items():

@@ -126,8 +126,8 @@ def _run(name: str, target: str, draft: str, tp: int, draft_tp: int, args) -> di
         before = llm.stats()
         propose_seconds[0] = 0.0
         start = time.perf_counter()
-        outs = [out.outputs[0] for out in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=args.max_tokens,
-                                                                                ignore_eos=True))]
+        params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True)
+        outs = [out.outputs[0] for out in llm.generate(PROMPTS, params)]
         seconds = time.perf_counter() - start
         after = llm.stats()
         steps = after["num_steps"] - before["num_steps"]

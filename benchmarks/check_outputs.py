@@ -62,8 +62,8 @@ def run(args) -> dict:
                   quantization=quantization(args))
         chat = [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]))
                 for _, _, p in prompts]
-        greedy = [llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=args.max_tokens))[0].outputs[0].token_ids
-                  for ids in chat]
+        greedy_params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+        greedy = [llm.generate([ids], greedy_params)[0].outputs[0].token_ids for ids in chat]
         if config is not None and "adaptive" not in config and config["method"] != "lookahead":
             llm = LLM(str(model), dtype="float32", device="cpu", speculative_config={**config, "adaptive": False},
                       quantization=quantization(args))

@@ -67,7 +67,9 @@ if len(sys.argv) > 1:
 print(f"\nRunning the embedded SmolLM2 with lookahead decoding (W={W}, N={N}, G={G}), greedy:")
 from nanospec import LLM, SamplingParams  # noqa: E402
 
-llm = LLM(speculative_config={"method": "lookahead", "window_size": W, "ngram_size": N, "guess_set_size": G})
+# "adaptive": False feeds the window at every step; by default the goodput policy feeds it only beside guesses that pay
+llm = LLM(speculative_config={"method": "lookahead", "window_size": W, "ngram_size": N, "guess_set_size": G,
+                              "adaptive": False})
 question = "Repeat this sentence three times: the quick brown fox jumps over the lazy dog."
 prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": question}]))
 engine = llm.engine

@@ -55,8 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--spec", default=None,
                    help="speculative decoding: 'ngram', 'draft:PATH' (a small Llama with the same vocabulary), "
-                        "'lookahead', 'mlp' / 'eagle3' (the MLP speculator / EAGLE-3 head shipped for the embedded model) or "
-                        "'mlp:DIR' / 'eagle3:DIR' (one for this model)")
+                        "'lookahead', 'mlp' / 'eagle3' (the MLP speculator / EAGLE-3 head shipped for the embedded "
+                        "model) or 'mlp:DIR' / 'eagle3:DIR' (one for this model)")
     p.add_argument("--num-speculative-tokens", "-k", type=int, default=None)
     p.add_argument("--dtype", default=None, help="float32 (CPU default) / bfloat16 (CUDA default) / float16")
     p.add_argument("--quantization", default="auto",

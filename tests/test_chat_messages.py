@@ -9,10 +9,10 @@ from tiny import make_tiny_llama
 
 
 def test_a_conversation_becomes_plain_messages():
+    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]
     assert check_messages([{"role": "system", "content": "Be brief."},
-                           {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}],
-                            "name": "ann"}]) == [{"role": "system", "content": "Be brief."},
-                                                 {"role": "user", "content": "Hi you"}]
+                           {"role": "user", "content": parts, "name": "ann"}]) == [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi you"}]
 
 
 @pytest.mark.parametrize("messages, message", [

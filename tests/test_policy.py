@@ -5,7 +5,9 @@ import torch
 
 from nanospec.cache.block_manager import BlockManager
 from nanospec.speculative import cost
-from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy, chain_ranking, non_decreasing_fit
+from nanospec.speculative.policy import (AcceptanceEstimate, GoodputPolicy, chain_ranking, non_decreasing_fit,
+                                         sibling_trials, trie_chances)
+from nanospec.speculative.proposal import Proposal, Verdict
 
 CPU_FP32 = [38.0, 72.0, 70.0, 71.0, 72.0, 73.0]  # ms per forward of 1..6 tokens (MODEL_NOTES, this CPU)
 GPU_FLAT = [10.0] * 6  # a GPU: verifying 6 tokens costs what 1 does
@@ -205,3 +207,37 @@ def test_start_up_timing_keeps_each_shapes_faster_pass(monkeypatch):
     assert costs[1] == pytest.approx(0.010 + 0.002 + 0.0001 * 3)  # each keeps its faster pass
     assert costs[3] == pytest.approx(0.010 + 0.020 + 0.0001 * 5)
     assert bm.num_free_blocks == 64
+
+
+def test_a_tries_chances_follow_its_siblings_in_order():
+    """Each sibling in turn is right with chance alpha where the ones before it were wrong: a chain's depth j has
+    alpha^j, and siblings' chances never sum past their parent's, so a trie's expected accepted depth stays within
+    its depth (ranked as a chain's nodes, a wide trie would promise more tokens than it can give)."""
+    a = 0.6
+    parents = [-1, 0, -1, 0, 1]  # root -> t0 -> t1 -> t4, root -> t2, t0 -> t3
+    assert trie_chances(parents, a) == pytest.approx([a, a * a, a * (1 - a), a * a * (1 - a), a ** 3])
+    assert trie_chances([-1, 0, 1], a) == pytest.approx([a, a ** 2, a ** 3])
+    wide = [-1] * 5 + [0] * 5 + [5] * 5  # five first guesses, five under the first, five under that one
+    for alpha in (0.3, 0.6, 0.9):
+        chances = trie_chances(wide, alpha)
+        assert sum(chances[:5]) <= 1 and sum(chances[5:10]) <= chances[0] + 1e-12
+        assert sum(chances) < 3
+    ranked = Proposal.ranked_trie([7, 8, 9, 10, 11], parents, 0.3)  # (1 - a) > a: a first guess beats a depth 2
+    assert ranked.token_ids == [7, 9, 8, 10, 11] and ranked.parents == [-1, -1, 0, 0, 2]
+    assert ranked.chances == sorted(ranked.chances, reverse=True)
+
+
+def test_a_tries_trials_are_the_siblings_tried_down_the_accepted_path():
+    parents = [-1, 0, -1, 0, 1]
+    assert sibling_trials(parents, []) == 2         # both first guesses wrong
+    assert sibling_trials(parents, [2]) == 2        # the second right (it has no children)
+    assert sibling_trials(parents, [0]) == 1 + 2    # the first right, then both its children wrong
+    assert sibling_trials(parents, [0, 3]) == 1 + 2
+    assert sibling_trials(parents, [0, 1, 4]) == 1 + 1 + 1
+    assert [sibling_trials([-1, 0, 1], [0, 1, 2][:n]) for n in range(4)] == [1, 2, 3, 3]  # a chain: min(k, n + 1)
+    estimate = AcceptanceEstimate()
+    estimate.observe_trie(Proposal(unverified_guesses=(5, 6, 7)), Verdict(emitted=[6]))  # left out of verification
+    assert (estimate.successes, estimate.trials) == (1, 2)
+    estimate = AcceptanceEstimate()
+    estimate.observe_trie(Proposal([5, 6, 7], [-1, -1, 0]), Verdict(emitted=[9], path=[]))
+    assert (estimate.successes, estimate.trials) == (0, 2)

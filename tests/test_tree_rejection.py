@@ -12,7 +12,8 @@ import torch
 
 from nanospec.kernels.backend import backend
 from nanospec.kernels.exponential_race import exponentials_ref
-from nanospec.kernels.tree_rejection import tree_rejection_sample, tree_rejection_sample_ref, tree_rejection_sample_triton
+from nanospec.kernels.tree_rejection import (tree_rejection_sample, tree_rejection_sample_ref,
+                                             tree_rejection_sample_triton)
 from nanospec.kernels.tree_verify import greedy_tree_verify, greedy_tree_verify_ref, greedy_tree_verify_triton
 
 def _random_tree_problem(batch, num_nodes, vocab_size, generator_seed, scale=3.0):

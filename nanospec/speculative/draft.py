@@ -216,7 +216,7 @@ class DraftProposer(Proposer):
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """Drop the draft K/V of rejected guesses (a tree's whole: the next step backfills the accepted path)."""
         st: DraftState = seq.spec_state
-        st.acceptance.observe_chain(proposal, verdict)
+        st.acceptance.observe_trie(proposal, verdict)
         keep = seq.num_tokens - len(verdict.emitted) + min(verdict.num_accepted, st.num_reusable)
         st.num_cached = min(st.num_cached, keep)
         self.block_manager.truncate(st.block_table, st.num_cached)

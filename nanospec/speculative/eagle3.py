@@ -72,7 +72,6 @@ class Eagle3State:
 
 
 class Eagle3Proposer(Proposer):
-
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
                  max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True,
                  prompt_lookup: NgramProposer | None = None):

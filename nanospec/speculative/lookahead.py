@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanospec.sequence import Sequence
-from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
+from nanospec.speculative.policy import AcceptanceEstimate
 from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
@@ -204,8 +204,7 @@ class LookaheadProposal(Proposal):
 
 
 class LookaheadProposer(Proposer):
-    """Each step's proposal is the trie, then the window; ranked as a chain's nodes, the first bringing the window."""
-
+    """Each step's proposal is the trie, ranked as the n-gram proposer's, then the window."""
 
     def __init__(self, window_size: int, ngram_size: int, guess_set_size: int):
         self.decoder = LookaheadDecoder(window_size, ngram_size, guess_set_size)
@@ -215,15 +214,11 @@ class LookaheadProposer(Proposer):
         seq.spec_state = self.decoder.new_state(seq.token_ids)
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple]]:
-        """Per sequence, the trie's nodes at most ``depths[i]`` deep in order, the ``j``-th with chance ``alpha^j``;
-        the first feeds the window too: (chance, depth, 1 + window)."""
-        ranking = []
-        for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths):
-            num_nodes = sum(d <= depth for d in proposal.depths)
-            nodes: list[tuple] = chain_ranking(seq.spec_state.acceptance.alpha(), num_nodes)
+        """The trie's nodes as any ranked tree's, the first feeding the window too: (chance, depth, 1 + window)."""
+        ranking = super().rank(seqs, depths)
+        for nodes, seq in zip(ranking, seqs):
             if nodes:
-                nodes[0] = (*nodes[0], 1 + len(proposal.window_tokens))
-            ranking.append(nodes)
+                nodes[0] = (*nodes[0], 1 + len(seq.spec_state.step.tokens) - seq.spec_state.step.num_tree_nodes)
         return ranking
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
@@ -233,8 +228,9 @@ class LookaheadProposer(Proposer):
             step = st.step = self.decoder.build_step(st, seq.token_ids[-1])
             n = step.num_tree_nodes - 1
             tokens, parents = step.tokens[1:], [p - 1 for p in step.parents[1:]]
-            proposals.append(LookaheadProposal(tokens[:n], parents[:n], window_tokens=tokens[n:],
-                                               window_parents=parents[n:]))
+            trie = Proposal.ranked_trie(tokens[:n], parents[:n], st.acceptance.alpha())  # (the window's parents are
+            proposals.append(LookaheadProposal(trie.token_ids, trie.parents, trie.chances,  # the root or window rows)
+                                               window_tokens=tokens[n:], window_parents=parents[n:]))
         return proposals
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
@@ -250,7 +246,7 @@ class LookaheadProposer(Proposer):
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         st: LookaheadState = seq.spec_state
-        st.acceptance.observe_chain(proposal, verdict)
+        st.acceptance.observe_trie(proposal, verdict)
         window = len(proposal.window_tokens) if isinstance(proposal, LookaheadProposal) else 0
         if st.step is not None and window:
             self.decoder.update(st, st.step, verdict.ahead[0][:window], verdict.emitted)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from itertools import islice
 
 from nanospec.sequence import Sequence
-from nanospec.speculative.policy import AcceptanceEstimate, accepted_depth, chain_ranking
+from nanospec.speculative.policy import AcceptanceEstimate, accepted_depth
 from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
@@ -86,9 +86,9 @@ class LookupChain:
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup from one incremental index per sequence, ranked by its acceptance estimate: node ``j`` of a
-    proposal with ``alpha^j``, a tree's nodes in the trie's order (the most recent occurrence's continuation first)."""
-
+    """Prompt lookup from one incremental index per sequence, ranked by its acceptance estimate: a chain's depth
+    ``j`` with ``alpha^j``, a trie's nodes by :func:`~nanospec.speculative.policy.trie_chances` (siblings in the
+    trie's order: the most recent occurrence's continuation first)."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  max_candidates: int = 1, tree_budget: int | None = None):
@@ -144,14 +144,20 @@ class NgramProposer(Proposer):
     def start(self, seq: Sequence) -> None:
         seq.spec_state = NgramState(self.new_index(seq.token_ids))
 
-    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        return [chain_ranking(seq.spec_state.acceptance.alpha(), self.max_tokens_per_step) for seq in seqs]
-
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        if self.max_candidates == 1:
-            return [Proposal.chain(self.chain(seq.spec_state.index)) for seq in seqs]
-        return [Proposal(*self.tree(seq.spec_state.index, self.tree_budget)) for seq in seqs]
+        """The chain, or the trie, ranked by its nodes' chances (:func:`~nanospec.speculative.policy.trie_chances`
+        of the sequence's ``alpha``)."""
+        proposals = []
+        for seq in seqs:
+            st: NgramState = seq.spec_state
+            if self.max_candidates == 1:
+                chain = self.chain(st.index)
+                token_ids, parents = chain, list(range(-1, len(chain) - 1))
+            else:
+                token_ids, parents = self.tree(st.index, self.tree_budget)
+            proposals.append(Proposal.ranked_trie(token_ids, parents, st.acceptance.alpha()))
+        return proposals
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        seq.spec_state.acceptance.observe_chain(proposal, verdict)
+        seq.spec_state.acceptance.observe_trie(proposal, verdict)
         seq.spec_state.index.extend(verdict.emitted)

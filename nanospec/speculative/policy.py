@@ -39,12 +39,16 @@ class AcceptanceEstimate:
         self.successes = decay * self.successes + num_accepted
         self.trials = decay * self.trials + expected
 
-    def observe_chain(self, proposal, verdict) -> None:
-        """After a step of a chain; a chain left out of verification counts as depth 1 tried."""
+    def observe_trie(self, proposal, verdict) -> None:
+        """After a step of a chain or a trie ranked by :func:`trie_chances`: each sibling tried in rank order on the
+        way down the accepted path is a trial, each depth accepted a success (a chain: the depths tried). A proposal
+        left out of verification is its first guesses, checked against the outcome."""
         if proposal.token_ids:
-            self.observe(proposal.max_depth(), verdict.num_accepted)
+            self.observe_expected(sibling_trials(proposal.parents, verdict.path), verdict.num_accepted)
         elif proposal.unverified_guesses:
-            self.observe(1, int(verdict.emitted[0] in proposal.unverified_guesses))
+            guesses, token = list(proposal.unverified_guesses), verdict.emitted[0]
+            path = [guesses.index(token)] if token in guesses else []
+            self.observe_expected(sibling_trials([-1] * len(guesses), path), len(path))
 
 
 def accepted_depth(paths: list[tuple[int, ...]], emitted: list[int]) -> int:
@@ -74,6 +78,31 @@ class TreeCalibration:
 def chain_ranking(alpha: float, k: int) -> list[tuple[float, int]]:
     """A chain's nodes as the policy sees them: depth ``j`` lies on the accepted path with chance ``alpha^j``."""
     return [(alpha ** j, j) for j in range(1, k + 1)]
+
+
+def trie_chances(parents: list[int], alpha: float) -> list[float]:
+    """Each node's chance to lie on the accepted path when each candidate among siblings, in order, is right with
+    chance ``alpha`` where the ones before it were wrong: ``chance(parent) * alpha * (1 - alpha)^r`` for the ``r``-th
+    child (a chain's depth ``j``: ``alpha^j``). Siblings' chances sum to at most their parent's."""
+    chances: list[float] = []
+    num_children: dict[int, int] = {}
+    for parent in parents:
+        r = num_children[parent] = num_children.get(parent, -1) + 1
+        chances.append((chances[parent] if parent >= 0 else 1.0) * alpha * (1 - alpha) ** r)
+    return chances
+
+
+def sibling_trials(parents: list[int], path: list[int]) -> int:
+    """The candidates :func:`trie_chances`' model tried for an accepted ``path`` (node indices, root's child first):
+    at each depth accepted the siblings up to the accepted one, then every child of the last accepted node."""
+    children: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        children.setdefault(parent, []).append(node)
+    trials, parent = 0, -1
+    for node in path:
+        trials += children[parent].index(node) + 1
+        parent = node
+    return trials + len(children.get(parent, ()))
 
 
 def non_decreasing_fit(values: list[float]) -> list[float]:

@@ -17,6 +17,7 @@ from nanospec.kernels.attention_mask import num_words
 from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.outputs import TokenLogprob
 from nanospec.sequence import Sequence
+from nanospec.speculative.policy import trie_chances
 
 
 def tree_mask(parents: list[int]) -> torch.Tensor:
@@ -68,6 +69,12 @@ class Proposal:
         index = {path: i for i, path in enumerate(paths)}
         return cls([path[-1] for path in paths], [index.get(path[:-1], -1) for path in paths],
                    chances=[chance[path] for path in paths])
+
+    @classmethod
+    def ranked_trie(cls, token_ids: list[int], parents: list[int], alpha: float) -> Proposal:
+        """The tree (a trie: no two siblings alike) ranked by its nodes' :func:`trie_chances` for ``alpha``."""
+        paths = [tuple(path) for path in cls(token_ids, parents).paths()]
+        return cls.ranked(dict(zip(paths, trie_chances(parents, alpha))))
 
     def fed(self) -> tuple[list[int], list[int]]:
         """(tokens, parents) of every node the step feeds: the tree, then any nodes fed but not verified."""
