@@ -279,3 +279,21 @@ def test_propose_cost_does_not_grow_with_sequence_length():
     short, long = seconds[:3], seconds[3:]
     for short_seconds, long_seconds in zip(short, long):
         assert long_seconds / short_seconds < 5, (short, long)
+
+
+def test_the_policy_sees_the_nodes_a_proposal_has_with_their_chances():
+    """The engine's proposer ranks what it found: a chain of 2 tokens is 2 nodes (alpha, alpha^2), not k; a trie's
+    nodes come best first (trie_chances), each parent before its children."""
+    from types import SimpleNamespace
+
+    from nanospec.speculative.policy import CHAIN_PRIOR as a
+    chain, tree = NgramProposer(5, 1, 2), NgramProposer(3, 1, 1, max_candidates=3)
+    seq = SimpleNamespace(token_ids=[1, 2, 3, 9, 8, 1, 2, 3, 7, 3], spec_state=None)
+    chain.start(seq)  # "3" ends at 2 (then 9, 8), at 7 (then 7, 3) and last: the chain is [7, 3]
+    assert chain.rank([seq], [5]) == [[(pytest.approx(a), 1), (pytest.approx(a * a), 2)]]
+    tree.start(seq)
+    (proposal,) = tree.propose([seq], [3])
+    assert proposal.chances == sorted(proposal.chances, reverse=True)
+    assert all(p < i for i, p in enumerate(proposal.parents))
+    assert proposal.token_ids == [7, 3, 9, 8, 1]  # [7, 3], then the older [9, 8, 1]
+    assert proposal.chances == pytest.approx([a, a * a, a * (1 - a), a * a * (1 - a), a ** 3 * (1 - a)])
