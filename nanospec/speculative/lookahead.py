@@ -9,9 +9,9 @@ last level takes the argmaxes. A fresh window holds level 0 only (W + L - 2 prom
 grows a level a step. The pool keeps per token at most G continuations, most recent first: the window's n-grams and
 the committed text's. The output does not depend on the window: the verifier checks every guess.
 
-As the engine's proposer, lookahead is ranked like an n-gram tree: the trie's ``j``-th node has chance ``alpha^j``,
-``alpha`` its acceptance estimated per sequence, and the first node brings the window into the forward (it is fed only
-beside verified guesses). So the goodput policy verifies the part of the trie that pays for its nodes and the window,
+As the engine's proposer, lookahead's trie is ranked as an n-gram trie is
+(:func:`~nanospec.speculative.policy.trie_chances` of its acceptance ``alpha``, estimated per sequence), and the first
+node brings the window into the forward (it is fed only beside verified guesses). So the goodput policy verifies the part of the trie that pays for its nodes and the window,
 or none of it; then no window runs, the pool grows from the committed text alone, and the trie's first guesses are
 still checked against the outcome, which keeps the estimate current.
 """
