@@ -64,7 +64,7 @@ def run(args) -> dict:
                 for _, _, p in prompts]
         greedy_params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
         greedy = [llm.generate([ids], greedy_params)[0].outputs[0].token_ids for ids in chat]
-        if config is not None and "adaptive" not in config and config["method"] != "lookahead":
+        if config is not None and "adaptive" not in config:
             llm = LLM(str(model), dtype="float32", device="cpu", speculative_config={**config, "adaptive": False},
                       quantization=quantization(args))
         sampled_params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=args.max_tokens, seed=index)
