@@ -222,7 +222,7 @@ def test_a_tries_chances_follow_its_siblings_in_order():
         chances = trie_chances(wide, alpha)
         assert sum(chances[:5]) <= 1 and sum(chances[5:10]) <= chances[0] + 1e-12
         assert sum(chances) < 3
-    ranked = Proposal.ranked_trie([7, 8, 9, 10, 11], parents, 0.3)  # (1 - a) > a: a first guess beats a depth 2
+    ranked = Proposal([7, 8, 9, 10, 11], parents).ranked_as_trie(0.3)  # (1 - a) > a: a first guess beats a depth 2
     assert ranked.token_ids == [7, 9, 8, 10, 11] and ranked.parents == [-1, -1, 0, 0, 2]
     assert ranked.chances == sorted(ranked.chances, reverse=True)
 

@@ -11,9 +11,10 @@ the committed text's. The output does not depend on the window: the verifier che
 
 As the engine's proposer, lookahead's trie is ranked as an n-gram trie is
 (:func:`~nanospec.speculative.policy.trie_chances` of its acceptance ``alpha``, estimated per sequence), and the first
-node brings the window into the forward (it is fed only beside verified guesses). So the goodput policy verifies the part of the trie that pays for its nodes and the window,
-or none of it; then no window runs, the pool grows from the committed text alone, and the trie's first guesses are
-still checked against the outcome, which keeps the estimate current.
+node brings the window into the forward (it is fed only beside verified guesses). So the goodput policy verifies the
+part of the trie that pays for its nodes and the window, or none of it; then no window runs, the pool grows from the
+committed text alone, and the trie's first guesses are still checked against the outcome, which keeps the estimate
+current.
 """
 
 from __future__ import annotations
@@ -191,6 +192,13 @@ class LookaheadProposal(Proposal):
     def is_chain(self) -> bool:
         return not self.window_tokens and super().is_chain
 
+    def ranking(self, max_depth: int) -> list[tuple]:
+        """The trie's, its first node feeding the window too: (chance, depth, 1 + window)."""
+        nodes = super().ranking(max_depth)
+        if nodes:
+            nodes[0] = (*nodes[0], 1 + len(self.window_tokens))
+        return nodes
+
     def truncated(self, max_depth: int, max_nodes: int, room: int | None = None) -> Proposal:
         """The trie cut as any tree is; the window stays where ``max_nodes`` > 0 and it fits in ``room`` (None:
         ``max_nodes``) beside the trie."""
@@ -213,14 +221,6 @@ class LookaheadProposer(Proposer):
     def start(self, seq: Sequence) -> None:
         seq.spec_state = self.decoder.new_state(seq.token_ids)
 
-    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple]]:
-        """The trie's nodes as any ranked tree's, the first feeding the window too: (chance, depth, 1 + window)."""
-        ranking = super().rank(seqs, depths)
-        for nodes, seq in zip(ranking, seqs):
-            if nodes:
-                nodes[0] = (*nodes[0], 1 + len(seq.spec_state.step.tokens) - seq.spec_state.step.num_tree_nodes)
-        return ranking
-
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         proposals = []
         for seq in seqs:
@@ -228,8 +228,8 @@ class LookaheadProposer(Proposer):
             step = st.step = self.decoder.build_step(st, seq.token_ids[-1])
             n = step.num_tree_nodes - 1
             tokens, parents = step.tokens[1:], [p - 1 for p in step.parents[1:]]
-            trie = Proposal.ranked_trie(tokens[:n], parents[:n], st.acceptance.alpha())  # (the window's parents are
-            proposals.append(LookaheadProposal(trie.token_ids, trie.parents, trie.chances,  # the root or window rows)
+            trie = Proposal(tokens[:n], parents[:n]).ranked_as_trie(st.acceptance.alpha())  # (the window's parents
+            proposals.append(LookaheadProposal(trie.token_ids, trie.parents, trie.chances,  # are the root or its rows)
                                                window_tokens=tokens[n:], window_parents=parents[n:]))
         return proposals
 

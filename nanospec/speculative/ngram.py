@@ -150,12 +150,9 @@ class NgramProposer(Proposer):
         proposals = []
         for seq in seqs:
             st: NgramState = seq.spec_state
-            if self.max_candidates == 1:
-                chain = self.chain(st.index)
-                token_ids, parents = chain, list(range(-1, len(chain) - 1))
-            else:
-                token_ids, parents = self.tree(st.index, self.tree_budget)
-            proposals.append(Proposal.ranked_trie(token_ids, parents, st.acceptance.alpha()))
+            tree = (Proposal.chain(self.chain(st.index)) if self.max_candidates == 1
+                    else Proposal(*self.tree(st.index, self.tree_budget)))
+            proposals.append(tree.ranked_as_trie(st.acceptance.alpha()))
         return proposals
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:

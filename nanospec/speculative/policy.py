@@ -46,9 +46,9 @@ class AcceptanceEstimate:
         if proposal.token_ids:
             self.observe_expected(sibling_trials(proposal.parents, verdict.path), verdict.num_accepted)
         elif proposal.unverified_guesses:
-            guesses, token = list(proposal.unverified_guesses), verdict.emitted[0]
-            path = [guesses.index(token)] if token in guesses else []
-            self.observe_expected(sibling_trials([-1] * len(guesses), path), len(path))
+            guesses, token = proposal.unverified_guesses, verdict.emitted[0]  # siblings, tried in order
+            accepted = token in guesses
+            self.observe_expected(guesses.index(token) + 1 if accepted else len(guesses), int(accepted))
 
 
 def accepted_depth(paths: list[tuple[int, ...]], emitted: list[int]) -> int:

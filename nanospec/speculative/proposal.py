@@ -70,12 +70,6 @@ class Proposal:
         return cls([path[-1] for path in paths], [index.get(path[:-1], -1) for path in paths],
                    chances=[chance[path] for path in paths])
 
-    @classmethod
-    def ranked_trie(cls, token_ids: list[int], parents: list[int], alpha: float) -> Proposal:
-        """The tree (a trie: no two siblings alike) ranked by its nodes' :func:`trie_chances` for ``alpha``."""
-        paths = [tuple(path) for path in cls(token_ids, parents).paths()]
-        return cls.ranked(dict(zip(paths, trie_chances(parents, alpha))))
-
     def fed(self) -> tuple[list[int], list[int]]:
         """(tokens, parents) of every node the step feeds: the tree, then any nodes fed but not verified."""
         return self.token_ids, self.parents
@@ -109,6 +103,15 @@ class Proposal:
     def model_depth(self, drafted: frozenset) -> int:
         """The deepest of the model's guesses (``drafted``: the paths it drafted) in this proposal."""
         return max(self.model_depths(drafted), default=0)
+
+    def ranked_as_trie(self, alpha: float) -> Proposal:
+        """This tree (a trie: no two siblings alike) ranked by its nodes' :func:`trie_chances` for ``alpha``."""
+        paths = [tuple(path) for path in self.paths()]
+        return Proposal.ranked(dict(zip(paths, trie_chances(self.parents, alpha))))
+
+    def ranking(self, max_depth: int) -> list[tuple]:
+        """(chance, depth) of each node at most ``max_depth`` deep, best first, for the policy."""
+        return [(c, d) for c, d in zip(self.chances or (), self.depths) if d <= max_depth]
 
     def model_ranking(self, drafted: frozenset, max_depth: int, extra_forwards: int = 0) -> list[tuple[float, int]]:
         """(chance, cost) of each node at most ``max_depth`` deep, best first, for the policy: the cost is the model

@@ -25,8 +25,7 @@ class Proposer(abc.ABC):
         default its proposal's ``chances`` and each node's depth. The depth is what the policy prices as guessing
         (``depth * D``); a third value, where given, is the tokens the node feeds (lookahead's first node: itself and
         the window)."""
-        return [[(c, d) for c, d in zip(p.chances or (), p.depths) if d <= depth]
-                for p, depth in zip(self.propose(seqs, depths), depths)]
+        return [p.ranking(depth) for p, depth in zip(self.propose(seqs, depths), depths)]
 
     @abc.abstractmethod
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
