@@ -285,6 +285,41 @@ def test_plan_reads_consecutive_blocks_as_a_slice(device):
     check("cpu", batch)
 
 
+@pytest.mark.parametrize("consecutive", [True, False], ids=["slice", "gathered"])
+def test_a_tree_row_equals_the_tokens_it_sees_attended_as_a_chain_and_the_cache_is_left_as_it_was(consecutive):
+    """A row that sees some of the step's tokens (a tree node: its ancestors) attends over the context and those
+    exactly as the same tokens decoded one after another would, bit for bit (so a verified guess's logits are those
+    of the token decoded), and the step's K/V, laid aside while a row's ancestors stand in their place, are back in
+    the cache afterwards. The last row sees every token again after rows that did not."""
+    torch.manual_seed(0)
+    ctx, block_size, kv_heads, group, dim = 13, 4, 2, 3, 16
+    seen = [[0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4], [0, 5], [0, 1, 2, 3, 4, 5, 6]]  # parents -1, 0, 0, 1, 2, 0
+    q_len = len(seen)
+    dense = torch.zeros(q_len, q_len, dtype=torch.bool)
+    for row, nodes in enumerate(seen):
+        dense[row, nodes] = True
+    num_blocks = math.ceil((ctx + q_len) / block_size)
+    blocks = list(range(num_blocks)) if consecutive else list(range(2 * num_blocks - 1, -1, -2))
+    table = torch.tensor([blocks])
+    k_slots = torch.randn(2 * num_blocks * block_size, kv_heads, dim)
+    v_slots = torch.randn_like(k_slots)
+    q = torch.randn(q_len, kv_heads * group, dim)
+    before = k_slots.clone(), v_slots.clone()
+    plan = PagedAttentionPlan(table, torch.tensor([ctx + q_len]), torch.tensor([0, q_len]), block_size, group,
+                              pack_mask(dense))
+    assert isinstance(plan.sequences[0].kv, slice) == consecutive
+    out = plan.attend(q, k_slots, v_slots)
+    assert torch.equal(k_slots, before[0]) and torch.equal(v_slots, before[1])
+    slots = (table[0, :, None] * block_size + torch.arange(block_size)).flatten()
+    for row, nodes in enumerate(seen):
+        chain_k, chain_v = k_slots.clone(), v_slots.clone()  # the tokens it sees right after the context
+        chain_k[slots[ctx:ctx + len(nodes)]] = k_slots[slots[ctx + torch.tensor(nodes)]]
+        chain_v[slots[ctx:ctx + len(nodes)]] = v_slots[slots[ctx + torch.tensor(nodes)]]
+        chain = PagedAttentionPlan(table, torch.tensor([ctx + len(nodes)]), torch.tensor([0, len(nodes)]),
+                                   block_size, group)
+        assert torch.equal(chain.attend(q[nodes], chain_k, chain_v)[-1], out[row]), f"row {row}"
+
+
 @pytest.mark.parametrize("group", [1, 3, 4])
 def test_cpu_attention_is_the_same_at_every_thread_count(group):
     """The engine changes its thread count with the machine's load, so a row's attention must not depend on it:

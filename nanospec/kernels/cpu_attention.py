@@ -42,7 +42,9 @@ class _Sequence:
     """One sequence's rows of the batch and what each sees (see :class:`PagedAttentionPlan`)."""
     rows: slice                        # its rows of the batch, in order
     kv: slice | torch.Tensor           # its cache slots in position order: a slice of the flat slot axis, or indices
-    seen: list[int | torch.Tensor]     # per row: the first n of those slots, or which of them (a tree's node)
+    context: int                       # how many of those slots come before this step's tokens
+    seen: list[int | torch.Tensor]     # per row: the first n of those slots, or which of the step's tokens it sees
+                                       # after the context (a tree node: its ancestors and itself, in order)
 
 
 class PagedAttentionPlan:
@@ -64,7 +66,11 @@ class PagedAttentionPlan:
     fused ``scaled_dot_product_attention`` splits a long context across threads when it has few rows, and so
     rounds differently with each thread count.)
 
-    Each sequence's slots are a plain slice when its blocks are consecutive, as a lone request's are.
+    Each sequence's slots are a plain slice when its blocks are consecutive, as a lone request's are. A tree node
+    that is not a prefix of the step's tokens sees the context and its ancestors: their K/V are copied over the step's
+    own, right after the context (in the cache itself, or in the sequence's gathered copy), so that it too attends
+    over one prefix of consecutive slots, and the step's K/V are put back after the sequence's last row. Only the
+    step's few rows move, never the context.
     """
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -83,11 +89,10 @@ class PagedAttentionPlan:
                 visible = unpack_mask(tree_mask[start:end], q_len)  # [q_len, q_len] bool
                 for j in range(q_len):
                     nodes = visible[j].nonzero().squeeze(1)
-                    if not torch.equal(nodes, torch.arange(len(nodes), device=device)):  # not a prefix: gathered
-                        seen[j] = torch.cat([torch.arange(ctx_len, device=device), ctx_len + nodes])
-                    else:
-                        seen[j] = ctx_len + len(nodes)
-            self.sequences.append(_Sequence(slice(start, end), _slots(tables[s], seq_len, block_size, device), seen))
+                    is_prefix = torch.equal(nodes, torch.arange(len(nodes), device=device))
+                    seen[j] = ctx_len + len(nodes) if is_prefix else nodes
+            self.sequences.append(_Sequence(slice(start, end), _slots(tables[s], seq_len, block_size, device),
+                                            ctx_len, seen))
 
     def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``.
@@ -102,13 +107,22 @@ class PagedAttentionPlan:
         for seq in self.sequences:
             k_seq, v_seq = k_slots[seq.kv], v_slots[seq.kv]        # [L, Hk, D]
             k_t, v = _heads_first(k_seq).transpose(-1, -2), _heads_first(v_seq)  # [1, Hk, D, L], [1, Hk, L, D]
+            ctx, own = seq.context, None  # own: the step's K/V, kept aside while a tree node's ancestors stand there
             for j, seen in enumerate(seq.seen):
-                if isinstance(seen, int):
-                    k_row, v_row = k_t.narrow(3, 0, seen), v.narrow(2, 0, seen)
-                else:
-                    k_row, v_row = _heads_first(k_seq[seen]).transpose(-1, -2), _heads_first(v_seq[seen])
-                scores = torch.matmul(rows[seq.rows.start + j], k_row)   # [1, Hk, group, L]
-                out.append(torch.matmul(torch.softmax(scores, dim=-1), v_row))
+                if isinstance(seen, int):  # the first ``seen`` slots
+                    n = seen
+                    if own is not None and n > ctx:
+                        k_seq[ctx:n], v_seq[ctx:n] = own[0][: n - ctx], own[1][: n - ctx]
+                else:  # a tree node: its ancestors' K/V laid right after the context, over the step's own
+                    if own is None:
+                        own = k_seq[ctx:].clone(), v_seq[ctx:].clone()
+                    n = ctx + len(seen)
+                    torch.index_select(own[0], 0, seen, out=k_seq[ctx:n])
+                    torch.index_select(own[1], 0, seen, out=v_seq[ctx:n])
+                scores = torch.matmul(rows[seq.rows.start + j], k_t.narrow(3, 0, n))   # [1, Hk, group, n]
+                out.append(torch.matmul(torch.softmax(scores, dim=-1), v.narrow(2, 0, n)))
+            if own is not None:  # the step's K/V back where the cache keeps them
+                k_seq[ctx:], v_seq[ctx:] = own
         if out and len(out) == num_tokens:  # every row is a sequence's (no padding)
             result = out[0] if num_tokens == 1 else torch.cat(out)
         else:  # padding rows (no sequence's), or none: zeros
