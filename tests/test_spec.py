@@ -10,6 +10,7 @@ import pytest
 from nanospec import LLM, SamplingParams
 from nanospec.cache.block_manager import slots_of
 from nanospec.model.forward_batch import build_forward_batch
+from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy
 from tiny import assert_no_leak, assert_same_kv, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -163,6 +164,34 @@ def test_adaptive_speculation_is_lossless(target_path, device, draft_path, plain
     assert policy is not None and len(policy.target_cost) == nodes + 1
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    assert_no_leak(llm)
+
+
+def test_a_draft_the_policy_stopped_drafts_again(target_path, device, plain):
+    """A draft judged not to pay is not run, so its guesses teach nothing: its estimate's evidence ages back towards
+    the prior until drafting pays again, and then the draft (here the target itself) is verified and accepted."""
+    k = 3
+    llm = LLM(str(target_path), num_blocks=256, block_size=4, device=device, dtype="float32",
+              speculative_config={"method": "draft", "model": str(target_path), "num_speculative_tokens": k})
+    speculator = llm.engine.speculator
+    speculator.policy = GoodputPolicy(k, [1.0] * (k + 1), draft_cost=0.1)  # fixed costs: alpha alone decides
+    proposer = speculator.proposer
+    start, propose, drafted = proposer.start, proposer.propose, []
+
+    def start_distrusted(seq):
+        start(seq)
+        seq.spec_state.acceptance = AcceptanceEstimate(successes=0.0, trials=50.0)  # alpha ~ 0.02: does not pay
+
+    def recording(seqs, depths):
+        drafted.append(sum(depths))
+        return propose(seqs, depths)
+
+    proposer.start, proposer.propose = start_distrusted, recording
+    expected = plain.generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids
+    out = llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0]
+    assert out.token_ids == expected
+    assert drafted[:5] == [0] * 5 and sum(drafted) > 0  # declined at first, drafting again later
+    assert out.num_draft_tokens == out.num_accepted_tokens > 0
     assert_no_leak(llm)
 
 

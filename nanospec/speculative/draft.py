@@ -214,9 +214,14 @@ class DraftProposer(Proposer):
         return sample_from_probs(q, t.seeds, t.offsets), q
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Drop the draft K/V of rejected guesses (a tree's whole: the next step backfills the accepted path)."""
+        """Learn from the step's outcome; drop the draft K/V of rejected guesses (a tree's whole: the next step
+        backfills the accepted path)."""
         st: DraftState = seq.spec_state
-        st.acceptance.observe_trie(proposal, verdict)
+        if proposal.token_ids:
+            st.acceptance.observe_trie(proposal, verdict)
+        else:  # the policy chose not to draft: the evidence ages, the estimate drifts back to its prior and the
+            # draft runs again
+            st.acceptance.observe(0, 0)
         keep = seq.num_tokens - len(verdict.emitted) + min(verdict.num_accepted, st.num_reusable)
         st.num_cached = min(st.num_cached, keep)
         self.block_manager.truncate(st.block_table, st.num_cached)
