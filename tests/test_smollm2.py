@@ -33,7 +33,7 @@ QUESTIONS = [
     "Why is the sky blue?",
 ]
 NEW_TOKENS = 48
-SPECULATED = slice(0, None, 2)  # the questions the speculation tests batch: six, copying ones among them
+SPECULATED = slice(0, None, 3)  # the questions the speculation tests batch: four, two of them copying ones
 
 
 @pytest.fixture(scope="module")
