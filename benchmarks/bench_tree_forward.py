@@ -5,9 +5,9 @@
 
 The target runs one forward over ``m`` new tokens after a context of ``c`` (the engine's runner: the CPU attention
 backend on a CPU, the Triton kernel on CUDA), once causal and once as a tree in which most nodes are not a prefix of
-the step's tokens (node ``i`` under the root when ``i % 3 == 0``, else under node ``i - 1``: three-node branches, as
-lookahead's and an n-gram trie's), alternating; the median of ``--repeats`` of each. The goodput policy prices a tree
-at the causal cost of its size, so the ratio is what that leaves out.
+the step's tokens (node ``i`` under node 0 when ``i % 3 == 0``, else under node ``i - 1``: branches of three nodes,
+as in lookahead's and an n-gram trie's), alternating; the median of ``--repeats`` of each. The goodput policy prices
+a tree at the causal cost of its size, so the ratio is what that leaves out.
 """
 
 from __future__ import annotations

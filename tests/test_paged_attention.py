@@ -285,8 +285,9 @@ def test_plan_reads_consecutive_blocks_as_a_slice(device):
     check("cpu", batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("consecutive", [True, False], ids=["slice", "gathered"])
-def test_a_tree_row_equals_the_tokens_it_sees_attended_as_a_chain_and_the_cache_is_left_as_it_was(consecutive):
+def test_a_tree_row_equals_the_tokens_it_sees_attended_as_a_chain_and_the_cache_is_left_as_it_was(consecutive, dtype):
     """A row that sees some of the step's tokens (a tree node: its ancestors) attends over the context and those
     exactly as the same tokens decoded one after another would, bit for bit (so a verified guess's logits are those
     of the token decoded), and the step's K/V, laid aside while a row's ancestors stand in their place, are back in
@@ -301,7 +302,7 @@ def test_a_tree_row_equals_the_tokens_it_sees_attended_as_a_chain_and_the_cache_
     num_blocks = math.ceil((ctx + q_len) / block_size)
     blocks = list(range(num_blocks)) if consecutive else list(range(2 * num_blocks - 1, -1, -2))
     table = torch.tensor([blocks])
-    k_slots = torch.randn(2 * num_blocks * block_size, kv_heads, dim)
+    k_slots = torch.randn(2 * num_blocks * block_size, kv_heads, dim, dtype=dtype)
     v_slots = torch.randn_like(k_slots)
     q = torch.randn(q_len, kv_heads * group, dim)
     before = k_slots.clone(), v_slots.clone()

@@ -167,31 +167,68 @@ def test_adaptive_speculation_is_lossless(target_path, device, draft_path, plain
     assert_no_leak(llm)
 
 
-def test_a_draft_the_policy_stopped_drafts_again(target_path, device, plain):
-    """A draft judged not to pay is not run, so its guesses teach nothing: its estimate's evidence ages back towards
-    the prior until drafting pays again, and then the draft (here the target itself) is verified and accepted."""
+def draft_spec_llm(target_path, device, draft_cost: float):
+    """The target as its own draft of 3 under the goodput policy over fixed costs (every target forward 1, a draft
+    depth ``draft_cost``), so what it drafts depends on the acceptance estimate alone; and a list that records, per
+    decode step, how many depths it was asked to draft."""
     k = 3
     llm = LLM(str(target_path), num_blocks=256, block_size=4, device=device, dtype="float32",
               speculative_config={"method": "draft", "model": str(target_path), "num_speculative_tokens": k})
     speculator = llm.engine.speculator
-    speculator.policy = GoodputPolicy(k, [1.0] * (k + 1), draft_cost=0.1)  # fixed costs: alpha alone decides
-    proposer = speculator.proposer
-    start, propose, drafted = proposer.start, proposer.propose, []
-
-    def start_distrusted(seq):
-        start(seq)
-        seq.spec_state.acceptance = AcceptanceEstimate(successes=0.0, trials=50.0)  # alpha ~ 0.02: does not pay
+    speculator.policy = GoodputPolicy(k, [1.0] * (k + 1), draft_cost=draft_cost)
+    proposer, drafted = speculator.proposer, []
+    propose = proposer.propose
 
     def recording(seqs, depths):
         drafted.append(sum(depths))
         return propose(seqs, depths)
 
-    proposer.start, proposer.propose = start_distrusted, recording
+    proposer.propose = recording
+    return llm, drafted
+
+
+def test_a_draft_the_policy_stopped_is_weighed_again(target_path, device, plain):
+    """A draft judged not to pay is not run, so nothing new is learnt of it: after ``retry_after`` steps without
+    drafting its estimate returns to the prior and the policy tries it again; then its guesses (the target's own)
+    are accepted and it goes on drafting."""
+    llm, drafted = draft_spec_llm(target_path, device, draft_cost=0.1)  # alpha > 0.1 pays
+    proposer = llm.engine.speculator.proposer
+    start = proposer.start
+
+    def start_distrusted(seq):
+        start(seq)
+        seq.spec_state.acceptance = AcceptanceEstimate(successes=0.0, trials=50.0)  # alpha ~ 0.02: does not pay
+        seq.spec_state.retry_after = 4
+
+    proposer.start = start_distrusted
     expected = plain.generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids
     out = llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0]
     assert out.token_ids == expected
-    assert drafted[:5] == [0] * 5 and sum(drafted) > 0  # declined at first, drafting again later
+    # four steps without drafting, the prefill the first of them; then drafting (but where one token is left)
+    assert drafted[:3] == [0] * 3 and all(d > 0 for d in drafted[3:-1])
     assert out.num_draft_tokens == out.num_accepted_tokens > 0
+    assert_no_leak(llm)
+
+
+def test_a_draft_that_never_pays_is_tried_at_doubling_intervals(target_path, device, plain):
+    """Every guess rejected (the target's own, each moved to the next token id): the first try at the prior (alpha
+    0.6 pays for one guess at draft cost 0.5), and after each failure twice as many steps without drafting."""
+    llm, drafted = draft_spec_llm(target_path, device, draft_cost=0.5)
+    proposer = llm.engine.speculator.proposer
+    propose, vocab = proposer.propose, llm.model.config.vocab_size
+
+    def wrong(seqs, depths):
+        proposals = propose(seqs, depths)
+        for p in proposals:
+            p.token_ids, p.draft_probs = [(t + 1) % vocab for t in p.token_ids], None  # one-hot, never the argmax
+        return proposals
+
+    proposer.propose = wrong
+    expected = plain.generate([PROMPTS[1]], GREEDY)[0].outputs[0].token_ids
+    out = llm.generate([PROMPTS[1]], GREEDY)[0].outputs[0]
+    assert out.token_ids == expected and out.num_accepted_tokens == 0
+    tries = [step for step, depth in enumerate(drafted) if depth > 0]
+    assert tries == [0, 3, 8, 17, 34]  # after waits of 2, 4, 8 and 16 steps
     assert_no_leak(llm)
 
 

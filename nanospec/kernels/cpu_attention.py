@@ -108,21 +108,23 @@ class PagedAttentionPlan:
             k_seq, v_seq = k_slots[seq.kv], v_slots[seq.kv]        # [L, Hk, D]
             k_t, v = _heads_first(k_seq).transpose(-1, -2), _heads_first(v_seq)  # [1, Hk, D, L], [1, Hk, L, D]
             ctx, own = seq.context, None  # own: the step's K/V, kept aside while a tree node's ancestors stand there
-            for j, seen in enumerate(seq.seen):
-                if isinstance(seen, int):  # the first ``seen`` slots
-                    n = seen
-                    if own is not None and n > ctx:
-                        k_seq[ctx:n], v_seq[ctx:n] = own[0][: n - ctx], own[1][: n - ctx]
-                else:  # a tree node: its ancestors' K/V laid right after the context, over the step's own
-                    if own is None:
-                        own = k_seq[ctx:].clone(), v_seq[ctx:].clone()
-                    n = ctx + len(seen)
-                    torch.index_select(own[0], 0, seen, out=k_seq[ctx:n])
-                    torch.index_select(own[1], 0, seen, out=v_seq[ctx:n])
-                scores = torch.matmul(rows[seq.rows.start + j], k_t.narrow(3, 0, n))   # [1, Hk, group, n]
-                out.append(torch.matmul(torch.softmax(scores, dim=-1), v.narrow(2, 0, n)))
-            if own is not None:  # the step's K/V back where the cache keeps them
-                k_seq[ctx:], v_seq[ctx:] = own
+            try:
+                for j, seen in enumerate(seq.seen):
+                    if isinstance(seen, int):  # the first ``seen`` slots
+                        n = seen
+                        if own is not None and n > ctx:
+                            k_seq[ctx:n], v_seq[ctx:n] = own[0][: n - ctx], own[1][: n - ctx]
+                    else:  # a tree node: its ancestors' K/V laid right after the context, over the step's own
+                        if own is None:
+                            own = k_seq[ctx:].clone(), v_seq[ctx:].clone()
+                        n = ctx + len(seen)
+                        torch.index_select(own[0], 0, seen, out=k_seq[ctx:n])
+                        torch.index_select(own[1], 0, seen, out=v_seq[ctx:n])
+                    scores = torch.matmul(rows[seq.rows.start + j], k_t.narrow(3, 0, n))   # [1, Hk, group, n]
+                    out.append(torch.matmul(torch.softmax(scores, dim=-1), v.narrow(2, 0, n)))
+            finally:
+                if own is not None and isinstance(seq.kv, slice):  # the step's K/V back in the cache (a gathered
+                    k_seq[ctx:], v_seq[ctx:] = own                  # copy is dropped)
         if out and len(out) == num_tokens:  # every row is a sequence's (no padding)
             result = out[0] if num_tokens == 1 else torch.cat(out)
         else:  # padding rows (no sequence's), or none: zeros

@@ -34,6 +34,7 @@ from nanospec.speculative.proposal import Proposal, Verdict, tree_depths, tree_m
 from nanospec.speculative.proposer import Proposer
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's random stream differs from the target's for the same request
+MAX_RETRY_AFTER = 64  # the most steps a stopped draft waits before the policy weighs it again
 
 
 @dataclass
@@ -42,6 +43,8 @@ class DraftState:
     num_cached: int = 0  # draft K/V exists for token_ids[:num_cached]
     num_reusable: int = 0  # of this step's guesses, how many (the first) have draft K/V in sequence order
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the chain's alpha
+    steps_undrafted: int = 0  # steps in a row the policy chose not to draft
+    retry_after: int = 1  # undrafted steps after which the estimate returns to its prior (see commit)
 
 
 class DraftProposer(Proposer):
@@ -215,13 +218,21 @@ class DraftProposer(Proposer):
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """Learn from the step's outcome; drop the draft K/V of rejected guesses (a tree's whole: the next step
-        backfills the accepted path)."""
+        backfills the accepted path).
+
+        A draft the policy stops is not run, so nothing new is learnt of it: after ``retry_after`` steps without
+        drafting its estimate returns to the prior and the policy weighs it afresh. ``retry_after`` doubles (up to
+        ``MAX_RETRY_AFTER``) with every drafted step that got no guess accepted and is 1 again after one that got
+        one, so a draft that never pays is tried at exponentially spaced steps."""
         st: DraftState = seq.spec_state
         if proposal.token_ids:
             st.acceptance.observe_trie(proposal, verdict)
-        else:  # the policy chose not to draft: the evidence ages, the estimate drifts back to its prior and the
-            # draft runs again
-            st.acceptance.observe(0, 0)
+            st.steps_undrafted = 0
+            st.retry_after = 1 if verdict.num_accepted else min(2 * st.retry_after, MAX_RETRY_AFTER)
+        else:
+            st.steps_undrafted += 1
+            if st.steps_undrafted >= st.retry_after:
+                st.acceptance, st.steps_undrafted = AcceptanceEstimate(), 0
         keep = seq.num_tokens - len(verdict.emitted) + min(verdict.num_accepted, st.num_reusable)
         st.num_cached = min(st.num_cached, keep)
         self.block_manager.truncate(st.block_table, st.num_cached)
