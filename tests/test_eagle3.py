@@ -31,9 +31,9 @@ from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
 from nanospec.speculative.eagle3 import Eagle3Proposer, Eagle3State
-from nanospec.speculative.policy import GoodputPolicy
 from nanospec.speculative.proposal import Proposal
-from tiny import assert_no_leak, assert_prompt_logprobs_as_plain, make_tiny_llama, most_common_successors
+from tiny import (assert_no_leak, assert_prompt_logprobs_as_plain, fixed_costs, make_tiny_llama,
+                  most_common_successors)
 
 HIDDEN, LAYERS, VOCAB = 64, 3, 320
 PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 104, 105, 3], [11, 12],
@@ -544,14 +544,6 @@ def test_first_tree_follows_eagle2(target, device, tmp_path):
 
 
 # ---------------------------------------------------------------- a head whose guesses do not pay keeps running
-
-def fixed_costs(llm, draft_cost: float) -> None:
-    """The goodput policy over fixed costs (every target forward 1, each depth guessed ``draft_cost``): what it
-    verifies then depends on the acceptance estimates alone, not on timings."""
-    speculator = llm.engine.speculator
-    k = speculator.max_tokens_per_step
-    speculator.policy = GoodputPolicy(k, [1.0] * (k + 1), draft_cost)
-
 
 class HeadStep(NamedTuple):
     verified: int   # guesses the step verified

@@ -10,8 +10,8 @@ import pytest
 from nanospec import LLM, SamplingParams
 from nanospec.cache.block_manager import slots_of
 from nanospec.model.forward_batch import build_forward_batch
-from nanospec.speculative.policy import AcceptanceEstimate, GoodputPolicy
-from tiny import assert_no_leak, assert_same_kv, make_tiny_llama
+from nanospec.speculative.policy import AcceptanceEstimate
+from tiny import assert_no_leak, assert_same_kv, fixed_costs, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 # repetitive prompts give the n-gram proposer something to find
@@ -174,9 +174,8 @@ def draft_spec_llm(target_path, device, draft_cost: float):
     k = 3
     llm = LLM(str(target_path), num_blocks=256, block_size=4, device=device, dtype="float32",
               speculative_config={"method": "draft", "model": str(target_path), "num_speculative_tokens": k})
-    speculator = llm.engine.speculator
-    speculator.policy = GoodputPolicy(k, [1.0] * (k + 1), draft_cost=draft_cost)
-    proposer, drafted = speculator.proposer, []
+    fixed_costs(llm, draft_cost)
+    proposer, drafted = llm.engine.speculator.proposer, []
     propose = proposer.propose
 
     def recording(seqs, depths):

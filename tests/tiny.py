@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from nanospec.speculative.policy import GoodputPolicy
+
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
           "'<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -58,6 +60,14 @@ def make_tiny_llama(out_dir: Path, *, seed: int = 0, tie: bool = True, num_heads
     model.save_pretrained(out_dir)
     write_byte_tokenizer(out_dir)
     return model
+
+
+def fixed_costs(llm, draft_cost: float) -> None:
+    """The goodput policy over fixed costs (every target forward 1, each depth guessed ``draft_cost``): what it
+    verifies then depends on the acceptance estimates alone, not on timings."""
+    speculator = llm.engine.speculator
+    k = speculator.max_tokens_per_step
+    speculator.policy = GoodputPolicy(k, [1.0] * (k + 1), draft_cost)
 
 
 def assert_no_leak(llm) -> None:
