@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from nanospec.kernels.activation import silu_and_mul, silu_and_mul_ref, silu_and_mul_triton
 from nanospec.kernels.backend import backend
@@ -39,6 +40,19 @@ def test_rms_norm_ref_matches_hf(device):
     torch.nn.init.normal_(hf_norm.weight)
     x = torch.randn(7, 576, device=device)
     torch.testing.assert_close(rms_norm_ref(x, hf_norm.weight, 1e-5), hf_norm(x))
+
+
+@pytest.mark.parametrize("num_tokens, hidden_size", [(0, 576), (1, 576), (5, 37), (300, 576)])
+def test_rms_norm_ref_is_bit_for_bit_torchs_on_a_cpu(num_tokens, hidden_size):
+    """The reference writes out F.rms_norm's CPU ops: the same bits, also through a bfloat16 output and a
+    residual."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    x = torch.randn(num_tokens, hidden_size, generator=generator) * 30
+    residual = torch.randn(num_tokens, hidden_size, generator=generator).to(torch.bfloat16)
+    weight = torch.randn(hidden_size, generator=generator)
+    assert torch.equal(rms_norm_ref(x, weight, 1e-5), F.rms_norm(x, (hidden_size,), weight, 1e-5))
+    out, summed = rms_norm_ref(residual, weight, 1e-6, residual=x, out_dtype=torch.bfloat16)
+    assert torch.equal(out, F.rms_norm(residual + x, (hidden_size,), weight, 1e-6).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

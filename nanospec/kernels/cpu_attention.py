@@ -93,23 +93,27 @@ class PagedAttentionPlan:
                     seen[j] = ctx_len + len(nodes) if is_prefix else nodes
             self.sequences.append(_Sequence(slice(start, end), _slots(tables[s], seq_len, block_size, device),
                                             ctx_len, seen))
+        self.num_rows = sum(len(seq.seen) for seq in self.sequences)
 
     def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``.
 
         ``k_slots`` / ``v_slots``: the cache with its block axes merged, ``[num_blocks * block_size, Hk, D]``.
+        Each row is two ``bmm`` over 3-d views (kv heads as the batch) and a softmax: ``matmul`` over 4-d ones
+        adds a reshape and an expand a call, a few microseconds a row and layer.
         """
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = num_heads // self.group
-        rows = (q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)).view(num_tokens, 1, num_kv_heads, self.group,
+        rows = (q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)).view(num_tokens, num_kv_heads, self.group,
                                                                              head_dim)
-        out = []
+        # rows of no sequence (padding) stay zero
+        result = rows.new_empty(rows.shape) if self.num_rows == num_tokens else rows.new_zeros(rows.shape)
         for seq in self.sequences:
             k_seq, v_seq = k_slots[seq.kv], v_slots[seq.kv]        # [L, Hk, D]
-            k_t, v = _heads_first(k_seq).transpose(-1, -2), _heads_first(v_seq)  # [1, Hk, D, L], [1, Hk, L, D]
+            k_t, v = k_seq.permute(1, 2, 0), v_seq.transpose(0, 1)  # [Hk, D, L], [Hk, L, D]
             ctx, own = seq.context, None  # own: the step's K/V, kept aside while a tree node's ancestors stand there
             try:
-                for j, seen in enumerate(seq.seen):
+                for j, seen in enumerate(seq.seen, start=seq.rows.start):
                     if isinstance(seen, int):  # the first ``seen`` slots
                         n = seen
                         if own is not None and n > ctx:
@@ -120,24 +124,13 @@ class PagedAttentionPlan:
                         n = ctx + len(seen)
                         torch.index_select(own[0], 0, seen, out=k_seq[ctx:n])
                         torch.index_select(own[1], 0, seen, out=v_seq[ctx:n])
-                    scores = torch.matmul(rows[seq.rows.start + j], k_t.narrow(3, 0, n))   # [1, Hk, group, n]
-                    out.append(torch.matmul(torch.softmax(scores, dim=-1), v.narrow(2, 0, n)))
+                    scores = torch.bmm(rows[j], k_t[:, :, :n])                      # [Hk, group, n]
+                    torch.bmm(torch.softmax(scores, dim=-1), v[:, :n], out=result[j])
             finally:
                 if own is not None and isinstance(seq.kv, slice):  # the step's K/V back in the cache (a gathered
                     k_seq[ctx:], v_seq[ctx:] = own                  # copy is dropped)
-        if out and len(out) == num_tokens:  # every row is a sequence's (no padding)
-            result = out[0] if num_tokens == 1 else torch.cat(out)
-        else:  # padding rows (no sequence's), or none: zeros
-            result = rows.new_zeros(num_tokens, num_kv_heads, self.group, head_dim)
-            if out:
-                result[: len(out)] = torch.cat(out)
-        result = result.reshape(num_tokens, num_heads, head_dim)
+        result = result.view(num_tokens, num_heads, head_dim)
         return result if result.dtype == q.dtype else result.to(q.dtype)
-
-
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """``[L, Hk, D]`` -> ``[1, Hk, L, D]``, a view."""
-    return x.transpose(0, 1).unsqueeze(0)
 
 
 def _slots(table: list[int], seq_len: int, block_size: int, device) -> slice | torch.Tensor:

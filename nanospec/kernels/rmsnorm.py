@@ -18,7 +18,6 @@ The Triton kernel runs one program per row with the whole row in one block (BLOC
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from nanospec.kernels.backend import dispatch, tl, triton
 
@@ -54,8 +53,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
+    """``F.rms_norm``'s ops in its order (the same bits), written out: on a CPU ``F.rms_norm`` dispatches about
+    twice as many ops (its mean and ``+ eps`` each convert a scalar), at microseconds each for a row of a few
+    hundred values."""
     x32 = x if x.dtype == torch.float32 else x.float()
-    out = F.rms_norm(x32, x.shape[-1:], weight if weight.dtype == torch.float32 else weight.float(), eps)
+    inv_rms = torch.sum(x32 * x32, dim=-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
+    out = (x32 * inv_rms).mul_(weight if weight.dtype == torch.float32 else weight.float())
     return out if out.dtype == out_dtype else out.to(out_dtype)
 
 
