@@ -53,6 +53,7 @@ def test_rms_norm_ref_is_bit_for_bit_torchs_on_a_cpu(num_tokens, hidden_size):
     assert torch.equal(rms_norm_ref(x, weight, 1e-5), F.rms_norm(x, (hidden_size,), weight, 1e-5))
     out, summed = rms_norm_ref(residual, weight, 1e-6, residual=x, out_dtype=torch.bfloat16)
     assert torch.equal(out, F.rms_norm(residual + x, (hidden_size,), weight, 1e-6).to(torch.bfloat16))
+    assert torch.equal(summed, residual + x)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -99,8 +99,8 @@ class PagedAttentionPlan:
         """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``.
 
         ``k_slots`` / ``v_slots``: the cache with its block axes merged, ``[num_blocks * block_size, Hk, D]``.
-        Each row is two ``bmm`` over 3-d views (kv heads as the batch) and a softmax: ``matmul`` over 4-d ones
-        adds a reshape and an expand a call, a few microseconds a row and layer.
+        Each row is two ``bmm`` over 3-d views (kv heads as the batch) and a softmax, the second ``bmm`` writing
+        into the row's place in the output.
         """
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = num_heads // self.group

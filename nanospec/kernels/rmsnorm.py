@@ -54,8 +54,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
     """``F.rms_norm``'s ops in its order (the same bits), written out: on a CPU ``F.rms_norm`` dispatches about
-    twice as many ops (its mean and ``+ eps`` each convert a scalar), at microseconds each for a row of a few
-    hundred values."""
+    twice as many ops (its mean and ``+ eps`` each convert a scalar)."""
     x32 = x if x.dtype == torch.float32 else x.float()
     inv_rms = torch.sum(x32 * x32, dim=-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
     out = (x32 * inv_rms).mul_(weight if weight.dtype == torch.float32 else weight.float())
