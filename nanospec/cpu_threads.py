@@ -111,13 +111,20 @@ class ThreadTuner:
         self.probe_threads = None
 
 
+_schedstat_fds: dict[str, int] = {}  # thread id -> its open /proc/self/task/<id>/schedstat (a read, not an open, a step)
+
+
 def _waited_ns() -> int | None:
     """Nanoseconds this process's threads waited for a core (Linux ``schedstat``), or None."""
     total = 0
     try:
-        for task in os.scandir("/proc/self/task"):
-            with open(f"{task.path}/schedstat") as f:
-                total += int(f.read().split()[1])
+        tasks = os.listdir("/proc/self/task")
+        for gone in _schedstat_fds.keys() - set(tasks):
+            os.close(_schedstat_fds.pop(gone))
+        for task in tasks:
+            if task not in _schedstat_fds:
+                _schedstat_fds[task] = os.open(f"/proc/self/task/{task}/schedstat", os.O_RDONLY)
+            total += int(os.pread(_schedstat_fds[task], 128, 0).split()[1])
     except (OSError, ValueError, IndexError):
         return None
     return total

@@ -3,9 +3,13 @@ costs what a two-core machine measured (one thread ~2x slower when the cores are
 beside busy processes), and the tuner must settle on the faster count, switch when the load comes and goes, and
 probe ever more rarely when nothing changes."""
 
+import os
+import threading
+import time
+
 import pytest
 
-from nanospec.cpu_threads import MAX_INTERVAL, Contention, ThreadTuner
+from nanospec.cpu_threads import MAX_INTERVAL, Contention, ThreadTuner, _schedstat_fds, _waited_ns
 
 QUIET = {2: (0.030, 0.0), 1: (0.060, 0.0)}    # threads -> (seconds a step, seconds its threads waited for a core
 BUSY = {2: (0.400, 1.3), 1: (0.070, 0.6)}      # per second)
@@ -86,6 +90,29 @@ def test_contention_measures_waiting_for_a_core():
     with Contention() as c:
         sum(range(10000))
     assert c.seconds > 0 and (c.waiting is None or c.waiting >= 0)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="Linux's /proc/self/task/*/schedstat is not here")
+def test_waiting_is_every_live_threads_schedstat_and_an_ended_threads_file_is_closed():
+    def fresh() -> int:
+        return sum(int(open(f"/proc/self/task/{t}/schedstat").read().split()[1]) for t in os.listdir("/proc/self/task"))
+
+    ended = threading.Event()
+    thread = threading.Thread(target=ended.wait)
+    thread.start()
+    before = fresh()
+    waited = _waited_ns()
+    assert before <= waited <= fresh()  # each thread's count only grows
+    assert str(thread.native_id) in _schedstat_fds
+    ended.set()
+    thread.join()
+    for _ in range(200):  # the OS drops the thread's task a moment after Python's join returns
+        if str(thread.native_id) not in os.listdir("/proc/self/task"):
+            break
+        time.sleep(0.01)
+    waited = _waited_ns()
+    assert str(thread.native_id) not in _schedstat_fds and set(_schedstat_fds) == set(os.listdir("/proc/self/task"))
+    assert waited <= fresh()
 
 
 def test_the_engine_runs_each_step_at_the_tuners_count_and_restores_torchs(tmp_path, monkeypatch):
