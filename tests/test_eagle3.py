@@ -397,6 +397,22 @@ def test_preemption_keeps_outputs_and_frees_every_block(target, successor_head, 
     assert_head_blocks_returned(llm)
 
 
+@pytest.mark.parametrize("tree", [None, {"tree_top_k": 3, "tree_budget": 10}], ids=["chain", "tree"])
+def test_the_end_of_the_context_in_a_pool_of_one_context(target, successor_head, device, tree):
+    """With the pool its default for one sequence (one whole context), the head's guesses run into the context's
+    end as plain decoding does, and every block returns."""
+    llm = eagle_llm(target, successor_head, device, tree=tree, num_blocks=None, max_num_seqs=1, max_model_len=24)
+    assert llm.engine.block_manager.num_blocks == 24 // 4
+    short = LLM(str(target[0]), num_blocks=64, block_size=4, device=device, dtype="float32", max_model_len=24)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = [PROMPTS[0], PROMPTS[5]]
+    outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+    assert [o.token_ids for o in outs] == [o.outputs[0].token_ids for o in short.generate(prompts, params)]
+    assert all(o.finish_reason == "length" and len(p) + len(o.token_ids) == 24 for p, o in zip(prompts, outs))
+    assert_guesses_accepted_and_rejected(llm)
+    assert_head_blocks_returned(llm)
+
+
 def test_a_prompt_from_the_prefix_cache_still_guesses(target, successor_head, expected, device):
     """The second run of a prompt is served from the target's prefix cache: the head starts where the target's
     forward starts, guesses, and the output is plain decoding's."""

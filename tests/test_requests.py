@@ -210,17 +210,22 @@ def test_unknown_engine_arguments_are_named(paths):
 # ---------------------------------------------------------------- odd but valid inputs
 
 
+@pytest.mark.parametrize("pool", [{"num_blocks": 128}, {"max_num_seqs": 1}], ids=["large_pool", "one_context_pool"])
 @pytest.mark.parametrize("config", [
     {"method": "ngram", "num_speculative_tokens": 3},
     {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2, "adaptive": False},
     {"method": "draft", "num_speculative_tokens": 3, "adaptive": False},
     {"method": "draft", "num_speculative_tokens": 3},  # the policy: its start-up times the draft within 24 positions
     {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5},
-], ids=["ngram", "lookahead", "draft", "draft_adaptive", "draft_tree"])
-def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config, device):
+    {"method": "draft", "num_speculative_tokens": 3, "tree_top_k": 2, "tree_budget": 5, "adaptive": False},
+], ids=["ngram", "lookahead", "draft", "draft_adaptive", "draft_tree", "draft_tree_every_step"])
+def test_one_token_prompts_and_the_end_of_the_context(paths, plain, config, pool, device):
+    """Speculation runs into the context's end as plain decoding does, also where the pool (its default for one
+    sequence) holds one whole context and no more: no guess is fed, nor a slot held, past it."""
     if config["method"] == "draft":
         config = {**config, "model": str(paths[0])}
-    llm = make_llm(paths[0], device, num_blocks=128, max_model_len=24, speculative_config=config)
+    llm = make_llm(paths[0], device, max_model_len=24, speculative_config=config, **pool)
+    assert pool != {"max_num_seqs": 1} or llm.engine.block_manager.num_blocks == 24 // 4
     short = make_llm(paths[0], device, num_blocks=128, max_model_len=24)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)  # runs into the context's end
     prompts = [[42], [7, 8], PROMPTS[0]]

@@ -575,6 +575,16 @@ def test_default_sampling_applies_to_what_a_request_leaves_out(model_path, offli
         got = client.completions.create(model="tiny", prompt=PROMPTS[0], temperature=1.0, seed=7,
                                         extra_body={"return_token_ids": True})
         assert got.choices[0].token_ids == sampled.token_ids
+        # null, as OpenAI's clients send for "not set", is a field left out (the defaults apply), on both endpoints
+        nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "presence_penalty", "frequency_penalty",
+                               "max_tokens", "seed", "stop", "logprobs", "user"])
+        got = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[0], "echo": None, "return_token_ids": True,
+                                                        **nulls})
+        assert got.status_code == 200 and got.json()["choices"][0]["token_ids"] == greedy.token_ids, got.text
+        chat = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "top_logprobs": None, **nulls})
+        assert chat.status_code == 200 and chat.json()["usage"]["completion_tokens"] <= 6, chat.text
+        missing = httpx.post(f"{url}/v1/completions", json={"prompt": None})
+        assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt", missing.text
 
 
 def test_command_line_checks_every_argument_before_loading(model_path, tmp_path):

@@ -1,16 +1,16 @@
 """The request bodies the server accepts (OpenAI's fields plus vLLM's sampling extras), checked by pydantic.
 
-Types are strict (``"1"`` is not a number, ``true`` is not an int, an int is a float), unknown fields are refused
-(a field the server would otherwise ignore, say ``tools``, is an error that names it), and each sampling field
-ends up in a :class:`nanospec.SamplingParams`, whose own checks run too. Every failure becomes an HTTP 400 whose
-``param`` names the field.
+Types are strict (``"1"`` is not a number, ``true`` is not an int, an int is a float), ``null`` leaves a field out
+(its default applies), unknown fields are refused (a field the server would otherwise ignore, say ``tools``, is an
+error that names it), and each sampling field ends up in a :class:`nanospec.SamplingParams`, whose own checks run
+too. Every failure becomes an HTTP 400 whose ``param`` names the field.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 from nanospec.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -23,6 +23,13 @@ TokenIds = list[Annotated[int, Strict(), Field(ge=0)]]
 
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        """A field given as ``null`` is a field left out (OpenAI's optional fields are nullable: its clients send
+        ``"temperature": null`` for "the default")."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 class StreamOptions(Body):

@@ -140,8 +140,11 @@ class DraftProposer(Proposer):
         if not seqs:
             return []
         states: list[DraftState] = [s.spec_state for s in seqs]
-        for seq in seqs:
-            self._reserve(seq, seq.num_tokens + self.tree_budget)
+        # nodes per tree: the budget, or what the context has left to feed (the speculator verifies no more)
+        budgets = [self.tree_budget if self.max_len is None else min(self.tree_budget, self.max_len - s.num_tokens - 1)
+                   for s in seqs]
+        for seq, budget in zip(seqs, budgets):
+            self._reserve(seq, seq.num_tokens + budget)
         feed = [seq.token_ids[st.num_cached:] for seq, st in zip(seqs, states)]  # backfill, ends with the root
         batch = build_forward_batch(feed, [st.num_cached for st in states], [st.block_table for st in states],
                                     self.block_size, [[len(f) - 1] for f in feed], self.model.device)
@@ -172,7 +175,7 @@ class DraftProposer(Proposer):
                 children = children_of[i]
                 children.sort(key=lambda c: -c[0])
                 frontier[i] = []
-                for score, node, token in children[: self.tree_budget - len(tokens[i])]:
+                for score, node, token in children[: budgets[i] - len(tokens[i])]:
                     tokens[i].append(token)
                     parents[i].append(node)
                     frontier[i].append((len(tokens[i]) - 1, score, None))

@@ -92,14 +92,18 @@ class Speculator:
             self.proposer.start(seq)
 
     def num_lookahead_slots(self, seq: Sequence) -> int:
-        """KV slots a sequence needs this step beyond its own tokens: room for a proposal when it is in decode.
+        """KV slots a sequence needs this step beyond its own tokens: room for a proposal when it is in decode, no
+        more than the context has left (:meth:`propose` feeds no more than that), so a sequence never holds a slot
+        past ``max_model_len``.
 
         A sequence is in decode from its first output token on (a one-token prompt at once), not before: a prompt
         whose blocks the prefix cache holds but for its last token is computed in a step without guesses, as it is
         with the cache off, so that the steps a sequence guesses at, and seeded tokens that depend on the guesses (a
         draft chain's rejection sampling), do not depend on the cache."""
         in_decode = seq.num_tokens - seq.num_cached_tokens == 1 and (seq.num_output_tokens > 0 or seq.num_tokens == 1)
-        return self.max_tokens_per_step if in_decode and self.speculates(seq) else 0
+        if not (in_decode and self.speculates(seq)):
+            return 0
+        return min(self.max_tokens_per_step, max(self.max_model_len - seq.num_tokens - 1, 0))
 
     def preempt(self, seq: Sequence) -> None:
         if self.speculates(seq):
