@@ -82,6 +82,8 @@ class Engine:
         self.threads = ThreadTuner() if tune_threads else None
         self._step_tokens = 0  # the last step's forward, in tokens
         self.sequences: dict[int, Sequence] = {}
+        self._stepping = False  # inside step(): an abort waits for the step's end (see abort)
+        self._deferred_aborts: list[int] = []
         self.stats = EngineStats()
         self._next_id = 0
         self._seed_rng = random.Random(seed)
@@ -147,7 +149,12 @@ class Engine:
         return list(dict.fromkeys([*eos, *params.stop_token_ids]))
 
     def abort(self, request_id: int) -> CompletionOutput | None:
-        """End a request now (finish reason "abort"); its final output, or None if unknown or finished."""
+        """End a request now (finish reason "abort"); its final output, or None if unknown or finished. Called
+        during a step (a dropped stream's finaliser runs wherever the garbage collector does), it ends the request
+        when the step ends, its final output among the step's."""
+        if self._stepping:
+            self._deferred_aborts.append(request_id)
+            return None
         seq = self.sequences.pop(request_id, None)
         return None if seq is None or seq.is_finished else self._finish(seq, "abort")
 
@@ -176,13 +183,18 @@ class Engine:
         if threads != saved:
             torch.set_num_threads(threads)
         try:
+            self._stepping = True
             with Contention() as timed:
                 seqs = self.scheduler.schedule()
                 self._step_tokens = 0
                 outputs = self._step(seqs) if seqs else []
         finally:
+            self._stepping = False
             if threads != saved:
                 torch.set_num_threads(saved)
+        while self._deferred_aborts:
+            if (final := self.abort(self._deferred_aborts.pop(0))) is not None:
+                outputs.append(final)
         self.stats.step_seconds += timed.seconds
         if self.threads is not None and self._step_tokens:
             self.threads.observe(threads, self._step_tokens, timed.seconds, timed.waiting)

@@ -184,9 +184,10 @@ class LLM:
         """A ``RequestStream`` of one completion's outputs, one per step that produced tokens."""
         if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
             raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
-        if isinstance(sampling_params, SamplingParams) and sampling_params.n != 1:
-            raise ValueError(f"stream() serves one completion: n must be 1, got {sampling_params.n} (use generate())")
-        ((_, (rid,)),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, sampling_params)
+        (params,) = self._params_list(sampling_params, 1)  # a SamplingParams, or a list of one
+        if params.n != 1:
+            raise ValueError(f"stream() serves one completion: n must be 1, got {params.n} (use generate())")
+        ((_, (rid,)),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
         self._outputs[rid] = []
         return RequestStream(self, rid)
 

@@ -87,6 +87,43 @@ def test_close_and_drop_streams(llm):
     assert llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0].finish_reason == "length"  # the engine still serves
 
 
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_stream_dropped_during_a_step_ends_when_the_step_ends(paths, plain, device, method):
+    """A dropped stream's finaliser aborts its request wherever the garbage collector runs it, also inside a step
+    that is computing that request: the abort waits for the step's end, and the step's other requests go on."""
+    config = {"method": method, "num_speculative_tokens": 3, "adaptive": False}
+    llm = make_llm(paths[0], device, num_blocks=128,
+                   speculative_config={**config, "model": str(paths[0])} if method == "draft" else config)
+    stream = llm.stream(PROMPTS[0], GREEDY)
+    next(stream)
+    proposer = llm.engine.speculator.proposer
+    propose = proposer.propose
+
+    def dropping_the_stream(seqs, ks):
+        nonlocal stream
+        if stream is not None:
+            assert any(seq.seq_id == stream.request_id for seq in seqs)  # the stream's request is in this step
+            stream = None  # its finaliser runs here and aborts the request
+        return propose(seqs, ks)
+
+    proposer.propose = dropping_the_stream
+    outs = llm.generate(PROMPTS[1:], GREEDY)
+    assert stream is None
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain.generate(PROMPTS[1:],
+                                                                                                     GREEDY)]
+    assert_no_leak(llm)
+
+
+def test_stream_refuses_several_completions_before_queueing_any(plain):
+    with pytest.raises(ValueError, match="n must be 1"):
+        plain.stream(PROMPTS[0], [SamplingParams(n=2)])
+    with pytest.raises(ValueError, match="got 2 SamplingParams for 1 prompts"):
+        plain.stream(PROMPTS[0], [GREEDY, GREEDY])
+    assert_no_leak(plain)
+    assert list(plain.stream(PROMPTS[0], [GREEDY]))[-1].token_ids == \
+        plain.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+
+
 def test_a_failing_request_fails_alone(llm, plain):
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]
     stream = llm.stream(PROMPTS[3], GREEDY)  # an open stream beside the failing batch
