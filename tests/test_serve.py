@@ -218,6 +218,23 @@ def test_echo_with_prompt_logprobs(server, offline):
                                      ).choices[0].logprobs is None
 
 
+def test_streamed_logprobs_equal_unstreamed(server):
+    """Tokens, log-probabilities and text offsets, also where a token's text is held back (half a character)."""
+    url, llm = server
+    body = {"model": "tiny", "prompt": "abc", "max_tokens": 8, "temperature": 0, "logprobs": 1}
+    whole = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    streamed = {"tokens": [], "token_logprobs": [], "text_offset": []}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and (logprobs := json.loads(line[6:])["choices"][0]["logprobs"]):
+                for key in streamed:
+                    streamed[key] += logprobs[key]
+    assert "\ufffd" in whole["tokens"]  # a token that holds part of a character
+    assert streamed["tokens"] == whole["tokens"] and streamed["text_offset"] == whole["text_offset"]
+    assert streamed["token_logprobs"] == pytest.approx(whole["token_logprobs"], abs=1e-5)
+    _wait_until(lambda: _idle(llm))
+
+
 def test_include_stop_str_in_output_streamed_and_not(server, offline):
     url, _ = server
     free = offline.generate([PROMPTS[2]], SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))

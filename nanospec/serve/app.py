@@ -237,7 +237,7 @@ class Server:
         """Server-sent events as the outputs arrive; the ``finally`` runs when the client disconnects too (Starlette
         cancels the response), and aborts what is unfinished."""
         sent_tokens = [0] * len(served)  # tokens (and their log-probs) already streamed, per choice
-        sent_chars = [0] * len(served)
+        text_offsets = [0] * len(served)  # (completions' logprobs: where the next token's text starts, as unstreamed)
         echoed = [False] * len(served)  # (completions with echo: the prompt goes out with a choice's first chunk)
         try:
             if fmt.chat:
@@ -252,11 +252,12 @@ class Server:
                     continue  # text held back (a possible stop string, half a character)
                 echo = fmt.echo_of(out, index) if not echoed[index] else None
                 choice = fmt.delta_choice(index, out.delta_text, out.token_ids[sent_tokens[index]:], new_logprobs,
-                                          sent_chars[index], out.finish_reason, out.stop_reason, echo)
+                                          text_offsets[index], out.finish_reason, out.stop_reason, echo)
                 yield sse(fmt.chunk([choice], include_usage=include_usage))
                 echoed[index] = True
                 sent_tokens[index] = len(out.token_ids)
-                sent_chars[index] += len(choice["text"]) if not fmt.chat else len(out.delta_text)
+                if not fmt.chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
+                    text_offsets[index] = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
             if include_usage:
                 completion_tokens = sum(sent_tokens)
                 yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens), include_usage=True))
