@@ -134,8 +134,7 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "
                              f"(prompt + at least one generated token)")
         # the most slots a step holds for it: its tokens and a proposal, within the context
-        lifetime = min(min(len(prompt_token_ids) + params.max_tokens, max_len) + self.speculator.max_tokens_per_step,
-                       max_len)
+        lifetime = min(len(prompt_token_ids) + params.max_tokens + self.speculator.max_tokens_per_step, max_len)
         need = self.block_manager.blocks_for(lifetime)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"the KV pool is too small for this request: it needs {need} blocks of "

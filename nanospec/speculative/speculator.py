@@ -103,7 +103,11 @@ class Speculator:
         in_decode = seq.num_tokens - seq.num_cached_tokens == 1 and (seq.num_output_tokens > 0 or seq.num_tokens == 1)
         if not (in_decode and self.speculates(seq)):
             return 0
-        return min(self.max_tokens_per_step, max(self.max_model_len - seq.num_tokens - 1, 0))
+        return min(self.max_tokens_per_step, self.room(seq))
+
+    def room(self, seq: Sequence) -> int:
+        """How many guesses the context has left room to feed after ``seq``'s last token."""
+        return max(self.max_model_len - seq.num_tokens - 1, 0)
 
     def preempt(self, seq: Sequence) -> None:
         if self.speculates(seq):
@@ -126,7 +130,7 @@ class Speculator:
             return proposals
         guessers = [seqs[i] for i in guessing]
         # the deepest guess each may verify (the proposer's most, what max_tokens can still emit) and its room
-        rooms = [max(self.max_model_len - s.num_tokens - 1, 0) for s in guessers]
+        rooms = [self.room(s) for s in guessers]
         depths = [max(0, min(self.max_tokens_per_step, room, s.params.max_tokens - s.num_output_tokens - 1))
                   for s, room in zip(guessers, rooms)]
         counts = rooms
