@@ -56,22 +56,21 @@ class TextStream:
         self.num_streamed = 0  # characters of ``text`` already handed out
 
     def add(self, token_id: int, check_stop: bool = True) -> bool:
-        """Append one token's text; True if a stop string now appears (the text then ends just before it).
-        With ``check_stop`` False (before ``min_tokens``) stop strings are not looked for in this token's text."""
-        delta = self.detokenizer.add([token_id])
-        if not check_stop:
-            self.text += delta
-            return False
-        return self._extend(delta)
+        """Append one token's text; True if a stop string now ends in it (the text then ends just before the stop
+        string). With ``check_stop`` False (up to ``min_tokens``) stop strings are not looked for: a stop string
+        counts only if it ends in the text of a token added with ``check_stop``."""
+        return self._extend(self.detokenizer.add([token_id]), check_stop)
 
-    def finish(self) -> bool:
+    def finish(self, check_stop: bool = True) -> bool:
         """At the end of the request: release text held back for an unfinished character; True if that
         completes a stop string."""
-        return self._extend(self.detokenizer.flush())
+        return self._extend(self.detokenizer.flush(), check_stop)
 
-    def _extend(self, delta: str) -> bool:
+    def _extend(self, delta: str, check_stop: bool) -> bool:
         previous = len(self.text)
         self.text += delta
+        if not check_stop:
+            return False
         # a stop string may straddle the previous text: search from just before the delta; the earliest wins
         found = [(i, stop) for stop in self.stop if (i := self.text.find(stop, max(0, previous - len(stop) + 1))) >= 0]
         if found:

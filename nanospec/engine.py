@@ -251,16 +251,20 @@ class Engine:
             seq.token_ids.append(token)
             if seq.logprobs is not None:
                 seq.logprobs.append(verdict.logprobs[i])
-            may_stop = seq.num_output_tokens >= seq.params.min_tokens
-            if seq.text_stream.add(token, check_stop=may_stop):
+            may_stop = seq.num_output_tokens > seq.params.min_tokens  # (stop tokens before it have probability 0)
+            stop_token = may_stop and token in seq.stop_token_ids
+            # a stop token's text is left out of the text (vLLM's rule), unless include_stop_str_in_output
+            if (not stop_token or seq.params.include_stop_str_in_output) \
+                    and seq.text_stream.add(token, check_stop=may_stop):
                 finish_reason, seq.stop_reason = "stop", seq.text_stream.matched_stop
-            elif may_stop and token in seq.stop_token_ids:
+            elif stop_token:
                 finish_reason = "stop"
                 seq.stop_reason = token if token in seq.params.stop_token_ids else None  # None: eos
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 finish_reason = "length"
             if finish_reason is not None:
-                if finish_reason != "stop" and seq.text_stream.finish():  # held-back text completed a stop string
+                # text held back for an unfinished character, released now, may complete a stop string
+                if finish_reason != "stop" and seq.text_stream.finish(check_stop=may_stop):
                     finish_reason, seq.stop_reason = "stop", seq.text_stream.matched_stop
                 break
         num_new = seq.num_tokens - num_old

@@ -3,22 +3,23 @@ before any work (a bool is not a number, a string is not a number)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 
 MAX_N = 128  # completions per prompt
 MAX_LOGPROBS = 20  # most likely tokens reported per emitted token (OpenAI's top_logprobs limit)
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler holds temperature and repetition_penalty as float32
 
 
 @dataclass
 class SamplingParams:
     """Sampling settings of one request, vLLM's names and meanings (docs/sampling.md). ``temperature`` 0 is greedy;
-    ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest (0: off); ``top_k`` -1 (or at least
-    the vocabulary) keeps every token; ``stop`` strings end the text before them (after them with
+    ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest (0: off); ``top_k`` -1 or 0 (or at
+    least the vocabulary) keeps every token; ``stop`` strings end the text before them (after them with
     ``include_stop_str_in_output``); ``skip_special_tokens`` leaves special tokens out of the text;
-    ``stop_token_ids`` end it like eos (kept); ``min_tokens`` holds eos, stop tokens and stop strings off;
-    ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
+    ``stop_token_ids`` end it like eos (the token is kept, its text only with ``include_stop_str_in_output``);
+    ``min_tokens`` holds eos, stop tokens and stop strings off (a stop string counts once it ends past the text of
+    the first ``min_tokens`` tokens); ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
     k reports the target's raw log-probabilities of each token and its k likeliest, ``prompt_logprobs`` k the same for
     each prompt token after the first (its prefill then skips the prefix cache); ``allowed_token_ids`` keeps only
     those tokens; ``bad_words`` are never completed (each word's last token is banned where the output ends with
@@ -50,12 +51,14 @@ class SamplingParams:
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
-        if not _is_number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_number(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature must be a number in [0, {FLOAT32_MAX:.4g}] (float32's range), "
+                             f"got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
-        if not _is_int(self.top_k) or self.top_k == 0 or self.top_k < -1:
-            raise ValueError(f"top_k must be -1 (off) or an integer >= 1, got {self.top_k!r}")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (off) or an integer >= 1, got {self.top_k!r}")
+        self.top_k = -1 if self.top_k == 0 else self.top_k
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -88,8 +91,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -2 <= value <= 2:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
-        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not _is_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            raise ValueError(f"repetition_penalty must be a number in (0, {FLOAT32_MAX:.4g}] (float32's range), "
+                             f"got {self.repetition_penalty!r}")
         bias = self.logit_bias if self.logit_bias is not None else {}
         if not isinstance(bias, dict) or any(not _is_int(t) or t < 0 or not _is_number(b) or not -100 <= b <= 100
                                              for t, b in bias.items()):

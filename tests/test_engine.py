@@ -162,7 +162,9 @@ def test_pool_too_small_for_one_request(tiny_path, device):
     (dict(temperature=-0.1), "temperature"),
     (dict(top_p=0.0), "top_p"),
     (dict(top_p=1.5), "top_p"),
-    (dict(top_k=0), "top_k"),
+    (dict(top_k=-5), "top_k"),
+    (dict(temperature=1e39), "temperature"),
+    (dict(repetition_penalty=1e39), "repetition_penalty"),
     (dict(top_k=-2), "top_k"),
     (dict(min_p=-0.1), "min_p"),
     (dict(min_p=1.5), "min_p"),
@@ -173,6 +175,11 @@ def test_pool_too_small_for_one_request(tiny_path, device):
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_top_k_zero_keeps_every_token():
+    """vLLM's: top_k 0, like -1, turns top-k off."""
+    assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(top_k=5).top_k == 5
 
 
 @pytest.mark.parametrize("kwargs, error, match", [

@@ -89,10 +89,49 @@ def test_stop_token_ids_and_min_tokens(llms, free_runs, kind):
     for (_, token_ids, reason, stop_reason), out, t in zip(results, free_runs[kind], stops):
         first = out.token_ids.index(t)
         assert reason == "stop" and token_ids == out.token_ids[: first + 1] and stop_reason == t
+    # vLLM's rule: the stop token's text is left out of the text, unless include_stop_str_in_output (stop tokens
+    # whose text is a whole character, so that it shows)
+    decode = llms["plain"].tokenizer.decode
+    whole = [next(t for t in out.token_ids[1:] if decode([t]) and "\ufffd" not in decode([t]))
+             for out in free_runs[kind]]
+    for include in (False, True):
+        results = _same_everywhere(llms, [SamplingParams(**base, stop_token_ids=[t], include_stop_str_in_output=include)
+                                          for t in whole])
+        for (text, token_ids, reason, _), t in zip(results, whole):
+            assert reason == "stop" and token_ids[-1] == t
+            assert text == decode(token_ids if include else token_ids[:-1]).rstrip("\ufffd")
     # min_tokens: the stop token cannot be drawn before min_tokens tokens (its probability is zeroed), nor end it
     results = _same_everywhere(llms, [SamplingParams(**base, stop_token_ids=[t], min_tokens=20) for t in stops])
     for (_, token_ids, _, _), t in zip(results, stops):
         assert len(token_ids) >= 20 and t not in token_ids[:19]
+
+
+@pytest.mark.parametrize("kind", ["greedy", "sampled"])
+def test_stop_strings_wait_for_min_tokens(llms, free_runs, kind):
+    """A stop string counts once it ends past the text of the first min_tokens tokens (vLLM's rule): one that lies
+    within that text ends nothing, one that straddles its end does."""
+    base = GREEDY if kind == "greedy" else SAMPLED
+    decode = llms["plain"].tokenizer.decode
+    cases = []  # (prompt, free run, min_tokens, stop string, where the text should end)
+    for prompt, out in zip(PROMPTS, free_runs[kind]):
+        # min_tokens m where the first m tokens' text, at least 3 long, ends in a whole character (none held back)
+        m = next(m for m in range(1, 30) if len(held := decode(out.token_ids[:m])) >= 3
+                 and not held.endswith("\ufffd") and out.text.startswith(held))
+        n = len(held)
+        for stop in (out.text[n - 3:n], out.text[n - 2:n + 1]):  # within that text; straddling its end
+            cases.append((prompt, out, m, stop, out.text.find(stop, n - len(stop) + 1)))
+    params_list = [SamplingParams(**base, stop=[stop], min_tokens=m) for _, _, m, stop, _ in cases]
+    results = {name: [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason)
+                      for o in llm.generate([prompt for prompt, *_ in cases], params_list)]
+               for name, llm in llms.items()}
+    assert all(result == results["plain"] for result in results.values())
+    for (text, token_ids, reason, stop_reason), (_, out, m, stop, end) in zip(results["plain"], cases):
+        assert len(token_ids) > m
+        assert (text, reason, stop_reason) == ((out.text[:end], "stop", stop) if end >= 0 else
+                                               (out.text, "length", None))
+    assert any(end >= 0 for *_, end in cases[1::2])  # a straddling stop string ended a request
+    for llm in llms.values():
+        assert_no_leak(llm)
 
 
 def test_min_tokens_holds_back_eos(target, device):

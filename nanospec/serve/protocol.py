@@ -74,7 +74,7 @@ class SamplingFields(Body):
 
         top_k = field("top_k")
         return SamplingParams(
-            temperature=field("temperature"), top_p=field("top_p"), top_k=-1 if top_k == 0 else top_k,
+            temperature=field("temperature"), top_p=field("top_p"), top_k=top_k,
             min_p=field("min_p"), max_tokens=max_tokens, min_tokens=self.min_tokens, seed=self.seed, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, skip_special_tokens=self.skip_special_tokens,
