@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -96,6 +96,8 @@ class Engine:
         seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
         text = TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output,
                           params.skip_special_tokens)
+        if params.max_tokens is None:  # until the context ends
+            params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
         seq = Sequence(self._next_id, prompt_token_ids, params, seed, text, self._stop_token_ids(params))
         seq.bad_words_token_ids = bad_words
         self.speculator.start(seq)
@@ -134,7 +136,8 @@ class Engine:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "
                              f"(prompt + at least one generated token)")
         # the most slots a step holds for it: its tokens and a proposal, within the context
-        lifetime = min(len(prompt_token_ids) + params.max_tokens + self.speculator.max_tokens_per_step, max_len)
+        lifetime = min(len(prompt_token_ids) + (params.max_tokens or max_len) + self.speculator.max_tokens_per_step,
+                       max_len)
         need = self.block_manager.blocks_for(lifetime)
         if need > self.block_manager.num_blocks:
             raise ValueError(f"the KV pool is too small for this request: it needs {need} blocks of "

@@ -14,6 +14,7 @@ FLOAT32_MAX = 3.4028234663852886e38  # the sampler holds temperature and repetit
 @dataclass
 class SamplingParams:
     """Sampling settings of one request, vLLM's names and meanings (docs/sampling.md). ``temperature`` 0 is greedy;
+    ``max_tokens`` None generates until the context ends;
     ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest (0: off); ``top_k`` -1 or 0 (or at
     least the vocabulary) keeps every token; ``stop`` strings end the text before them (after them with
     ``include_stop_str_in_output``); ``skip_special_tokens`` leaves special tokens out of the text;
@@ -30,7 +31,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1
     min_p: float = 0.0
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     seed: int | None = None
     stop: list[str] | str | None = None
@@ -61,9 +62,11 @@ class SamplingParams:
         self.top_k = -1 if self.top_k == 0 else self.top_k
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise ValueError(f"max_tokens must be None (to the context's end) or an integer >= 1, "
+                             f"got {self.max_tokens!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0 or (self.max_tokens is not None
+                                                                   and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
         if self.seed is not None and not _is_int(self.seed):

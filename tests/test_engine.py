@@ -177,6 +177,15 @@ def test_bad_sampling_params(kwargs, match):
         SamplingParams(**kwargs)
 
 
+def test_max_tokens_none_runs_to_the_context_end(tiny_path, device):
+    """vLLM's: max_tokens None generates until the context ends."""
+    llm = LLM(str(tiny_path), max_model_len=24, device=device, **FP32)
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
+    assert (len(out.token_ids), out.finish_reason) == (24 - 3, "length")
+    assert SamplingParams(max_tokens=None, min_tokens=100).min_tokens == 100
+    assert_no_leak(llm)
+
+
 def test_top_k_zero_keeps_every_token():
     """vLLM's: top_k 0, like -1, turns top-k off."""
     assert SamplingParams(top_k=0).top_k == -1 and SamplingParams(top_k=5).top_k == 5
