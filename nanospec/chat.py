@@ -124,18 +124,24 @@ def load(args):
     from nanospec import LLM, SamplingParams
     from nanospec.device import fix_malloc_mmap_threshold
     from nanospec.log import set_level
+    from nanospec.model.quantization import quantization_from_cli
 
     fix_malloc_mmap_threshold()
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             min_p=args.min_p, max_tokens=args.max_tokens, seed=args.seed)
     spec_config = spec_config_from_arg(args.spec, args.num_speculative_tokens)
+    quantization = quantization_from_cli(args.quantization)
     if args.quiet:
         set_level("warning")
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config,
               tensor_parallel_size=args.tensor_parallel_size,
-              quantization=None if args.quantization == "none" else args.quantization,
+              quantization=quantization,
               enable_prefix_caching=args.enable_prefix_caching,
               max_num_seqs=1)  # one conversation: the KV pool holds one context
+    if llm.get_tokenizer().chat_template is None:
+        llm.shutdown()
+        raise ValueError(f"{args.model} has no chat template, so it cannot chat (for raw text, use LLM.generate "
+                         "or the server's /v1/completions)")
     return llm, params
 
 
@@ -213,6 +219,21 @@ def stream_answer(llm, messages, params):
     return text, out, ctrl_c.pressed and not (out is not None and out.finished)
 
 
+def fit_to_context(llm, system: list[dict], history: list[dict], turn: dict, max_tokens: int) -> int:
+    """How many of the oldest turns (a question and its answer) ``history`` must lose for ``system + history +
+    [turn]`` to leave ``max_tokens`` for the answer in the context: all of them if even that is not enough (the
+    answer is then cut at the context's end). ValueError if the system prompt and ``turn`` alone fill the context."""
+    tokenizer, context = llm.get_tokenizer(), llm.engine.max_model_len
+    for dropped in range(len(history) // 2 + 1):
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(system + history[2 * dropped:] + [turn]))
+        if len(prompt) + max_tokens <= context:
+            return dropped
+    if len(prompt) >= context:
+        raise ValueError(f"this message does not fit the context even without the earlier turns: the prompt has "
+                         f"{len(prompt)} tokens and the context holds {context} (prompt + at least one answer token)")
+    return len(history) // 2
+
+
 def repl(llm, params, args) -> None:
     """Answer turns until EOF or /quit. KeyboardInterrupt at the prompt (or a second Ctrl-C during an
     answer) propagates to the caller."""
@@ -244,8 +265,13 @@ def repl(llm, params, args) -> None:
         turn = {"role": "user", "content": line}
         start = time.perf_counter()
         try:
+            dropped = fit_to_context(llm, system, history, turn, params.max_tokens)
+            if dropped:
+                del history[:2 * dropped]
+                print(f"(dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to fit the context)",
+                      file=sys.stderr)
             answer, out, interrupted = stream_answer(llm, system + history + [turn], params)
-        except ValueError as e:  # e.g. the conversation outgrew the context
+        except ValueError as e:  # e.g. this input alone does not fit the context; the template refuses it
             print(f"\nerror: {e}", file=sys.stderr)
             continue
         print()

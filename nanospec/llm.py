@@ -73,11 +73,13 @@ class LLM:
             raise ValueError(f"a prompt dict takes one key, 'prompt' or 'prompt_token_ids'; got {sorted(prompt)}")
         return next(iter(prompt.values()))
 
-    def _encode(self, prompt: Prompt) -> list[int]:
+    def _encode(self, prompt: Prompt, add_special_tokens: bool) -> list[int]:
+        """Token ids as given, or of text: a raw prompt with the tokenizer's special tokens (BOS where it adds one),
+        a rendered chat (``add_special_tokens`` False) without, as vLLM encodes them."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty: give some text or token ids")
-            return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         if isinstance(prompt, (list, tuple)):
             bad = next((t for t in prompt if not isinstance(t, int) or isinstance(t, bool)), None)
             if bad is not None:
@@ -108,18 +110,22 @@ class LLM:
                 raise ValueError(f"sampling_params must be SamplingParams, got {type(p).__name__}")
         return params
 
-    def _add_all(self, prompts, params) -> list[tuple[Prompt, list[int]]]:
-        """Encode and validate every prompt, then queue ``n`` requests per prompt; a bad one queues nothing. Per prompt:
-        the prompt and its requests' ids, one per completion in ``index`` order."""
+    def _add_all(self, prompts, params, add_special_tokens: bool = True,
+                 numbered: bool = True) -> list[tuple[Prompt, list[int]]]:
+        """Encode and validate every prompt, then queue ``n`` requests per prompt; a bad one queues nothing, its
+        ValueError starting "prompt i: " where ``numbered``. Per prompt: the prompt and its requests' ids, one per
+        completion in ``index`` order."""
         prompt_list = self._as_prompt_list(prompts)
         params_list = self._params_list(params, len(prompt_list))
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompt_list, params_list)):
             try:
                 prompt_list[i] = prompt = self._unwrap(prompt)
-                encoded.append(self._encode(prompt))
+                encoded.append(self._encode(prompt, add_special_tokens))
                 self.engine.validate_prompt(encoded[-1], p.for_choice(0))
             except ValueError as e:
+                if not numbered:
+                    raise
                 raise ValueError(f"prompt {i}: {e}") from None
         return [(prompt, [self.engine.add_request(ids, p.for_choice(c)) for c in range(p.n)])
                 for prompt, ids, p in zip(prompt_list, encoded, params_list)]
@@ -151,7 +157,10 @@ class LLM:
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Run every prompt to completion: one ``RequestOutput`` per prompt, in order, its ``n`` completions in
         ``outputs``. A completion that fails inside a step ends with ``finish_reason == "error"``."""
-        added = self._add_all(prompts, sampling_params)
+        return self._run(self._add_all(prompts, sampling_params), use_tqdm)
+
+    def _run(self, added: list[tuple[Prompt, list[int]]], use_tqdm: bool) -> list[RequestOutput]:
+        """Step until every request ``_add_all`` queued has finished; a ``RequestOutput`` per prompt."""
         ids = [rid for _, rids in added for rid in rids]
         self._outputs.update((rid, []) for rid in ids)
         finished: dict[int, CompletionOutput] = {}
@@ -182,12 +191,16 @@ class LLM:
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> RequestStream:
         """A ``RequestStream`` of one completion's outputs, one per step that produced tokens."""
+        return self._stream(prompt, sampling_params, add_special_tokens=True)
+
+    def _stream(self, prompt: Prompt, sampling_params, add_special_tokens: bool) -> RequestStream:
         if isinstance(prompt, (list, tuple)) and prompt and not all(isinstance(t, int) for t in prompt):
             raise ValueError("stream() takes one prompt (a string or a list of token ids); use generate() for several")
         (params,) = self._params_list(sampling_params, 1)  # a SamplingParams, or a list of one
         if params.n != 1:
             raise ValueError(f"stream() serves one completion: n must be 1, got {params.n} (use generate())")
-        ((_, (rid,)),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params)
+        ((_, (rid,)),) = self._add_all([prompt] if not isinstance(prompt, str) else prompt, params,
+                                       add_special_tokens, numbered=False)
         self._outputs[rid] = []
         return RequestStream(self, rid)
 
@@ -209,11 +222,12 @@ class LLM:
             conversations = [(c, f"messages[{i}]") for i, c in enumerate(messages)]
         else:
             conversations = [(messages, "messages")]
-        return self.generate([self._render_chat(c, where, add_generation_prompt, continue_final_message)
-                              for c, where in conversations], sampling_params, use_tqdm)
+        prompts = [self._render_chat(c, where, add_generation_prompt, continue_final_message)
+                   for c, where in conversations]
+        return self._run(self._add_all(prompts, sampling_params, add_special_tokens=False), use_tqdm)
 
     def stream_chat(self, messages, sampling_params: SamplingParams | None = None) -> RequestStream:
-        return self.stream(self._render_chat(messages), sampling_params)
+        return self._stream(self._render_chat(messages), sampling_params, add_special_tokens=False)
 
     # ---------------------------------------------------------------- lifecycle
     def shutdown(self) -> None:
@@ -244,7 +258,7 @@ class LLM:
 
     def stats(self) -> dict:
         s = self.engine.stats  # num_steps, num_generated_tokens, num_draft_tokens, num_accepted_tokens, *_seconds
-        return {"quantization": self.model.quantization,  # e.g. "int4-g32 (120), int8 (1)"; None: float weights
+        return {"quantization": self.model.quantization,  # e.g. "int4-g32 (120), int8 (1)", "float32 (9)"
                 **dataclasses.asdict(s),
                 "acceptance_rate": s.num_accepted_tokens / s.num_draft_tokens if s.num_draft_tokens else 0.0,
                 "num_preemptions": self.engine.scheduler.num_preemptions,

@@ -18,24 +18,25 @@ from nanospec.chat_messages import check_messages
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` and its tokenizer_config.json; `extra_eos_token_ids` also end generation."""
+    """A `tokenizers.Tokenizer` and its tokenizer_config.json; `extra_eos_token_ids` also end generation.
+    ``add_bos_token``: whether ``encode(text, add_special_tokens=True)`` puts BOS in front."""
 
     def __init__(self, backend: tokenizers.Tokenizer, config: Mapping | None = None,
                  extra_eos_token_ids: Sequence[int] = ()):
         self.backend = backend
         self.config = dict(config or {})
-        self.bos_token = _token_content(self.config.get("bos_token"))
-        self.eos_token = _token_content(self.config.get("eos_token"))
+        self._special_tokens = {name: _token_content(name, self.config.get(name))
+                               for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
+        self.bos_token, self.eos_token = self._special_tokens["bos_token"], self._special_tokens["eos_token"]
         self.bos_token_id = backend.token_to_id(self.bos_token) if self.bos_token is not None else None
-        add_bos = self.config.get("add_bos_token")
-        if add_bos is None:  # as the post-processor does
-            add_bos = self.bos_token_id is not None and \
-                backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id]
-        self.add_bos_token = bool(add_bos)
+        # tokenizer.json's post-processor adds the special tokens; transformers, given a tokenizer.json, ignores the
+        # config's add_bos_token, and so do we
+        self.add_bos_token = self.bos_token_id is not None and \
+            backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id]
         eos_ids = [backend.token_to_id(self.eos_token)] if self.eos_token is not None else []
         self.eos_token_ids = list(dict.fromkeys(i for i in [*eos_ids, *extra_eos_token_ids] if i is not None))
         self.chat_template = _pick_chat_template(self.config.get("chat_template"))
-        self._compiled_template = None
+        self._compiled_template = None if self.chat_template is None else _compile_chat_template(self.chat_template)
 
     @classmethod
     def from_file(cls, tokenizer_json: str | os.PathLike, tokenizer_config: Mapping | None = None,
@@ -52,11 +53,11 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text` (special tokens written in it become their ids), BOS in front when the config asks."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
-        return ids
+        """Token ids of `text` (special tokens written in it become their ids). ``add_special_tokens``: with the
+        tokens the tokenizer adds around a text (BOS for Llama-style tokenizers, nothing for SmolLM2's), as
+        transformers' ``tokenizer(text)`` and vLLM do for a raw text prompt; a rendered chat template holds its own
+        and is encoded without."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
@@ -77,15 +78,17 @@ class Tokenizer:
         if self.chat_template is None:
             raise ValueError("this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')")
         messages = check_messages(messages)
-        if self._compiled_template is None:
-            self._compiled_template = _compile_chat_template(self.chat_template)
-        special_tokens = {name: _token_content(self.config.get(name))
-                          for name in ("bos_token", "eos_token", "unk_token", "pad_token")}
         final = messages[-1]["content"]
         if continue_final_message:  # a mark after the last message's content shows where to cut
             messages = messages[:-1] + [{**messages[-1], "content": final + _CONTINUE_MARK}]
-        text = self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                              **special_tokens)
+        try:
+            text = self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                  **self._special_tokens)
+        except jinja2.TemplateError as error:  # raise_exception(...) in the template, an undefined function, ...
+            raise ValueError(f"the chat template refused the conversation: {error}") from None
+        except (TypeError, LookupError, ArithmeticError) as error:  # e.g. a string plus a number in the template
+            raise ValueError(f"the chat template failed on the conversation: {type(error).__name__}: {error}") \
+                from None
         return _cut_at_mark(text, final) if continue_final_message else text
 
     def save(self, directory: str | os.PathLike) -> None:
@@ -100,21 +103,34 @@ class Tokenizer:
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
 
 
-def _token_content(token) -> str | None:
-    """tokenizer_config.json writes a special token as a string or as {"content": ..., ...}."""
-    return token.get("content") if isinstance(token, Mapping) else token
+def _token_content(name: str, token) -> str | None:
+    """tokenizer_config.json writes a special token as a string or as {"content": ..., ...}; anything else is a
+    ValueError naming the field."""
+    content = token.get("content") if isinstance(token, Mapping) else token
+    if content is not None and not isinstance(content, str):
+        raise ValueError(f'{name} must be a token, a string or {{"content": "..."}}, got {token!r}')
+    return content
 
 
 def _pick_chat_template(template) -> str | None:
-    """Older configs hold a list of named templates; the one named "default" is the chat template."""
+    """The chat template: a string, or (older configs) a list of {"name", "template"} entries of which the one
+    named "default" is the chat template. Anything else is a ValueError naming the field."""
     if isinstance(template, list):
+        bad = next((entry for entry in template if not isinstance(entry, Mapping)
+                    or not isinstance(entry.get("name"), str) or not isinstance(entry.get("template"), str)), None)
+        if bad is not None:
+            raise ValueError('chat_template: a list of templates holds {"name": ..., "template": ...} objects '
+                             f"whose name and template are strings, got {bad!r}")
         return {entry["name"]: entry["template"] for entry in template}.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"chat_template must be a string (the Jinja template) or a list of named templates, "
+                         f"got {template!r}")
     return template
 
 
 def _compile_chat_template(template: str) -> jinja2.Template:
     """Compile like transformers: sandboxed, trim_blocks + lstrip_blocks, its helpers and a `tojson` that keeps
-    non-ASCII text and does not escape HTML."""
+    non-ASCII text and does not escape HTML. A template that does not compile is a ValueError saying why."""
 
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
@@ -126,7 +142,10 @@ def _compile_chat_template(template: str) -> jinja2.Template:
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
-    return env.from_string(template)
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as error:  # bad syntax, an unknown filter or test
+        raise ValueError(f"the chat template does not compile: {error} (line {error.lineno})") from None
 
 
 _CONTINUE_MARK = "CONTINUE_FINAL_MESSAGE_MARK "

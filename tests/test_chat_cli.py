@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 
 import pytest
 
@@ -42,13 +43,28 @@ def run_chat(args, stdin: bytes, **kwargs):
 
 
 # ---------------------------------------------------------------- a scripted LLM, in this process
+class ScriptedTokenizer:
+    """A character per token; the chat template joins the messages' contents."""
+
+    def __init__(self, chat_template="(scripted)"):
+        self.chat_template = chat_template
+
+    def apply_chat_template(self, messages):
+        return "".join(m["content"] for m in messages)
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
 class ScriptedLLM:
     """Stands in for ``LLM``: each answer streams PIECES; ``ctrl_c`` maps a call number to how many SIGINTs
     this process sends itself after the second piece of that answer. Records what every call received."""
 
     PIECES = ["Paris ", "is ", "the ", "capital."]
 
-    def __init__(self, ctrl_c=None):
+    def __init__(self, ctrl_c=None, max_model_len=1 << 20, tokenizer=None):
+        self.engine = types.SimpleNamespace(max_model_len=max_model_len)
+        self.tokenizer = tokenizer or ScriptedTokenizer()
         self.ctrl_c = ctrl_c or {}
         self.calls: list[tuple[list[dict], object]] = []
         self.closed: list[bool] = []  # per call: whether the stream was closed (finished or aborted)
@@ -56,6 +72,9 @@ class ScriptedLLM:
 
     def shutdown(self):
         self.shut_down = True
+
+    def get_tokenizer(self):
+        return self.tokenizer
 
     def stream_chat(self, messages, params):
         self.calls.append((list(messages), params))
@@ -172,12 +191,39 @@ def test_ctrl_c_while_loading_exits_130_in_process(monkeypatch, use_llm, capsys)
     (["--spec", "mlp:"], "--spec 'mlp:'"),
     (["--spec", "eagle3:"], "--spec 'eagle3:'"),
     (["--spec", "mlp", "-k", "0"], "must be >= 1"),
+    (["--quantization", "None"], "--quantization must be one of auto, int4, int4-g64, int4-g128, int8 or none "
+                                 "(float weights), got 'None'"),
 ])
 def test_bad_arguments_exit_2_with_one_line_before_loading(monkeypatch, use_llm, capsys, argv, message):
     use_llm(AssertionError("nothing is loaded for bad arguments"))
     assert main_with_stdin(monkeypatch, argv, b"hi\n") == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1
+
+
+def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(monkeypatch, use_llm, capsys):
+    """A character per token, a context of 60, answers of 21 characters and 10 kept for each: the third question
+    drops the first turn, a question that alone fills the context is an error that keeps the conversation, and
+    the chat goes on."""
+    llm = use_llm(ScriptedLLM(max_model_len=60))
+    lines = [letter * 10 for letter in "abc"] + ["d" * 70, "e" * 10]
+    assert main_with_stdin(monkeypatch, ["--max-tokens", "10"], "\n".join(lines).encode() + b"\n") == 0
+    answer = {"role": "assistant", "content": "".join(ScriptedLLM.PIECES)}
+    b, c, e = ({"role": "user", "content": letter * 10} for letter in "bce")
+    assert [messages for messages, _ in llm.calls[2:]] == [[b, answer, c], [c, answer, e]]
+    err = capsys.readouterr().err
+    assert err.count("(dropped the 1 oldest turn to fit the context)\n") == 2
+    assert "error: this message does not fit the context even without the earlier turns: the prompt has 70 " \
+           "tokens and the context holds 60" in err and "prompt 0" not in err
+
+
+def test_a_model_without_a_chat_template_exits_2_at_start_up(monkeypatch, use_llm, capsys):
+    llm = use_llm(ScriptedLLM(tokenizer=ScriptedTokenizer(chat_template=None)))
+    assert main_with_stdin(monkeypatch, ["--model", "raw"], b"hi\n") == 2
+    err = capsys.readouterr().err
+    assert err == "error: raw has no chat template, so it cannot chat (for raw text, use LLM.generate or the " \
+                  "server's /v1/completions)\n"
+    assert not llm.calls and llm.shut_down
 
 
 def test_spec_mlp_configs():

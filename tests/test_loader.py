@@ -531,6 +531,22 @@ def test_tokenizer_file_that_is_not_json_refused(tiny_hf, tmp_path, file_name):
     refused(config_file.parent, config_file.parent / file_name)
 
 
+@pytest.mark.parametrize("field, value, named", [
+    ("chat_template", [{"template": "x"}], "chat_template: a list of templates"),
+    ("chat_template", 5, "chat_template must be a string"),
+    ("chat_template", "{{ messages | nosuchfilter }}", "the chat template does not compile: No filter named"),
+    ("chat_template", "{% for m in messages %}{{ m }", "the chat template does not compile"),
+    ("bos_token", 5, "bos_token must be a token"),
+])
+def test_tokenizer_config_with_bad_value_refused_before_the_weights(tiny_hf, tmp_path, monkeypatch, field, value,
+                                                                      named):
+    tokenizer_config = corrupt_copy(tiny_hf, tmp_path).parent / "tokenizer_config.json"
+    tokenizer_config.write_text(json.dumps({**json.loads(tokenizer_config.read_text()), field: value}))
+    monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))
+    assert "tokenizer.json" not in refused(tokenizer_config.parent, tokenizer_config, named).replace(
+        "tokenizer_config.json", "")
+
+
 def test_shard_index_with_bad_weight_map_refused(tiny_hf, tmp_path):
     config_file = corrupt_copy(tiny_hf, tmp_path)
     index = config_file.parent / "model.safetensors.index.json"

@@ -29,7 +29,7 @@ from nanospec.serve import __main__ as serve_main  # noqa: E402
 from nanospec.serve.app import build_app  # noqa: E402
 from nanospec.serve.engine_loop import ServedEngine  # noqa: E402
 from checkout import checkout_env  # noqa: E402
-from tiny import assert_no_leak, make_tiny_llama, most_common_successors, successor_speculator  # noqa: E402
+from tiny import CHATML, add_bos_to_tokenizer, assert_no_leak, make_tiny_llama, most_common_successors, successor_speculator  # noqa: E402
 
 PROMPTS = ["abcabcabcab", "the cat sat on the mat, the cat", "0101010", "hello"]
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "abcabcabc?"}]
@@ -551,6 +551,57 @@ def test_a_prompt_too_long_for_the_context_names_the_prompt(server):
     assert "256" in r.json()["error"]["message"]
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "ab" * 100, "max_tokens": 200})  # room, but not for 200
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+@pytest.fixture(scope="module")
+def bos_llm(tmp_path_factory):
+    """An LLM whose tokenizer adds BOS to a text (Llama-style) and whose chat template refuses a developer message
+    with raise_exception, as Mistral's and Gemma's refuse some conversations."""
+    path = tmp_path_factory.mktemp("serve_bos")
+    make_tiny_llama(path, seed=1, max_pos=128)
+    add_bos_to_tokenizer(path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% if messages[0]['role'] == 'developer' %}{{ raise_exception('no developer "
+                               "messages here') }}{% endif %}" + CHATML)
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+    return LLM(str(path), num_blocks=128, block_size=4)
+
+
+def test_raw_text_gets_the_tokenizers_bos_and_a_rendered_chat_does_not(bos_llm):
+    """vLLM's encoding: a text prompt with the tokenizer's special tokens, a chat rendered by its template (which
+    writes BOS itself) without; offline and served alike, and /tokenize's add_special_tokens as vLLM's."""
+    tokenizer, greedy = bos_llm.get_tokenizer(), SamplingParams(temperature=0, max_tokens=2)
+    hi = tokenizer.encode("hi")
+    rendered = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES))
+    assert tokenizer.add_bos_token and rendered[0] == 1 and rendered[1] != 1
+    assert bos_llm.generate("hi", greedy)[0].prompt_token_ids == [1, *hi]
+    assert next(iter(bos_llm.stream("hi", greedy))).prompt_token_ids == [1, *hi]
+    assert bos_llm.generate([hi], greedy)[0].prompt_token_ids == hi  # token ids are fed as given
+    with pytest.raises(ValueError, match="^the prompt is empty"):  # one prompt: no "prompt 0: " before it
+        bos_llm.stream("", greedy)
+    assert bos_llm.chat(MESSAGES, greedy)[0].prompt_token_ids == rendered
+    assert next(iter(bos_llm.stream_chat(MESSAGES, greedy))).prompt_token_ids == rendered
+    with serving(bos_llm) as url:
+        def tokens(**body):
+            return httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
+        assert tokens(prompt="hi") == [1, *hi] and tokens(prompt="hi", add_special_tokens=False) == hi
+        assert tokens(messages=MESSAGES) == rendered
+        assert tokens(messages=MESSAGES, add_special_tokens=True) == [1, *rendered]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}).json()
+        assert r["usage"]["prompt_tokens"] == 1 + len(hi)
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
+        assert r["usage"]["prompt_tokens"] == len(rendered)
+
+
+def test_a_chat_template_that_refuses_the_conversation_is_a_400(bos_llm):
+    messages = [{"role": "developer", "content": "x"}, {"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="the chat template refused the conversation: no developer messages here"):
+        bos_llm.chat(messages, SamplingParams(max_tokens=2))
+    with serving(bos_llm) as url:
+        for route in ("/v1/chat/completions", "/tokenize"):
+            r = httpx.post(f"{url}{route}", json={"messages": messages})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+            assert "no developer messages here" in r.json()["error"]["message"]
 
 
 def test_a_lone_surrogate_is_named(server):

@@ -153,8 +153,33 @@ def test_chat_template_helpers():
     tokenizer = Tokenizer(backend, {"bos_token": {"content": "<s>"}, "eos_token": "</s>", "chat_template": template})
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "é"}])
     assert rendered == '<s>{"role": "user", "content": "é"}</s>'
-    with pytest.raises(Exception, match="users first"):
+    with pytest.raises(ValueError, match="^the chat template refused the conversation: users first$"):
         tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}])
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{% for m in messages %}{{ m['content'] }{% endfor %}", r"does not compile: unexpected '}' \(line 1\)"),
+    ("{{ messages | nosuchfilter }}", "does not compile: No filter named 'nosuchfilter'"),
+    (5, "chat_template must be a string .*, got 5"),
+    ([{"template": "x"}], "chat_template: a list of templates holds .*, got {'template': 'x'}"),
+])
+def test_a_chat_template_that_does_not_compile_is_refused_at_once(tokenizer, template, message):
+    with pytest.raises(ValueError, match=message):
+        Tokenizer(tokenizer.backend, {**tokenizer.config, "chat_template": template})
+
+
+@pytest.mark.parametrize("template, message", [
+    ("{{ nosuchfunction() }}", "refused the conversation: 'nosuchfunction' is undefined"),
+    ("{{ messages[0]['content'] + 1 }}", "failed on the conversation: TypeError"),
+])
+def test_a_chat_template_that_fails_while_rendering_is_a_value_error(tokenizer, template, message):
+    with pytest.raises(ValueError, match=message):
+        Tokenizer(tokenizer.backend, {"chat_template": template}).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_a_special_token_that_is_not_a_token_is_refused(tokenizer):
+    with pytest.raises(ValueError, match=r'bos_token must be a token, a string or {"content": "..."}, got 5'):
+        Tokenizer(tokenizer.backend, {**tokenizer.config, "bos_token": 5})
 
 
 def test_save_and_reload(tokenizer, tmp_path):
@@ -167,16 +192,22 @@ def test_save_and_reload(tokenizer, tmp_path):
     assert (reloaded.bos_token_id, reloaded.eos_token_ids, reloaded.add_bos_token) == (1, [2], False)
 
 
-def test_bos_from_config_or_post_processor(tokenizer):
-    with_bos = Tokenizer(tokenizer.backend, {**tokenizer.config, "add_bos_token": True})
-    assert with_bos.encode("hi", add_special_tokens=True) == [1, *tokenizer.encode("hi")]
-    assert with_bos.encode("hi") == tokenizer.encode("hi")
-    # A tokenizer.json whose post-processor adds BOS (Llama 3 style), a config that does not say: BOS is added once.
+@pytest.mark.parametrize("add_bos_token", [True, False, None])
+def test_bos_comes_from_the_post_processor(tokenizer, add_bos_token):
+    """As transformers' AutoTokenizer with a tokenizer.json: its post-processor adds BOS (Llama style) or not
+    (SmolLM2), whatever tokenizer_config.json's add_bos_token says."""
+    config = {key: value for key, value in tokenizer.config.items() if key != "add_bos_token"}
+    if add_bos_token is not None:
+        config["add_bos_token"] = add_bos_token
+    hi = tokenizer.encode("hi")
+    plain = Tokenizer(tokenizer.backend, config)
+    assert not plain.add_bos_token and plain.encode("hi", add_special_tokens=True) == hi
     backend = tokenizers.Tokenizer.from_str(tokenizer.backend.to_str())
     backend.post_processor = tokenizers.processors.TemplateProcessing(
         single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
-    config = {key: value for key, value in tokenizer.config.items() if key != "add_bos_token"}
-    assert Tokenizer(backend, config).encode("hi", add_special_tokens=True) == [1, *tokenizer.encode("hi")]
+    with_bos = Tokenizer(backend, config)
+    assert with_bos.add_bos_token and with_bos.encode("hi", add_special_tokens=True) == [1, *hi]
+    assert with_bos.encode("hi") == hi
 
 
 def test_extra_eos_token_ids(tokenizer):

@@ -36,6 +36,16 @@ def write_byte_tokenizer(out_dir: Path) -> None:
         "tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+def add_bos_to_tokenizer(out_dir: Path) -> None:
+    """Make the tiny tokenizer.json's post-processor put BOS (<|im_start|>, id 1) in front of a text, as Llama's
+    does; the chat template still writes its own <|im_start|>."""
+    from tokenizers import Tokenizer, processors
+
+    tok = Tokenizer.from_file(str(Path(out_dir) / "tokenizer.json"))
+    tok.post_processor = processors.TemplateProcessing(single="<|im_start|> $A", special_tokens=[("<|im_start|>", 1)])
+    tok.save(str(Path(out_dir) / "tokenizer.json"))
+
+
 def make_tiny_llama(out_dir: Path, *, seed: int = 0, tie: bool = True, num_heads: int = 4, num_kv_heads: int = 2,
                     head_dim: int = 16, hidden: int = 64, layers: int = 2, vocab: int = 320, ffn: int = 96,
                     max_pos: int = 512, rope_scaling: dict | None = None, std: float = 0.2):

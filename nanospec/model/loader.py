@@ -11,6 +11,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import tokenizers
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
@@ -174,8 +175,10 @@ def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
     config_file = directory / "tokenizer_config.json"
     tokenizer_config = read_json(config_file) if config_file.is_file() else {}
     template_file = directory / "chat_template.jinja"
+    config_source = config_file  # where tokenizer_config's fields were read
     if "chat_template" not in tokenizer_config and template_file.is_file():
         tokenizer_config["chat_template"] = template_file.read_text()
+        config_source = template_file if not config_file.is_file() else f"{config_file} with {template_file.name}"
     eos_ids = list(config.eos_token_id)
     generation_file = directory / "generation_config.json"
     if generation_file.is_file():
@@ -185,9 +188,13 @@ def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
         except ValueError as error:
             raise ValueError(f"{generation_file}: {error}") from None
     try:
-        return Tokenizer.from_file(tokenizer_json, tokenizer_config, eos_ids)
-    except Exception as error:
+        backend = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+    except Exception as error:  # tokenizers' own error type
         raise ValueError(f"cannot read tokenizer {tokenizer_json} ({error})") from None
+    try:
+        return Tokenizer(backend, tokenizer_config, eos_ids)
+    except ValueError as error:  # a special token or the chat template
+        raise ValueError(f"{config_source}: {error}") from None
 
 
 def read_json(path: Path) -> dict:

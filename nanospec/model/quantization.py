@@ -142,6 +142,17 @@ def parse_quantization(value) -> tuple[str | None, int]:
     return scheme, int(group or 32)
 
 
+def quantization_from_cli(value: str) -> str | None:
+    """A command line's ``--quantization`` as ``LLM(quantization=...)`` takes it: "none" (float weights) is None; a
+    ValueError in the command line's spelling names anything else."""
+    if value == "none":
+        return None
+    if value not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {', '.join(QUANTIZATIONS)} or none (float weights), "
+                         f"got {value!r}")
+    return value
+
+
 def int4_group_size(tensors: dict) -> int | None:
     """The largest int4 group among ``tensors``' values (None: no int4 weight)."""
     return max((t.group_size for t in tensors.values() if isinstance(t, Int4Weight)), default=None)

@@ -84,6 +84,7 @@ def _check(args: argparse.Namespace) -> None:
     :class:`~nanospec.engine_args.EngineArgs`), the default sampling, the host."""
     from nanospec.engine_args import EngineArgs
     from nanospec.model.generation_config import default_sampling
+    from nanospec.model.quantization import quantization_from_cli
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port}: must be in [0, 65535] (0 picks a free port)")
@@ -98,7 +99,7 @@ def _check(args: argparse.Namespace) -> None:
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                                  seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                                  enable_prefix_caching=args.enable_prefix_caching,
-                                 quantization=None if args.quantization == "none" else args.quantization)
+                                 quantization=quantization_from_cli(args.quantization))
         args.default_sampling, args.default_sampling_source = default_sampling(args.engine.model,
                                                                                args.generation_config)
     except (ValueError, OSError) as e:

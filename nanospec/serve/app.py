@@ -145,7 +145,7 @@ class Server:
             logprobs = body.num_logprobs()
         except ValueError as e:
             raise APIError(400, str(e), "top_logprobs") from None
-        prompt = self._encode(self._render(messages, body))
+        prompt = self._encode(self._render(messages, body), add_special_tokens=False)
         params = self._params(body, [prompt], "messages", None, logprobs)
         fmt = Formatter(self.tokenizer, self.model_name, chat=True, token_ids=body.return_token_ids)
         return await self._generate(request, body, fmt, [prompt], params)
@@ -322,7 +322,8 @@ class Server:
             text = self._render(self._messages(body.messages))
         else:
             text = body.prompt
-        tokens = self.tokenizer.encode(text)
+        add_special_tokens = body.messages is None if body.add_special_tokens is None else body.add_special_tokens
+        tokens = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
         return {"count": len(tokens), "max_model_len": self.max_model_len, "tokens": tokens}
 
     async def detokenize(self, request: Request):
@@ -372,11 +373,15 @@ class Server:
                            "model")
         return body
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        """Text to token ids (token ids are checked against the vocabulary with the rest of the prompt)."""
+    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        """Text to token ids: a raw prompt with the tokenizer's special tokens (BOS where it adds one), a rendered
+        chat (``add_special_tokens`` False) without, as vLLM encodes them. Token ids are kept as given (and checked
+        against the vocabulary with the rest of the prompt)."""
         if not prompt:
             raise APIError(400, "prompt: the prompt is empty: give some text or token ids", "prompt")
-        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+        return list(prompt)
 
 
 def _field_named(error: ValueError, body: BaseModel) -> str | None:

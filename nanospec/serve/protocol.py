@@ -129,10 +129,12 @@ class ChatCompletionRequest(SamplingFields):
 
 class TokenizeRequest(Body):
     """``/tokenize``: the ids the completion endpoints would feed for ``prompt``, or for ``messages`` rendered
-    with the chat template (and the assistant's turn opened)."""
+    with the chat template (and the assistant's turn opened). ``add_special_tokens`` (vLLM's): whether the text gets
+    the tokenizer's special tokens (BOS where it adds one); left out, a prompt does and rendered messages do not."""
     model: Str | None = None
     prompt: Str | None = None
     messages: Any = None  # checked by nanospec.chat_messages
+    add_special_tokens: Bool | None = None
 
 
 class DetokenizeRequest(Body):
