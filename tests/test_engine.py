@@ -3,9 +3,14 @@
 Every engine runs in fp32 on the test device (FP32 below); tokens are compared between runs on the same device,
 backend and dtype, exactly."""
 
+import json
+import re
+import shutil
+
 import pytest
 
 from nanospec import LLM, SamplingParams
+from nanospec.model import loader
 from tiny import assert_no_leak, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -200,6 +205,23 @@ def test_top_k_zero_keeps_every_token():
 def test_bad_engine_arguments(tiny_path, kwargs, error, match, device):
     with pytest.raises(error, match=match):
         LLM(str(tiny_path), **{"device": device, **kwargs})
+
+
+def never_read(*args, **kwargs):
+    raise AssertionError("weights were read before the checks that should have refused the model or arguments")
+
+
+def test_draft_with_unsupported_rope_scaling_refused_before_its_weights_are_read(tiny_path, tmp_path, monkeypatch,
+                                                                                device):
+    draft = tmp_path / "draft"
+    shutil.copytree(tiny_path, draft)
+    config = json.loads((draft / "config.json").read_text())
+    (draft / "config.json").write_text(json.dumps(config | {"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}))
+    safe_open = loader.safe_open
+    monkeypatch.setattr(loader, "safe_open", lambda file, **kw: never_read() if str(draft) in file else
+                        safe_open(file, **kw))
+    with pytest.raises(ValueError, match=re.escape(f"{draft / 'config.json'}: rope_scaling.rope_type must be a RoPE")):
+        LLM(str(tiny_path), device=device, speculative_config={"method": "draft", "model": str(draft)})
 
 
 def test_params_of_the_wrong_type(llm):

@@ -24,6 +24,7 @@ import tokenizers
 import torch
 from safetensors.torch import load_file, save_file
 
+from nanospec.kernels.rope import ROPE_SCALING_KEYS, build_rope_cache
 from nanospec.model import embedded, gguf_file, loader
 from nanospec.model.config import LIMITS, LlamaConfig
 from nanospec.model.embedded import INSTALL_COMMAND, embedded_model_path
@@ -486,6 +487,21 @@ def test_config_json_with_bad_value_refused(tiny_hf, tmp_path, monkeypatch, fiel
         assert f"got {bad!r}" in message
 
 
+@pytest.mark.parametrize("kind", ["yarn", "dynamic", "longrope"])
+def test_config_json_with_unsupported_rope_scaling_refused(tiny_hf, tmp_path, monkeypatch, kind):
+    config_file = corrupt_copy(tiny_hf, tmp_path, rope_scaling={"rope_type": kind, "factor": 2.0})
+    monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))
+    refused(config_file.parent, f"{config_file}: rope_scaling.rope_type must be a RoPE scaling nanospec supports "
+                                f"(default, linear, llama3), got {kind!r}")
+
+
+@pytest.mark.parametrize("kind", ROPE_SCALING_KEYS)
+def test_every_rope_scaling_the_config_accepts_the_rope_table_computes(kind):
+    numbers = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    config = LlamaConfig(rope_scaling={"rope_type": kind} | {key: numbers[key] for key in ROPE_SCALING_KEYS[kind]})
+    assert build_rope_cache(config.head_dim, 16, config.rope_theta, config.rope_scaling).isfinite().all()
+
+
 def test_config_json_lacking_a_required_field_refused(tiny_hf, tmp_path, monkeypatch):
     config_file = corrupt_copy(tiny_hf, tmp_path, num_hidden_layers=None)
     monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))
@@ -614,6 +630,17 @@ def test_gguf_with_bad_metadata_refused(tmp_path, tiny_state, monkeypatch, key, 
     write_tiny_gguf(path, tiny_state, metadata={key: value})
     monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
     refused(path, path, named)
+
+
+def test_gguf_rope_scaling(tmp_path, tiny_state, monkeypatch):
+    scaling = {"llama.rope.scaling.factor": 4.0, "llama.rope.scaling.original_context_length": 32}
+    write_tiny_gguf(tmp_path / "linear.gguf", tiny_state, metadata={"llama.rope.scaling.type": "linear", **scaling})
+    assert read_gguf(tmp_path / "linear.gguf").config.rope_scaling == {"rope_type": "linear", "factor": 4.0}
+    write_tiny_gguf(tmp_path / "yarn.gguf", tiny_state, metadata={"llama.rope.scaling.type": "yarn", **scaling})
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
+    path = tmp_path / "yarn.gguf"
+    refused(path, f"GGUF file {path}: llama.rope.scaling.type must be a RoPE scaling nanospec supports (default, "
+                  "linear, llama3), got 'yarn'")
 
 
 @pytest.mark.parametrize("key", ["llama.block_count", "llama.context_length"])

@@ -18,6 +18,10 @@ import torch
 
 from nanospec.kernels.backend import tl, triton
 
+# The RoPE scalings rope_inv_freq computes, each with the numbers it reads from ``rope_scaling`` (besides "rope_type").
+ROPE_SCALING_KEYS = {"default": (), "linear": ("factor",),
+                     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+
 
 def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None, device=None) -> torch.Tensor:
     """``[head_dim // 2]`` fp32 inverse frequencies. ``linear`` scaling divides each by ``factor``; ``llama3`` divides
@@ -42,7 +46,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None,
         is_low = wavelength > original_max / low_freq_factor
         smooth = torch.where(is_high, 1.0, torch.where(is_low, 0.0, smooth))
         return (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
+    raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: {', '.join(ROPE_SCALING_KEYS)})")
 
 
 def build_rope_cache(head_dim: int, max_position: int, theta: float, rope_scaling: dict | None = None,

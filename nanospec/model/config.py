@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import asdict, dataclass, field, fields
 
+from nanospec.kernels.rope import ROPE_SCALING_KEYS
+
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
 # The sane range of each integer field, (smallest, largest): far beyond any real Llama (Llama 3.1 405B has 126 layers,
@@ -22,10 +24,9 @@ LIMITS = {
 }
 # The range of each float field, (exclusive lower bound, inclusive upper bound).
 FLOAT_LIMITS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (1.0, 1e12)}
-# What rope_scaling must hold for each kind, besides "rope_type"; every number in it must be finite and positive.
+# The numbers rope_scaling may hold, each finite and positive. The kinds supported, and the numbers each needs:
+# ROPE_SCALING_KEYS, beside the RoPE table that reads them.
 _ROPE_SCALING_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-ROPE_SCALING_KEYS = {"linear": ("factor",), "dynamic": ("factor",), "yarn": ("factor",),
-                     "llama3": _ROPE_SCALING_NUMBERS}
 
 # What a checkpoint's config.json must state: defaulting its shape (transformers' defaults are Llama-2-7B's) would
 # only turn a missing field into a puzzling shape mismatch later.
@@ -207,7 +208,10 @@ def _checked_rope_scaling(scaling) -> dict | None:
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if not isinstance(rope_type, str):
         raise ConfigError("rope_scaling.rope_type", rope_type, "a string")
-    required = ROPE_SCALING_KEYS.get(rope_type, ())
+    if rope_type not in ROPE_SCALING_KEYS:
+        raise ConfigError("rope_scaling.rope_type", rope_type,
+                          f"a RoPE scaling nanospec supports ({', '.join(ROPE_SCALING_KEYS)})")
+    required = ROPE_SCALING_KEYS[rope_type]
     for key in _ROPE_SCALING_NUMBERS:
         if key in scaling or key in required:
             value = scaling.get(key)

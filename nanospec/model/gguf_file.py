@@ -49,8 +49,8 @@ _REQUIRED_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layer
                            "max_position_embeddings")  # llama.cpp requires these keys too
 _CONFIG_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": None}
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-_ROPE_SCALING_KEYS = {"rope_scaling.factor": "llama.rope.scaling.factor",
-                      "rope_scaling.original_max_position_embeddings": "llama.rope.scaling.original_context_length"}
+_ROPE_SCALING_KEYS = {"rope_scaling.rope_type": "llama.rope.scaling.type",
+                      "rope_scaling.factor": "llama.rope.scaling.factor"}
 
 
 @dataclass
@@ -274,16 +274,13 @@ def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
 
 
 def _rope_scaling_from_metadata(metadata: _Metadata) -> dict | None:
+    """rope_scaling as llama.rope.scaling.* state it (None: plain RoPE); LlamaConfig refuses a kind nanospec does not
+    compute (llama.cpp's "yarn", ...)."""
     kind = metadata.get("llama.rope.scaling.type", "none")
     factor = metadata.get("llama.rope.scaling.factor")
     if kind == "none" or factor in (None, 1.0):
         return None
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": factor}
-    if kind == "yarn":
-        original = metadata.require("llama.rope.scaling.original_context_length")
-        return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original}
-    raise ValueError(f"unsupported RoPE scaling {short_repr(kind)} in GGUF file {metadata.path}")
+    return {"rope_type": kind, "factor": factor}
 
 
 def _check_tensors(tensors: list[_Tensor], config: LlamaConfig, path: Path) -> dict[str, str]:
