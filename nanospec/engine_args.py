@@ -7,21 +7,23 @@ decode and verify from static buffers (CUDA graphs on CUDA). The rest: ``docs/``
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, replace
 
 import torch
 
-from nanospec.cache.kv_cache import kv_bytes_per_block, pool_blocks
+from nanospec.cache.kv_cache import check_holds_a_block, kv_bytes_per_block, pool_blocks
 from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine import Engine
 from nanospec.log import logger
 from nanospec.model.commands import DRAFT, TARGET
+from nanospec.model.config import LlamaConfig
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
 from nanospec.model.hub import resolve_model_path
 from nanospec.model.loader import Checkpoint, load_checkpoint, round_checkpoint
-from nanospec.model.parallel import check_shardable
+from nanospec.model.parallel import check_shardable, kv_heads_per_rank
 from nanospec.model.quantization import int4_group_size, parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
                                          parse_speculative_config)
@@ -87,15 +89,14 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
     shuts down. Under torchrun a rank > 0 serves as a worker, then exits."""
     start = time.perf_counter()
     if isinstance(args.model, Checkpoint):
+        _check_fits(args, args.model.config)
         checkpoint = round_checkpoint(args.model, args.quantization)
     else:
         logger.info("loading %s ...", args.model if args.model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)")
-        checkpoint = load_checkpoint(args.model, args.dtype, args.quantization)
-    context = checkpoint.config.max_position_embeddings
-    if args.max_model_len is not None and not 1 < args.max_model_len <= context:
-        raise ValueError(f"max_model_len must be in (1, {context}], got {args.max_model_len}")
+        checkpoint = load_checkpoint(args.model, args.dtype, args.quantization,
+                                     check_config=functools.partial(_check_fits, args))
     parallel = None
-    if args.tensor_parallel_size > 1:
+    if args.tensor_parallel_size > 1:  # again, with the int4 groups the weights came in
         check_shardable(checkpoint.config, args.tensor_parallel_size, group_size=int4_group_size(checkpoint.tensors))
         parallel = start_tensor_parallel(args.tensor_parallel_size, args.draft_tensor_parallel_size, args.device)
         if parallel.rank != 0:
@@ -109,6 +110,20 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
         raise
     logger.info("ready in %.1f s", time.perf_counter() - start)
     return engine, parallel
+
+
+def _check_fits(args: EngineArgs, config: LlamaConfig) -> None:
+    """ValueError for an engine argument the model's config rules out, before its weights are read: ``max_model_len``
+    beyond its context, a ``tensor_parallel_size`` that does not split its heads, a ``kv_cache_memory`` that holds no
+    block of its K/V."""
+    context = config.max_position_embeddings
+    if args.max_model_len is not None and not 1 < args.max_model_len <= context:
+        raise ValueError(f"max_model_len must be in (1, {context}], got {args.max_model_len}")
+    check_shardable(config, args.tensor_parallel_size)
+    if args.num_blocks is None and args.kv_cache_memory is not None:
+        kv_heads = kv_heads_per_rank(config.num_key_value_heads, args.tensor_parallel_size)
+        check_holds_a_block(args.kv_cache_memory, kv_bytes_per_block(config.num_hidden_layers, args.block_size,
+                                                                      kv_heads, config.head_dim, args.dtype))
 
 
 def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | None, device: torch.device

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from nanospec import LLM, SamplingParams
-from nanospec.model import loader
+from nanospec.model import gguf_file, loader
 from tiny import assert_no_leak, make_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -209,6 +209,20 @@ def test_bad_engine_arguments(tiny_path, kwargs, error, match, device):
 
 def never_read(*args, **kwargs):
     raise AssertionError("weights were read before the checks that should have refused the model or arguments")
+
+
+@pytest.mark.parametrize("model", ["tiny", "embedded"])
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_model_len=100_000), r"max_model_len must be in \(1, \d+\], got 100000"),
+    (dict(kv_cache_memory=10), r"kv_cache_memory=10 bytes holds no block \(\d+ bytes each\)"),
+    (dict(tensor_parallel_size=5), "tensor_parallel_size=5 does not divide the model's"),
+])
+def test_engine_arguments_the_model_rules_out_refused_before_its_weights_are_read(tiny_path, monkeypatch, device,
+                                                                                  model, kwargs, match):
+    monkeypatch.setattr(loader, "safe_open", never_read)
+    monkeypatch.setattr(gguf_file, "gguf_weight", never_read)
+    with pytest.raises(ValueError, match=match):
+        LLM(str(tiny_path) if model == "tiny" else None, device=device, **kwargs)
 
 
 def test_draft_with_unsupported_rope_scaling_refused_before_its_weights_are_read(tiny_path, tmp_path, monkeypatch,

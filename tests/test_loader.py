@@ -495,6 +495,19 @@ def test_config_json_with_unsupported_rope_scaling_refused(tiny_hf, tmp_path, mo
                                 f"(default, linear, llama3), got {kind!r}")
 
 
+def test_check_config_runs_before_any_weight_is_read(tiny_hf, tiny_state, tmp_path, monkeypatch):
+    write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state)
+    monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
+
+    def refuse(config):
+        raise ValueError(f"too short a context: {config.max_position_embeddings}")
+
+    for path in (tiny_hf, tmp_path / "tiny.gguf"):
+        with pytest.raises(ValueError, match="too short a context"):
+            load_checkpoint(path, torch.float32, check_config=refuse)
+
+
 @pytest.mark.parametrize("kind", ROPE_SCALING_KEYS)
 def test_every_rope_scaling_the_config_accepts_the_rope_table_computes(kind):
     numbers = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}

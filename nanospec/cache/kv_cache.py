@@ -29,13 +29,18 @@ def pool_blocks(bytes_per_block: int, device: torch.device, block_size: int, max
     if num_blocks is None:
         if kv_cache_memory is None:
             kv_cache_memory = int(have * (CUDA_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_MEMORY_SHARE))
-        if kv_cache_memory < bytes_per_block:
-            raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block ({bytes_per_block} bytes each)")
+        check_holds_a_block(kv_cache_memory, bytes_per_block)
         num_blocks = min(kv_cache_memory // bytes_per_block, max_num_seqs * -(-max_model_len // block_size))
     if (need := num_blocks * bytes_per_block) > have:
         raise ValueError(f"num_blocks={num_blocks} of {block_size} tokens needs {need / 2**30:.1f} GiB of KV "
                          f"cache, more than the {have / 2**30:.1f} GiB this {device.type} has")
     return num_blocks
+
+
+def check_holds_a_block(kv_cache_memory: int, bytes_per_block: int) -> None:
+    """ValueError, naming the value, when a KV budget of ``kv_cache_memory`` bytes holds no block."""
+    if kv_cache_memory < bytes_per_block:
+        raise ValueError(f"kv_cache_memory={kv_cache_memory} bytes holds no block ({bytes_per_block} bytes each)")
 
 
 def zeros_reserved(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -14,6 +14,7 @@ import math
 import mmap
 import os
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,13 +70,15 @@ class _Tensor:
     data: np.ndarray  # its bytes (uint8), a view of the file's memory map
 
 
-def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_size: int = 32) -> GGUFModel:
+def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_size: int = 32,
+              check_config: Callable[[LlamaConfig], None] | None = None) -> GGUFModel:
     """Read a GGUF file of a Llama model. Raises FileNotFoundError, or ValueError naming the file and the key or tensor
     at fault for a file that is not a valid GGUF of a Llama model: a corrupt or truncated header or tensor, missing or
     absurd metadata (LlamaConfig's checks), a tensor whose name, shape or type does not fit the metadata (all these
     before any tensor is dequantized), and a tensor that holds NaN or infinite values once dequantized.
     ``quantization`` (None, "auto", "int4", "int8"; ``nanospec.model.gguf_quant.gguf_weight``): which weights stay
-    or become quantized; None dequantizes every tensor to float32."""
+    or become quantized; None dequantizes every tensor to float32. ``check_config`` is called with the config as soon
+    as it is read, before the tokenizer or any tensor: what it raises ends the read."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {path}")
@@ -85,6 +88,8 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
         raise ValueError(f"unsupported GGUF architecture {short_repr(architecture)} in {path}: nanospec runs 'llama' "
                          "only")
     config = _config_from_metadata(metadata, tied=not any(t.name == "output.weight" for t in header_tensors))
+    if check_config is not None:
+        check_config(config)
     tokenizer_json, tokenizer_config = tokenizer_from_metadata(metadata, config.vocab_size)
     hf_names = _check_tensors(header_tensors, config, path)
     if quantization in ("int4", "auto") and group_size != 32:

@@ -27,7 +27,7 @@ from nanospec.model.attention import Attention
 from nanospec.model.config import LlamaConfig
 from nanospec.model.linear import logits, make_linear
 from nanospec.model.parallel import (ParallelGroup, VocabParallelEmbedding, check_shardable, columns, head_range,
-                                     rows, vocab_range)
+                                     kv_heads_per_rank, rows, vocab_range)
 from nanospec.model.quantization import Weight, cat_rows, pad_rows, to_device
 
 
@@ -88,7 +88,7 @@ class Llama:
                        for i in range(config.num_hidden_layers)]
         size = self.tp.size if self.tp is not None else 1
         self.num_heads = config.num_attention_heads // size
-        self.num_kv_heads = max(config.num_key_value_heads // size, 1)  # one replicated head when size > KV
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, size)
         self.head_dim = config.head_dim
         positions = min(config.max_position_embeddings, max_len or config.max_position_embeddings)
         self.cos_sin_cache = build_rope_cache(self.head_dim, positions, config.rope_theta, config.rope_scaling,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,19 +34,20 @@ class Checkpoint:
     path: Path  # where it was loaded from
 
 
-def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None,
-                    quantization: str | None = None) -> Checkpoint:
+def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None, quantization: str | None = None,
+                    check_config: Callable[[LlamaConfig], None] | None = None) -> Checkpoint:
     """Load `path` (None: the embedded SmolLM2), float tensors cast to `dtype` (None: as stored). `quantization`: None
     loads float weights; "auto" keeps a GGUF's 4-bit blocks and an HF checkpoint as stored; "int4" / "int8" round an HF
-    checkpoint's matrices on load."""
+    checkpoint's matrices on load. `check_config` is called with the config as soon as it is read, before the tokenizer
+    or any tensor: what it raises ends the load."""
     scheme, group_size = parse_quantization(quantization)
     path = embedded_model_path() if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
     if path.is_dir():
-        return _load_hf_directory(path, dtype, scheme, group_size)
+        return _load_hf_directory(path, dtype, scheme, group_size, check_config)
     if path.suffix == ".gguf" or _starts_with_gguf(path):
-        return _load_gguf(path, dtype, scheme, group_size)
+        return _load_gguf(path, dtype, scheme, group_size, check_config)
     raise ValueError(f"cannot load {path}: expected a .gguf file or a Hugging Face model directory "
                      "(config.json, model.safetensors, tokenizer.json)")
 
@@ -61,8 +63,9 @@ def round_checkpoint(checkpoint: Checkpoint, quantization: str | None) -> Checkp
     return replace(checkpoint, tensors=rounded)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int) -> Checkpoint:
-    model = read_gguf(path, scheme, group_size)
+def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int,
+               check_config: Callable[[LlamaConfig], None] | None) -> Checkpoint:
+    model = read_gguf(path, scheme, group_size, check_config)
     try:
         tokenizer = Tokenizer.from_json_str(model.tokenizer_json, model.tokenizer_config, model.config.eos_token_id)
     except Exception as error:  # tokenizers' and jinja's own errors
@@ -75,8 +78,8 @@ def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_
     return Checkpoint(model.config, tensors, tokenizer, path)
 
 
-def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str | None = None,
-                       group_size: int = 32) -> Checkpoint:
+def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int,
+                       check_config: Callable[[LlamaConfig], None] | None) -> Checkpoint:
     if not (directory / "config.json").is_file():
         gguf_files = sorted(directory.glob("*.gguf"))
         hint = f" (to load a GGUF, pass the file itself, e.g. {gguf_files[0]})" if gguf_files else ""
@@ -87,6 +90,8 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str |
         config = LlamaConfig.from_hf_dict(hf_config, require=REQUIRED_HF_FIELDS)
     except ValueError as error:
         raise ValueError(f"{config_file}: {error}") from None
+    if check_config is not None:
+        check_config(config)
     tokenizer = _load_tokenizer(directory, config)
     weight_files = _weight_files(directory)
 

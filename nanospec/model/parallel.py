@@ -66,6 +66,11 @@ def check_shardable(config, size: int, what: str = "tensor_parallel_size", group
                                  f"rank, not whole int4 groups of {group_size}: use int8 or float weights")
 
 
+def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
+    """The KV heads each of ``size`` ranks holds: its share, or one replicated head when ``size`` > ``num_kv_heads``."""
+    return max(num_kv_heads // size, 1)
+
+
 def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
     """The heads ``[start, end)`` of rank ``rank`` (see the module)."""
     if size <= num_heads:
