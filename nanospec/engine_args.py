@@ -53,6 +53,9 @@ class EngineArgs:
         """Every check that needs no weights; ``device``, ``dtype`` and ``speculative`` come out resolved."""
         if self.model is not None and not isinstance(self.model, (str, os.PathLike, Checkpoint)):
             raise ValueError(f"model must be a path or None, got {self.model!r}")
+        if isinstance(self.model, (str, os.PathLike)) and os.fspath(self.model) == "":
+            raise ValueError("model is an empty path: give a Hugging Face directory, a .gguf file or a Hub id (None: "
+                             "the embedded model)")
         _check_int("block_size", self.block_size, 1, 4096)
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
         _check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 16)

@@ -238,6 +238,11 @@ def test_draft_with_unsupported_rope_scaling_refused_before_its_weights_are_read
         LLM(str(tiny_path), device=device, speculative_config={"method": "draft", "model": str(draft)})
 
 
+def test_empty_model_path_refused():
+    with pytest.raises(ValueError, match="model is an empty path"):
+        LLM("")
+
+
 def test_params_of_the_wrong_type(llm):
     with pytest.raises(ValueError, match="got dict"):
         llm.generate([[5, 6]], {"max_tokens": 3})

@@ -309,6 +309,21 @@ def test_directory_without_config(tmp_path):
         load_checkpoint(tmp_path, torch.float32)
 
 
+def test_directory_without_config_hints_at_gguf_files_not_folders(tmp_path):
+    (tmp_path / "folder.gguf").mkdir()
+    with pytest.raises(FileNotFoundError) as error:
+        load_checkpoint(tmp_path, torch.float32)
+    assert str(error.value) == f"{tmp_path} has no config.json"
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match="pass the file itself, e.g. .*model.gguf"):
+        load_checkpoint(tmp_path, torch.float32)
+
+
+def test_empty_path_refused():
+    with pytest.raises(ValueError, match="the model path is empty"):
+        load_checkpoint("", torch.float32)
+
+
 def test_directory_without_weights(tmp_path):
     save_tiny_llama(tmp_path)
     os.remove(tmp_path / "model.safetensors")

@@ -41,6 +41,8 @@ def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None, q
     checkpoint's matrices on load. `check_config` is called with the config as soon as it is read, before the tokenizer
     or any tensor: what it raises ends the load."""
     scheme, group_size = parse_quantization(quantization)
+    if path is not None and os.fspath(path) == "":
+        raise ValueError("the model path is empty: give a Hugging Face directory or a .gguf file")
     path = embedded_model_path() if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
@@ -81,7 +83,7 @@ def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_
 def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int,
                        check_config: Callable[[LlamaConfig], None] | None) -> Checkpoint:
     if not (directory / "config.json").is_file():
-        gguf_files = sorted(directory.glob("*.gguf"))
+        gguf_files = sorted(path for path in directory.glob("*.gguf") if path.is_file())
         hint = f" (to load a GGUF, pass the file itself, e.g. {gguf_files[0]})" if gguf_files else ""
         raise FileNotFoundError(f"{directory} has no config.json{hint}")
     config_file = directory / "config.json"
