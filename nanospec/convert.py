@@ -29,10 +29,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def convert(in_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch.dtype | None = None,
             num_layers: int | None = None) -> Path:
     """Write `in_path` as a Hugging Face directory `out_dir` and return its path. `dtype` None keeps the stored dtype
-    (float32 for a GGUF, whose tensors are dequantized); `num_layers` keeps the first that many layers."""
+    (float32 for a GGUF, whose tensors are dequantized); `num_layers` keeps the first that many layers. An empty path,
+    or a file where the output directory or one of its parents would be, is a ValueError before anything loads."""
+    for name, path in (("input", in_path), ("output directory", out_dir)):
+        if os.fspath(path) == "":
+            raise ValueError(f"the {name} path is empty")
     in_path, out_dir = Path(in_path), Path(out_dir)
     if num_layers is not None and num_layers < 1:
         raise ValueError(f"num_layers must be at least 1, got {num_layers}")
+    nearest = next(path for path in (out_dir, *out_dir.parents) if path.exists())
+    if not nearest.is_dir():
+        raise ValueError(f"cannot write the output directory {out_dir}: {nearest} exists and is not a directory")
     if out_dir.exists() and in_path.exists() and out_dir.resolve() == in_path.resolve():
         raise ValueError(f"the output directory {out_dir} is the input: choose another one")
     if (out_dir / "model.safetensors.index.json").exists():

@@ -110,6 +110,18 @@ def test_cli(converted_dir, tmp_path, capsys):
     assert "nowhere.gguf" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("source, output", [("embedded", "afile"), ("embedded", "afile/sub"), ("embedded", ""),
+                                            ("", "out")])
+def test_cli_refuses_bad_paths_before_loading(tmp_path, capsys, monkeypatch, source, output):
+    (tmp_path / "afile").write_text("a file, not a directory")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("nanospec.convert.load_checkpoint", lambda *args: pytest.fail("loaded before checking paths"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([source, output])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.startswith("error: ") and len(err.splitlines()) == 1
+
+
 # ---------------------------------------------------------------- a Hugging Face directory, untied head
 
 
