@@ -63,7 +63,7 @@ class SamplingParams:
         if not _is_number(self.min_p) or not 0 <= self.min_p <= 1:
             raise ValueError(f"min_p must be a number in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens must be None (to the context's end) or an integer >= 1, "
+            raise ValueError(f"max_tokens must be an integer >= 1 (or None: to the context's end), "
                              f"got {self.max_tokens!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0 or (self.max_tokens is not None
                                                                    and self.min_tokens > self.max_tokens):
