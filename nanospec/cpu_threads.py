@@ -111,7 +111,7 @@ class ThreadTuner:
         self.probe_threads = None
 
 
-_schedstat_fds: dict[str, int] = {}  # thread id -> its open /proc/self/task/<id>/schedstat (a read, not an open, a step)
+_schedstat_fds: dict[str, int] = {}  # thread id -> its open /proc/self/task/<id>/schedstat (read, not opened, a step)
 
 
 def _waited_ns() -> int | None:

@@ -14,18 +14,18 @@ FLOAT32_MAX = 3.4028234663852886e38  # the sampler holds temperature and repetit
 @dataclass
 class SamplingParams:
     """Sampling settings of one request, vLLM's names and meanings (docs/sampling.md). ``temperature`` 0 is greedy;
-    ``max_tokens`` None generates until the context ends;
-    ``min_p`` keeps the tokens at least ``min_p`` times as likely as the likeliest (0: off); ``top_k`` -1 or 0 (or at
-    least the vocabulary) keeps every token; ``stop`` strings end the text before them (after them with
-    ``include_stop_str_in_output``); ``skip_special_tokens`` leaves special tokens out of the text;
-    ``stop_token_ids`` end it like eos (the token is kept, its text only with ``include_stop_str_in_output``);
-    ``min_tokens`` holds eos, stop tokens and stop strings off (a stop string counts once it ends past the text of
-    the first ``min_tokens`` tokens); ``speculate`` False opts out of speculation; ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs``
-    k reports the target's raw log-probabilities of each token and its k likeliest, ``prompt_logprobs`` k the same for
-    each prompt token after the first (its prefill then skips the prefix cache); ``allowed_token_ids`` keeps only
-    those tokens; ``bad_words`` are never completed (each word's last token is banned where the output ends with
-    the rest of it); ``logit_bias`` {token id: b} adds b (in [-100, 100]) to that token's logit; these and the
-    penalties as vLLM's, before temperature (:mod:`nanospec.sampling.penalties`)."""
+    ``max_tokens`` None generates until the context ends; ``min_p`` keeps the tokens at least ``min_p`` times as
+    likely as the likeliest (0: off); ``top_k`` -1 or 0 (or at least the vocabulary) keeps every token; ``stop``
+    strings end the text before them (after them with ``include_stop_str_in_output``); ``skip_special_tokens`` leaves
+    special tokens out of the text; ``stop_token_ids`` end it like eos (the token is kept, its text only with
+    ``include_stop_str_in_output``); ``min_tokens`` holds eos, stop tokens and stop strings off (a stop string counts
+    once it ends past the text of the first ``min_tokens`` tokens); ``speculate`` False opts out of speculation;
+    ``n`` completions, choice ``i`` seeded ``seed + i``; ``logprobs`` k reports the target's raw log-probabilities of
+    each token and its k likeliest, ``prompt_logprobs`` k the same for each prompt token after the first (its prefill
+    then skips the prefix cache); ``allowed_token_ids`` keeps only those tokens; ``bad_words`` are never completed
+    (each word's last token is banned where the output ends with the rest of it); ``logit_bias`` {token id: b} adds b
+    (in [-100, 100]) to that token's logit; these and the penalties as vLLM's, before temperature
+    (:mod:`nanospec.sampling.penalties`)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
