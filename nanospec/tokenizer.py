@@ -36,7 +36,13 @@ class Tokenizer:
         eos_ids = [backend.token_to_id(self.eos_token)] if self.eos_token is not None else []
         self.eos_token_ids = list(dict.fromkeys(i for i in [*eos_ids, *extra_eos_token_ids] if i is not None))
         self.chat_template = _pick_chat_template(self.config.get("chat_template"))
+        # compiled now, so that a template that does not compile is refused with the model
         self._compiled_template = None if self.chat_template is None else _compile_chat_template(self.chat_template)
+
+    def __getstate__(self) -> dict:
+        """For pickling (a tensor-parallel worker gets the tokenizer): the compiled template, which holds local
+        functions, is left out and compiled again on first use."""
+        return {**self.__dict__, "_compiled_template": None}
 
     @classmethod
     def from_file(cls, tokenizer_json: str | os.PathLike, tokenizer_config: Mapping | None = None,
@@ -81,6 +87,8 @@ class Tokenizer:
         final = messages[-1]["content"]
         if continue_final_message:  # a mark after the last message's content shows where to cut
             messages = messages[:-1] + [{**messages[-1], "content": final + _CONTINUE_MARK}]
+        if self._compiled_template is None:  # (unpickled)
+            self._compiled_template = _compile_chat_template(self.chat_template)
         try:
             text = self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                                   **self._special_tokens)

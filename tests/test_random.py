@@ -80,3 +80,12 @@ def test_uniformity_mean_and_chi_square():
     assert ((counts - expected) ** 2 / expected).sum().item() < 180
     # neighbouring indices are uncorrelated: |corr| of 10**6 independent pairs is ~1e-3
     assert abs(torch.corrcoef(torch.stack([v[:-1], v[1:]]))[0, 1].item()) < 5e-3
+
+
+def test_seeds_apart_in_their_high_half_share_no_stream():
+    """Seeds 2**32 apart differ only in the high half: their numbers at any two offsets are unrelated."""
+    index = torch.arange(1000)[None, :]
+    for seed in (0, 12345, -7):
+        first = uniform_ref(torch.tensor([[seed]]), torch.arange(8)[:, None], index)
+        other = uniform_ref(torch.tensor([[seed + 2**32]]), torch.arange(8)[:, None], index)
+        assert not any(torch.equal(first[i], other[j]) for i in range(8) for j in range(8))

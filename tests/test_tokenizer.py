@@ -2,6 +2,7 @@
 oracle, which builds its own tokenizer from the same file), and streaming decode."""
 
 import json
+import pickle
 
 import pytest
 import tokenizers
@@ -180,6 +181,13 @@ def test_a_chat_template_that_fails_while_rendering_is_a_value_error(tokenizer, 
 def test_a_special_token_that_is_not_a_token_is_refused(tokenizer):
     with pytest.raises(ValueError, match=r'bos_token must be a token, a string or {"content": "..."}, got 5'):
         Tokenizer(tokenizer.backend, {**tokenizer.config, "bos_token": 5})
+
+
+def test_pickles_with_its_chat_template(tokenizer):
+    """A tensor-parallel worker gets the tokenizer pickled: the compiled template stays behind, compiled on use."""
+    messages = [{"role": "user", "content": "Hi"}]
+    copy = pickle.loads(pickle.dumps(tokenizer))
+    assert copy.apply_chat_template(messages) == tokenizer.apply_chat_template(messages)
 
 
 def test_save_and_reload(tokenizer, tmp_path):

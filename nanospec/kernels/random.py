@@ -1,10 +1,11 @@
 """Counter-based random numbers, bit-identical in Triton and in PyTorch: ``uniform(seed, offset, index)``.
 
-    h = mix32(mix32(mix32(seed_lo ^ K0) ^ seed_hi ^ offset) ^ index)      (all uint32, wrapping)
+    h = mix32(mix32(mix32(mix32(seed_lo ^ K0) ^ seed_hi) ^ offset) ^ index)      (all uint32, wrapping)
     u = ((h >> 9) + 0.5) / 2**23 = (2j + 1) / 2**24,  j = h >> 9 in [0, 2**23)
 
 so u is one of 2**23 exact float32 values strictly inside (0, 1). ``mix32`` is "lowbias32"; ``seed`` a request's
-64-bit seed, ``offset`` its step (the position drawn), ``index`` the number within a step (a vocabulary entry).
+64-bit seed, ``offset`` its step (the position drawn), ``index`` the number within a step (a vocabulary entry). Each
+input is mixed in alone, so no two seeds share a stream at shifted offsets.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def uniform(seed, offset, index):
     off = (tl.cast(offset, tl.int64) & 0xFFFFFFFF).to(tl.uint32)
     idx = (tl.cast(index, tl.int64) & 0xFFFFFFFF).to(tl.uint32)
     h = _mix32(seed_lo ^ 0x9E3779B9)
-    h = _mix32(h ^ seed_hi ^ off)
+    h = _mix32(h ^ seed_hi)
+    h = _mix32(h ^ off)
     h = _mix32(h ^ idx)
     return ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
 
@@ -60,6 +62,7 @@ def uniform_ref(seed, offset, index) -> torch.Tensor:
     seed_lo = seed & _MASK32
     seed_hi = (seed >> 32) & _MASK32
     h = _mix32_ref(seed_lo ^ _K0)
-    h = _mix32_ref(h ^ seed_hi ^ (offset & _MASK32))
+    h = _mix32_ref(h ^ seed_hi)
+    h = _mix32_ref(h ^ (offset & _MASK32))
     h = _mix32_ref(h ^ (index & _MASK32))
     return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / 8388608.0)
