@@ -451,7 +451,9 @@ def assert_ranked_tree(tree, k: int, budget: int) -> None:
     for i, parent in enumerate(tree.parents):
         assert -1 <= parent < i
         assert parent < 0 or tree.chances[i] <= tree.chances[parent]
-    assert tree.chances == sorted(tree.chances, reverse=True) and 0 < tree.chances[-1] <= tree.chances[0] <= 1
+    # (a chance may be 0.0: a random head's float32 probability of a far-off token underflows)
+    assert tree.chances == sorted(tree.chances, reverse=True) and 0 <= tree.chances[-1] <= tree.chances[0] <= 1
+    assert tree.chances[0] > 0
     assert len(set(zip(tree.parents, tree.token_ids))) == len(tree.token_ids)
     assert tree.first_guesses() and not tree.is_chain
 

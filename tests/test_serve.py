@@ -252,17 +252,19 @@ def test_include_stop_str_in_output_streamed_and_not(server, offline):
 def test_n_seed_logprobs_equal_offline(server, offline):
     url, _ = server
     client = _client(url)
-    params = SamplingParams(temperature=1.0, max_tokens=10, seed=5, n=3, logprobs=2, stop=["c"])
+    free = offline.generate([PROMPTS[0]], SamplingParams(temperature=1.0, max_tokens=10, seed=5))[0].outputs[0]
+    stop = next(c for c in free.text[1:] if c.isascii() and c.isprintable())  # a character choice 0 writes
+    params = SamplingParams(temperature=1.0, max_tokens=10, seed=5, n=3, logprobs=2, stop=[stop])
     (request,) = offline.generate([PROMPTS[0]], params)
     expected = request.outputs  # the prompt's n completions, as the server's choices
     got = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=10, temperature=1.0, seed=5, n=3,
-                                    logprobs=2, stop=["c"], extra_body={"return_token_ids": True})
+                                    logprobs=2, stop=[stop], extra_body={"return_token_ids": True})
     assert [c.token_ids for c in got.choices] == [o.token_ids for o in expected]
     assert [c.text for c in got.choices] == [o.text for o in expected]
-    # vLLM's stop_reason beside finish_reason: "c" where the stop string ended a choice, else None
+    # vLLM's stop_reason beside finish_reason: the stop string where it ended a choice, else None
     assert [(c.finish_reason, c.stop_reason) for c in got.choices] == [(o.finish_reason, o.stop_reason)
                                                                          for o in expected]
-    assert ("stop", "c") in [(o.finish_reason, o.stop_reason) for o in expected]
+    assert ("stop", stop) in [(o.finish_reason, o.stop_reason) for o in expected]
     for choice, out in zip(got.choices, expected):
         assert choice.logprobs.token_logprobs == pytest.approx([lp.logprob for lp in out.logprobs], abs=1e-4)
         assert [len(top) <= 2 for top in choice.logprobs.top_logprobs]
@@ -591,6 +593,12 @@ def test_raw_text_gets_the_tokenizers_bos_and_a_rendered_chat_does_not(bos_llm):
         assert r["usage"]["prompt_tokens"] == 1 + len(hi)
         r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1}).json()
         assert r["usage"]["prompt_tokens"] == len(rendered)
+        # vLLM's add_special_tokens on both endpoints turns that around
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1, "add_special_tokens": False})
+        assert r.json()["usage"]["prompt_tokens"] == len(hi)
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1,
+                                                           "add_special_tokens": True})
+        assert r.json()["usage"]["prompt_tokens"] == 1 + len(rendered)
 
 
 def test_a_chat_template_that_refuses_the_conversation_is_a_400(bos_llm):

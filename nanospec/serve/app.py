@@ -126,7 +126,7 @@ class Server:
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
         given = body.prompts()
-        prompts = [self._encode(p) for p in given]
+        prompts = [self._encode(p, body.add_special_tokens) for p in given]
         if not prompts:
             raise APIError(400, "prompt: give at least one prompt", "prompt")
         params = self._params(body, prompts, "prompt", 16, body.logprobs)  # 16: OpenAI's default max_tokens
@@ -145,7 +145,7 @@ class Server:
             logprobs = body.num_logprobs()
         except ValueError as e:
             raise APIError(400, str(e), "top_logprobs") from None
-        prompt = self._encode(self._render(messages, body), add_special_tokens=False)
+        prompt = self._encode(self._render(messages, body), body.add_special_tokens)
         params = self._params(body, [prompt], "messages", None, logprobs)
         fmt = Formatter(self.tokenizer, self.model_name, chat=True, token_ids=body.return_token_ids)
         return await self._generate(request, body, fmt, [prompt], params)
@@ -373,10 +373,10 @@ class Server:
                            "model")
         return body
 
-    def _encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
-        """Text to token ids: a raw prompt with the tokenizer's special tokens (BOS where it adds one), a rendered
-        chat (``add_special_tokens`` False) without, as vLLM encodes them. Token ids are kept as given (and checked
-        against the vocabulary with the rest of the prompt)."""
+    def _encode(self, prompt: str | list[int], add_special_tokens: bool) -> list[int]:
+        """Text to token ids, with the tokenizer's special tokens (BOS where it adds one) or without: by default a raw
+        prompt with, a rendered chat without, as vLLM encodes them. Token ids are kept as given (and checked against
+        the vocabulary with the rest of the prompt)."""
         if not prompt:
             raise APIError(400, "prompt: the prompt is empty: give some text or token ids", "prompt")
         if isinstance(prompt, str):

@@ -98,10 +98,12 @@ def _token_id(key: str) -> int:
 class CompletionRequest(SamplingFields):
     """``/v1/completions``: one prompt (text or token ids) or a list of them; ``max_tokens`` defaults to 16. ``echo``:
     each choice's text starts with its prompt, and with ``logprobs`` so do its log-probabilities (the first prompt
-    token's is null)."""
+    token's is null). ``add_special_tokens`` (vLLM's): a text prompt gets the tokenizer's special tokens (BOS where
+    it adds one)."""
     prompt: Str | list[Str] | TokenIds | list[TokenIds]
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = False
+    add_special_tokens: Bool = True
 
     def prompts(self) -> list[str | list[int]]:
         """Each prompt: a string or a list of token ids."""
@@ -113,8 +115,11 @@ class CompletionRequest(SamplingFields):
 
 class ChatCompletionRequest(SamplingFields):
     """``/v1/chat/completions``: ``max_tokens`` (or ``max_completion_tokens``) defaults to what the context leaves
-    after the prompt; ``logprobs`` is a bool and ``top_logprobs`` the count, as OpenAI has them."""
+    after the prompt; ``logprobs`` is a bool and ``top_logprobs`` the count, as OpenAI has them;
+    ``add_special_tokens`` (vLLM's): the rendered chat gets the tokenizer's special tokens too (the template writes
+    its own)."""
     messages: Any = None  # checked by nanospec.chat_messages, as LLM.chat checks it
+    add_special_tokens: Bool = False
     add_generation_prompt: Bool = True  # vLLM's: open the assistant's turn
     continue_final_message: Bool = False  # vLLM's: go on with the last message (add_generation_prompt false)
     max_completion_tokens: Int | None = Field(None, ge=1)
