@@ -24,9 +24,9 @@ LIMITS = {
 }
 # The range of each float field, (exclusive lower bound, inclusive upper bound).
 FLOAT_LIMITS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (1.0, 1e12)}
-# The numbers rope_scaling may hold, each finite and positive. The kinds supported, and the numbers each needs:
-# ROPE_SCALING_KEYS, beside the RoPE table that reads them.
-_ROPE_SCALING_NUMBERS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+# The numbers rope_scaling may hold, each finite and positive: those of every kind ROPE_SCALING_KEYS lists (beside
+# the RoPE table that reads them).
+_ROPE_SCALING_NUMBERS = tuple(dict.fromkeys(key for keys in ROPE_SCALING_KEYS.values() for key in keys))
 
 # What a checkpoint's config.json must state: defaulting its shape (transformers' defaults are Llama-2-7B's) would
 # only turn a missing field into a puzzling shape mismatch later.
