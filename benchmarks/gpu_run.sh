@@ -108,7 +108,7 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
     spec)     # batch 1, greedy: plain, n-gram and the two shipped speculators (served as shipped: the policy on)
         stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 --no-transformers \
             --methods plain ngram mlp_speculator eagle3 --json "$OUT/spec_b1.json" ;;
-    spec-more)  # the other methods at batch 1 (against transformers), then batch 16 and 64 over 65 Spec-Bench questions,
+    spec-more)  # the other methods at batch 1 (against transformers), then batch 16 and 64 over 30 Spec-Bench questions,
                 # 5 a category (speculation must turn down)
         stage spec "$PY" benchmarks/bench_spec.py --device cuda --dtype bfloat16 --max-tokens 128 \
             --methods plain ngram ngram_tree draft draft_tree lookahead --lookahead 5,4,5 2,5,3 \
