@@ -663,9 +663,10 @@ def test_default_sampling_applies_to_what_a_request_leaves_out(model_path, offli
         assert missing.status_code == 400 and missing.json()["error"]["param"] == "prompt", missing.text
 
 
-def test_command_line_checks_every_argument_before_loading(model_path, tmp_path):
-    """Bad arguments and an address in use: one 'error:' line and exit 2, before any model is read."""
-    env = checkout_env()
+def test_command_line_checks_every_argument_before_loading(model_path, tmp_path, monkeypatch, capsys):
+    """Bad arguments and an address in use: one 'error:' line and exit 2, before any model is read (in this
+    process, with loading made to fail the test; one case as the real command)."""
+    monkeypatch.setattr(serve_main, "_serve", lambda args, sock: pytest.fail(f"{args} got past the checks"))
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen(1)
@@ -678,13 +679,15 @@ def test_command_line_checks_every_argument_before_loading(model_path, tmp_path)
                  (["--speculative-config", '{"method": "nope"}'], "method"),
                  (["--dtype", "float8"], "float8"), (["--log-level", "loud"], "--log-level"),
                  (["--model", str(tmp_path / "missing")], "model path does not exist"))
-        runs = [subprocess.Popen([sys.executable, "-m", "nanospec.serve", "--model", model_path, *args], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for args, _ in cases]
-        for (args, message), run in zip(cases, runs):  # (all at once: each is mostly Python starting)
-            _, stderr = run.communicate(timeout=120)
-            assert run.returncode == 2, (args, stderr)
+        for args, message in cases:
+            assert serve_main.main(["--model", model_path, *args]) == 2, args
+            stderr = capsys.readouterr().err
             assert stderr.startswith("error: ") and stderr.count("\n") == 1, (args, stderr)
             assert message in stderr, (args, stderr)
+    run = subprocess.run([sys.executable, "-m", "nanospec.serve", "--model", model_path, "--port", "99999"],
+                         env=checkout_env(), capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.startswith("error: --port 99999") and run.stderr.count("\n") == 1, \
+        run.stderr
 
 
 def test_sigterm_ends_open_streams_with_a_final_chunk_and_done(model_path):
