@@ -174,7 +174,10 @@ class Engine:
         return self.block_manager.reset_prefix_cache() and self.speculator.reset_prefix_cache()
 
     def pop_finished(self, request_id: int) -> None:
-        self.sequences.pop(request_id, None)
+        """Forget a finished request. An unfinished one is kept: an abort deferred to the step's end must find it."""
+        seq = self.sequences.get(request_id)
+        if seq is not None and seq.is_finished:
+            del self.sequences[request_id]
 
     # ---------------------------------------------------------------- the loop
     def step(self) -> list[CompletionOutput]:

@@ -114,6 +114,25 @@ def test_a_stream_dropped_during_a_step_ends_when_the_step_ends(paths, plain, de
     assert_no_leak(llm)
 
 
+def test_a_stream_dropped_during_a_step_is_aborted_not_left_running(paths, device):
+    """The finaliser also forgets the request (``LLM._release``) while its abort waits for the step's end: the
+    deferred abort must still find it and end it, not leave it generating to max_tokens unseen."""
+    llm = make_llm(paths[0], device, num_blocks=128)
+    stream = llm.stream(PROMPTS[0], SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    next(stream)
+    execute = llm.engine.runner.execute
+
+    def dropping_the_stream(*args, **kwargs):
+        nonlocal stream
+        stream = None  # its finaliser runs here, inside the step
+        return execute(*args, **kwargs)
+
+    llm.engine.runner.execute = dropping_the_stream
+    llm.generate(PROMPTS[1:2], GREEDY)
+    assert stream is None
+    assert_no_leak(llm)
+
+
 def test_stream_refuses_several_completions_before_queueing_any(plain):
     with pytest.raises(ValueError, match="n must be 1"):
         plain.stream(PROMPTS[0], [SamplingParams(n=2)])
