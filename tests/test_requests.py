@@ -301,6 +301,19 @@ def test_a_draft_with_a_shorter_context_caps_or_is_refused(paths, device):
         make_llm(paths[0], device, num_blocks=64, max_model_len=100, speculative_config=config)
 
 
+def test_a_tree_draft_with_a_shorter_context_fits_the_pool_its_context_needs(paths, plain, device):
+    """Capped to the draft's 40 tokens, a tree draft reserves draft K/V for no more than those 40: a pool of 10
+    blocks (what validate_prompt asks for) serves a request to the context's end."""
+    config = {"method": "draft", "model": str(paths[1]), "num_speculative_tokens": 3, "tree_top_k": 2,
+              "tree_budget": 8, "adaptive": False}
+    llm = make_llm(paths[0], device, num_blocks=10, speculative_config=config)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompt = list(range(10, 40))
+    out = llm.generate([prompt], params)[0].outputs[0]
+    assert out.finish_reason == "length" and out.token_ids == plain.generate([prompt], params)[0].outputs[0].token_ids
+    assert_no_leak(llm)
+
+
 def test_adaptive_speculation_with_a_small_pool(paths, plain, device):
     llm = make_llm(paths[0], device, num_blocks=6, speculative_config={"method": "ngram"})
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

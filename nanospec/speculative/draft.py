@@ -140,9 +140,10 @@ class DraftProposer(Proposer):
         if not seqs:
             return []
         states: list[DraftState] = [s.spec_state for s in seqs]
-        # nodes per tree: the budget, or what the context has left to feed (the speculator verifies no more)
-        budgets = [self.tree_budget if self.max_len is None else min(self.tree_budget, self.max_len - s.num_tokens - 1)
-                   for s in seqs]
+        # nodes per tree: the budget, or what the context has left to feed (the speculator verifies no more): the
+        # engine's context is the shorter of the one given (max_len) and the draft's own (max_model_len)
+        context = min(self.max_len or self.max_model_len, self.max_model_len)
+        budgets = [min(self.tree_budget, context - s.num_tokens - 1) for s in seqs]
         for seq, budget in zip(seqs, budgets):
             self._reserve(seq, seq.num_tokens + budget)
         feed = [seq.token_ids[st.num_cached:] for seq, st in zip(seqs, states)]  # backfill, ends with the root
