@@ -65,6 +65,18 @@ def test_draft_greedy_is_lossless(target_path, device, draft_path, plain, k):
     assert_no_leak(llm)
 
 
+def test_a_pool_of_one_context_is_enough_when_a_step_could_feed_more(target_path, device, plain):
+    """A step feeds no more than the context holds: lookahead's steps may feed 30 tokens, but under a context of
+    16 a pool of 16 slots serves a request to the context's end."""
+    llm = spec_llm(target_path, device, {"method": "lookahead"}, num_blocks=4, max_model_len=16)
+    prompt = PROMPTS[3]
+    out = llm.generate([prompt], GREEDY)[0].outputs[0]
+    assert out.finish_reason == "length" and len(prompt) + len(out.token_ids) == 16
+    expected = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=16 - len(prompt), ignore_eos=True))
+    assert out.token_ids == expected[0].outputs[0].token_ids
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("k", [2, 4])
 def test_target_as_its_own_draft_accepts_everything(target_path, device, plain, k):
     params = SamplingParams(temperature=0, max_tokens=1 + 5 * (k + 1), ignore_eos=True)

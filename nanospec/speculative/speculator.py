@@ -38,10 +38,11 @@ class Speculator:
         if proposer is None:
             return
         proposer.bind(runner)
-        if block_manager.blocks_for(self.max_tokens_per_step + 2) > block_manager.num_blocks:
+        step_tokens = min(self.max_tokens_per_step + 2, max_model_len)  # (a step holds no more than the context)
+        if block_manager.blocks_for(step_tokens) > block_manager.num_blocks:
             raise ValueError(f"the KV pool ({block_manager.num_blocks} blocks of {self.block_size} tokens) cannot "
-                             f"hold one speculative step ({self.max_tokens_per_step + 2} tokens); raise num_blocks "
-                             f"/ block_size or lower num_speculative_tokens")
+                             f"hold one speculative step ({step_tokens} tokens); raise num_blocks / block_size or "
+                             f"lower num_speculative_tokens")
         if adaptive:
             self.policy = self._calibrated_policy(block_manager, max_num_seqs, max_num_batched_tokens)
 
