@@ -44,8 +44,10 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
                   context: int) -> list[float]:
     """Seconds of a verify-shaped forward of each of ``shapes`` (sequences, new tokens each) after ``context`` cached
     tokens each, best of two passes where the shape holds at most 16 tokens, so one stall does not price a point as
-    free. Only the first sequence's context is written: attention over the others' costs the same whatever their K/V
-    holds (zeros, or a finished sequence's), and writing them took a prefill of ``context`` tokens each."""
+    free; a larger shape, timed once, is run once untimed before (a runner's first forward of a shape captures its
+    CUDA graph and may compile kernels: start-up, not a step's cost). Only the first sequence's context is written:
+    attention over the others' costs the same whatever their K/V holds (zeros, or a finished sequence's), and writing
+    them took a prefill of ``context`` tokens each."""
     bm = block_manager
     if not shapes:
         return []
@@ -63,6 +65,8 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
     costs: dict[tuple[int, int], float] = {}
     small = [shape for shape in reversed(shapes) if shape[0] * shape[1] <= 16]
     for num_seqs, tokens in list(shapes) + small:
+        if num_seqs * tokens > 16 and (num_seqs, tokens) not in costs:
+            run(num_seqs, tokens)  # untimed: the first forward of a shape (graph capture, kernel compiles)
         seconds = best_seconds(lambda: run(num_seqs, tokens), device, repeats=2 if num_seqs * tokens <= 16 else 1)
         costs[num_seqs, tokens] = min(costs.get((num_seqs, tokens), seconds), seconds)
     for table in tables:

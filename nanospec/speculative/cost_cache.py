@@ -24,7 +24,7 @@ import torch
 from nanospec.cpu_threads import BUSY_WAIT, Contention
 from nanospec.log import logger
 
-FORMAT = 2  # bumped when what is measured, or how, changes
+FORMAT = 3  # bumped when what is measured, or how, changes
 MAX_ENTRIES = 64
 FILE_NAME = "forward_costs.json"
 
