@@ -55,6 +55,29 @@ def test_ngram_greedy_is_lossless(target_path, device, plain, k):
     assert_no_leak(llm)
 
 
+@pytest.mark.parametrize("config", [{"method": "ngram", "prompt_lookup_max": 3},
+                                    {"method": "lookahead", "window_size": 2, "ngram_size": 3, "guess_set_size": 2}],
+                         ids=["ngram", "lookahead"])
+def test_a_host_proposer_finds_its_guesses_once_a_step(target_path, device, plain, config, monkeypatch):
+    """Under the policy the speculator asks for the ranking, then for the proposals: the search for guesses (the
+    n-gram index's, lookahead's step) runs once a step for each sequence, not once for each question."""
+    from nanospec.speculative.lookahead import LookaheadDecoder
+    from nanospec.speculative.ngram import NgramProposer
+
+    searches = []
+    cls, name = (NgramProposer, "chain") if config["method"] == "ngram" else (LookaheadDecoder, "build_step")
+    search = getattr(cls, name)
+    monkeypatch.setattr(cls, name, lambda self, *args: searches.append(1) or search(self, *args))
+    llm = LLM(str(target_path), num_blocks=256, block_size=4, device=device, dtype="float32",
+              speculative_config=config)
+    fixed_costs(llm, 0.0)
+    expected = plain.generate(PROMPTS[:1], GREEDY)[0].outputs[0].token_ids
+    out = llm.generate(PROMPTS[:1], GREEDY)[0].outputs[0]
+    assert out.token_ids == expected
+    assert len(searches) == out.num_steps - 1  # every step after the prefill
+    assert_no_leak(llm)
+
+
 @pytest.mark.parametrize("k", [1, 4])
 def test_draft_greedy_is_lossless(target_path, device, draft_path, plain, k):
     expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, GREEDY)]

@@ -58,6 +58,7 @@ class LookaheadState:
     recent: list[int] = field(default_factory=list)
     root_in_recent: bool = False
     step: LookaheadStep | None = None  # the step proposed, until its outcome is committed
+    proposal: LookaheadProposal | None = None  # its nodes (rank and propose both ask), as long
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the trie's alpha (the policy's)
 
     @property
@@ -225,12 +226,14 @@ class LookaheadProposer(Proposer):
         proposals = []
         for seq in seqs:
             st: LookaheadState = seq.spec_state
-            step = st.step = self.decoder.build_step(st, seq.token_ids[-1])
-            n = step.num_tree_nodes - 1
-            tokens, parents = step.tokens[1:], [p - 1 for p in step.parents[1:]]
-            trie = Proposal(tokens[:n], parents[:n]).ranked_as_trie(st.acceptance.alpha())  # (the window's parents
-            proposals.append(LookaheadProposal(trie.token_ids, trie.parents, trie.chances,  # are the root or its rows)
-                                               window_tokens=tokens[n:], window_parents=parents[n:]))
+            if st.proposal is None:
+                step = st.step = self.decoder.build_step(st, seq.token_ids[-1])
+                n = step.num_tree_nodes - 1
+                tokens, parents = step.tokens[1:], [p - 1 for p in step.parents[1:]]
+                trie = Proposal(tokens[:n], parents[:n]).ranked_as_trie(st.acceptance.alpha())  # (the window's
+                st.proposal = LookaheadProposal(trie.token_ids, trie.parents, trie.chances,  # parents are the root
+                                                window_tokens=tokens[n:], window_parents=parents[n:])  # or its rows)
+            proposals.append(st.proposal)
         return proposals
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
@@ -253,4 +256,4 @@ class LookaheadProposer(Proposer):
         else:  # the prefill, or a step whose window did not fit before the end of the context: no window ran
             self.decoder._add_committed(st, [int(t) for t in verdict.emitted])
             st.root_in_recent = True
-        st.step = None
+        st.step = st.proposal = None

@@ -58,6 +58,7 @@ class NgramIndex:
 class NgramState:
     index: NgramIndex
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the chain's alpha
+    proposal: Proposal | None = None  # this step's, once made (rank and propose both ask), until its outcome
 
 
 @dataclass
@@ -150,11 +151,15 @@ class NgramProposer(Proposer):
         proposals = []
         for seq in seqs:
             st: NgramState = seq.spec_state
-            tree = (Proposal.chain(self.chain(st.index)) if self.max_candidates == 1
-                    else Proposal(*self.tree(st.index, self.tree_budget)))
-            proposals.append(tree.ranked_as_trie(st.acceptance.alpha()))
+            if st.proposal is None:
+                tree = (Proposal.chain(self.chain(st.index)) if self.max_candidates == 1
+                        else Proposal(*self.tree(st.index, self.tree_budget)))
+                st.proposal = tree.ranked_as_trie(st.acceptance.alpha())
+            proposals.append(st.proposal)
         return proposals
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        seq.spec_state.acceptance.observe_trie(proposal, verdict)
-        seq.spec_state.index.extend(verdict.emitted)
+        st: NgramState = seq.spec_state
+        st.acceptance.observe_trie(proposal, verdict)
+        st.index.extend(verdict.emitted)
+        st.proposal = None
