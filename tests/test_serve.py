@@ -555,6 +555,16 @@ def test_a_prompt_too_long_for_the_context_names_the_prompt(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def test_a_chat_over_the_context_names_the_max_tokens_field_it_gave(server):
+    """OpenAI's newer max_completion_tokens: a value the context cannot hold is a 400 naming that field."""
+    url, _ = server
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_completion_tokens": 300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens", r.text
+    assert "max_completion_tokens" in r.json()["error"]["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 300})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 @pytest.fixture(scope="module")
 def bos_llm(tmp_path_factory):
     """An LLM whose tokenizer adds BOS to a text (Llama-style) and whose chat template refuses a developer message

@@ -155,9 +155,11 @@ class Server:
         """The request's SamplingParams, every prompt checked against the context and the KV pool: 400s. max_tokens:
         the request's, else the model's default, else ``default_max_tokens`` (None: what the context leaves), each
         default cut to what the context leaves; a prompt that leaves no room is the prompt's fault (``param`` is
-        ``prompt_field``), one that leaves too little for the max_tokens the request asked for is max_tokens'."""
+        ``prompt_field``), one that leaves too little for the max_tokens the request asked for is the field it gave
+        (chat: max_completion_tokens, where given)."""
         room = self.max_model_len - max(len(ids) for ids in prompts)
-        asked = body.max_completion_tokens if getattr(body, "max_completion_tokens", None) else body.max_tokens
+        asked_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
+        asked = getattr(body, asked_field)
         max_tokens = asked or max(min(self.defaults.get("max_tokens") or default_max_tokens or room, room), 1)
         try:
             params = body.sampling_params(max_tokens, logprobs, self.defaults)
@@ -171,11 +173,10 @@ class Server:
                                     f"shorten the {'prompt' if prompt_field == 'prompt' else 'conversation'}",
                                prompt_field)
             if len(ids) + max_tokens > self.max_model_len:
-                field = "max_tokens" if asked else prompt_field
                 raise APIError(400, f"{where}this model's context is {self.max_model_len} tokens, but "
                                     f"{len(ids) + max_tokens} were asked for ({len(ids)} in the prompt, "
-                                    f"{max_tokens} for the completion); shorten the prompt or lower max_tokens",
-                               field)
+                                    f"{max_tokens} for the completion); shorten the prompt or lower {asked_field}",
+                               asked_field if asked else prompt_field)
             try:
                 self.engine.validate_prompt(ids, params.for_choice(0))
             except ValueError as e:  # a token id outside the vocabulary, a KV pool too small, a bad stop token id
