@@ -565,6 +565,21 @@ def test_a_chat_over_the_context_names_the_max_tokens_field_it_gave(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def test_a_prompts_token_ids_read_back_with_their_special_tokens(server, offline):
+    """/detokenize gives back what /tokenize read, a chat's markup included, and a completion echoes a token-id
+    prompt as that text, matching its log-probabilities' tokens (vLLM decodes both with the special tokens)."""
+    url, _ = server
+    rendered = offline._render_chat(MESSAGES)
+    ids = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()["tokens"]
+    assert httpx.post(f"{url}/detokenize", json={"tokens": ids}).json()["prompt"] == rendered
+    body = {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 0}
+    choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"].startswith(rendered) and "".join(choice["logprobs"]["tokens"][:len(ids)]) == rendered
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as response:
+        first = next(json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {"))
+    assert first["choices"][0]["text"].startswith(rendered)
+
+
 @pytest.fixture(scope="module")
 def bos_llm(tmp_path_factory):
     """An LLM whose tokenizer adds BOS to a text (Llama-style) and whose chat template refuses a developer message

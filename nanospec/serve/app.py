@@ -132,7 +132,7 @@ class Server:
         params = self._params(body, prompts, "prompt", 16, body.logprobs)  # 16: OpenAI's default max_tokens
         echo = None
         if body.echo:
-            echo = [p if isinstance(p, str) else self.tokenizer.decode(p) for p in given]
+            echo = [p if isinstance(p, str) else self._prompt_text(p) for p in given]
             params = replace(params, prompt_logprobs=body.logprobs)
         fmt = Formatter(self.tokenizer, self.model_name, chat=False, token_ids=body.return_token_ids, echo=echo,
                         n=params.n)
@@ -333,7 +333,7 @@ class Server:
         bad = next((t for t in body.tokens if t >= vocab), None)
         if bad is not None:
             raise APIError(400, f"tokens: token id {bad} is out of the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": self.tokenizer.decode(body.tokens)}
+        return {"prompt": self._prompt_text(body.tokens)}
 
     async def health(self):
         if not self.engine_loop.alive:
@@ -383,6 +383,11 @@ class Server:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         return list(prompt)
+
+    def _prompt_text(self, token_ids: list[int]) -> str:
+        """A prompt's token ids as text, special tokens (BOS, a chat's markup) included, as vLLM decodes them: what
+        /tokenize read back, and the echo that a token-id prompt's log-probabilities line up with."""
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
 
 def _field_named(error: ValueError, body: BaseModel) -> str | None:
