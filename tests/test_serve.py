@@ -580,6 +580,18 @@ def test_a_prompts_token_ids_read_back_with_their_special_tokens(server, offline
     assert first["choices"][0]["text"].startswith(rendered)
 
 
+def test_every_event_is_one_line_to_a_client_that_splits_like_str_splitlines(server):
+    """Text may hold U+2028, U+2029 or U+0085, which httpx's iter_lines (and str.splitlines) take for line ends:
+    each event's JSON still reads whole."""
+    url, _ = server
+    prompt = "a\u2028b\u2029c\x85d"
+    body = {"prompt": prompt, "max_tokens": 2, "echo": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body) as response:
+        events = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[0])["choices"][0]["text"].startswith(prompt)
+
+
 @pytest.fixture(scope="module")
 def bos_llm(tmp_path_factory):
     """An LLM whose tokenizer adds BOS to a text (Llama-style) and whose chat template refuses a developer message

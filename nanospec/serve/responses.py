@@ -10,9 +10,15 @@ from nanospec.outputs import CompletionOutput, TokenLogprob
 from nanospec.tokenizer import Tokenizer
 
 
+# characters JSON keeps as they are that str.splitlines (httpx's iter_lines, so many SSE clients) ends a line at
+_LINE_BREAKS = str.maketrans({c: f"\\u{ord(c):04x}" for c in "\x85\u2028\u2029"})
+
+
 def sse(payload: dict | str) -> str:
-    """One server-sent event: ``data: <json>`` and a blank line (``data: [DONE]`` ends a stream)."""
-    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One server-sent event: ``data: <json>`` and a blank line (``data: [DONE]`` ends a stream); the JSON is one
+    line to any client (the characters str.splitlines breaks at are escaped)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)
+    return f"data: {data}\n\n"
 
 
 def error_body(status: int, message: str, error_type: str, param: str | None = None) -> dict:
