@@ -9,11 +9,13 @@ from collections.abc import Sequence
 from nanospec.tokenizer import Tokenizer
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
+MAX_UNFINISHED_TOKENS = 3  # the tokens an unfinished character can span: at most 3 of its (at most 4) bytes
 
 
 class IncrementalDetokenizer:
     """Text deltas of a growing id list (vLLM's and TGI's prefix / read offsets); a delta ending in U+FFFD waits for the
-    rest of its character."""
+    rest of its character. A prompt that ends inside a character leaves those last tokens unread: the text of the
+    output token that completes the character includes it (as vLLM's ``DecodeStream``)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, context_tokens: int = 5,
                  skip_special_tokens: bool = True):
@@ -21,6 +23,11 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.token_ids = list(prompt_ids or [])
         self.read_offset = len(self.token_ids)
+        for _ in range(MAX_UNFINISHED_TOKENS):
+            window = self.token_ids[max(self.read_offset - context_tokens, 0):self.read_offset]
+            if not window or not tokenizer.decode(window, skip_special_tokens).endswith(REPLACEMENT_CHAR):
+                break
+            self.read_offset -= 1
         self.prefix_offset = max(self.read_offset - context_tokens, 0)
         self.text = ""
 

@@ -271,3 +271,21 @@ def test_incremental_detokenizer_flush(tokenizer):
     assert detokenizer.add(first_bytes_of_emoji) == ""
     assert detokenizer.flush() == tokenizer.decode(first_bytes_of_emoji)
     assert detokenizer.flush() == ""
+
+
+def test_incremental_detokenizer_after_a_prompt_ending_inside_a_character(tokenizer):
+    """The output token that completes a character the prompt began brings the whole character, as vLLM's
+    detokenizer (tokenizers' DecodeStream, fed the prompt first) gives it, rather than losing it."""
+    from tokenizers.decoders import DecodeStream
+
+    ids = tokenizer.encode("Hello 😀 world 月亮 café")
+    for cut in range(1, len(ids)):
+        stream = DecodeStream(skip_special_tokens=True)
+        for token in ids[:cut]:
+            stream.step(tokenizer.backend, token)
+        expected = "".join(stream.step(tokenizer.backend, token) or "" for token in ids[cut:])
+        detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=ids[:cut])
+        assert "".join(detokenizer.add([token]) for token in ids[cut:]) == expected, f"prompt {ids[:cut]}"
+    prompt = tokenizer.encode("Hello 😀")[:2]  # "Hello", " " and the emoji's first bytes
+    detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids=prompt)
+    assert detokenizer.add(tokenizer.encode("Hello 😀 world")[2:]) == " 😀 world"
