@@ -14,22 +14,34 @@ MAX_UNFINISHED_TOKENS = 3  # the tokens an unfinished character can span: at mos
 
 class IncrementalDetokenizer:
     """Text deltas of a growing id list (vLLM's and TGI's prefix / read offsets); a delta ending in U+FFFD waits for the
-    rest of its character. A prompt that ends inside a character leaves those last tokens unread: the text of the
-    output token that completes the character includes it (as vLLM's ``DecodeStream``)."""
+    rest of its character. The prompt's last tokens are read as output would be, from a window that does not begin
+    inside a character: a prompt that ends inside one leaves it unread, for the output token that completes it (as
+    vLLM's ``DecodeStream``)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int] | None = None, context_tokens: int = 5,
                  skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.token_ids = list(prompt_ids or [])
-        self.read_offset = len(self.token_ids)
-        for _ in range(MAX_UNFINISHED_TOKENS):
-            window = self.token_ids[max(self.read_offset - context_tokens, 0):self.read_offset]
-            if not window or not tokenizer.decode(window, skip_special_tokens).endswith(REPLACEMENT_CHAR):
-                break
-            self.read_offset -= 1
-        self.prefix_offset = max(self.read_offset - context_tokens, 0)
+        prompt = list(prompt_ids or [])
+        start = self._window_start(prompt, context_tokens)
+        self.token_ids = prompt[:start]
+        self.prefix_offset = self.read_offset = start
         self.text = ""
+        for token in prompt[start:]:
+            self.add([token])
+        self.text = ""  # (the prompt's own)
+
+    def _window_start(self, prompt: list[int], context_tokens: int) -> int:
+        """Where to start reading the prompt: about ``context_tokens`` before its end, where a character begins: the
+        text from there to one of the last tokens decodes whole (a byte-fallback decoder turns a whole run of bytes
+        that begins or ends inside a character into U+FFFDs). Failing that (a prompt with U+FFFD in its text), the
+        plain window."""
+        latest = max(len(prompt) - context_tokens, 0)
+        for start in range(latest, max(latest - MAX_UNFINISHED_TOKENS, 0) - 1, -1):
+            for end in range(len(prompt), max(len(prompt) - MAX_UNFINISHED_TOKENS, start + 1) - 1, -1):
+                if REPLACEMENT_CHAR not in self.tokenizer.decode(prompt[start:end], self.skip_special_tokens):
+                    return start
+        return latest
 
     def add(self, token_ids: Sequence[int], final: bool = False) -> str:
         """Append `token_ids`; return the text they complete (possibly empty), or with ``final`` all the text held
