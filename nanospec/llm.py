@@ -19,6 +19,7 @@ from tqdm import tqdm
 from nanospec.chat_messages import check_messages
 from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine_args import EngineArgs, build_engine
+from nanospec.model.generation_config import default_sampling
 from nanospec.model.random_model import random_checkpoint
 from nanospec.outputs import CompletionOutput, RequestOutput
 from nanospec.sampling_params import SamplingParams
@@ -46,6 +47,7 @@ class LLM:
         return llm
 
     def _start(self, args: EngineArgs) -> None:
+        self.default_sampling = default_sampling(args.model)[0]  # (a bad generation_config.json: before the weights)
         self.engine, self.parallel = build_engine(args)
         if self.parallel is not None:  # shutdown() at garbage collection or at interpreter exit, whichever is first
             self._finalizer = weakref.finalize(self, self.parallel.shutdown)
@@ -97,9 +99,15 @@ class LLM:
         raise ValueError("prompts must be a string, a list of token ids, a prompt dict, or a list of those; "
                          f"got {type(prompts).__name__}")
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What ``generate``, ``chat`` and ``stream`` use where no SamplingParams is given, as vLLM's ``LLM``: the
+        model's ``generation_config.json`` (the embedded SmolLM2: temperature 0.2, top-p 0.9), over SamplingParams'
+        defaults."""
+        return SamplingParams(**self.default_sampling)
+
     def _params_list(self, params, n: int) -> list[SamplingParams]:
         if params is None or isinstance(params, SamplingParams):
-            return [params or SamplingParams()] * n
+            return [params or self.get_default_sampling_params()] * n
         if not isinstance(params, (list, tuple)):
             raise ValueError(f"sampling_params must be a SamplingParams or a list of them, got {type(params).__name__}")
         params = list(params)

@@ -257,6 +257,26 @@ def test_vllm_quickstart(plain):
             llm.generate(bad, greedy)
 
 
+def test_the_models_generation_config_is_the_default_sampling(paths, plain, device, tmp_path):
+    """As vLLM's LLM: where no SamplingParams is given, generate takes the model's generation_config.json (here
+    greedy, 5 new tokens); a model without one, SamplingParams()'s defaults; a bad file is refused before loading."""
+    import json
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(paths[0], model)
+    (model / "generation_config.json").write_text(json.dumps({"do_sample": False, "max_new_tokens": 5}))
+    llm = make_llm(model, device, num_blocks=128)
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=5)
+    out = llm.generate(PROMPTS[:1])[0].outputs[0]
+    greedy = SamplingParams(temperature=0, max_tokens=5)
+    assert out.token_ids == plain.generate(PROMPTS[:1], greedy)[0].outputs[0].token_ids
+    assert plain.get_default_sampling_params() == SamplingParams()
+    (model / "generation_config.json").write_text(json.dumps({"temperature": -1}))
+    with pytest.raises(ValueError, match="generation_config.json: temperature"):
+        make_llm(model, device, num_blocks=128)
+
+
 def test_unknown_engine_arguments_are_named(paths):
     """vLLM's arguments nanospec does not take get a ValueError naming them, before any weights load."""
     with pytest.raises(ValueError, match=r"no argument 'gpu_memory_utilization', 'trust_remote_code'; .*num_blocks"):
