@@ -20,6 +20,7 @@ from nanospec.chat_messages import check_messages
 from nanospec.device import resolve_device, resolve_dtype
 from nanospec.engine_args import EngineArgs, build_engine
 from nanospec.model.generation_config import default_sampling
+from nanospec.model.loader import Checkpoint
 from nanospec.model.random_model import random_checkpoint
 from nanospec.outputs import CompletionOutput, RequestOutput
 from nanospec.sampling_params import SamplingParams
@@ -47,7 +48,8 @@ class LLM:
         return llm
 
     def _start(self, args: EngineArgs) -> None:
-        self.default_sampling = default_sampling(args.model)[0]  # (a bad generation_config.json: before the weights)
+        # the model's generation_config.json (a bad one: refused before the weights); none for weights in memory
+        self.default_sampling = {} if isinstance(args.model, Checkpoint) else default_sampling(args.model)[0]
         self.engine, self.parallel = build_engine(args)
         if self.parallel is not None:  # shutdown() at garbage collection or at interpreter exit, whichever is first
             self._finalizer = weakref.finalize(self, self.parallel.shutdown)
