@@ -675,6 +675,27 @@ def test_chat_refuses_what_llm_chat_refuses_with_the_same_message(server, offlin
     assert r.status_code == 400 and r.json()["error"]["message"] == str(offline_error.value)
 
 
+def test_a_message_field_given_as_null_is_left_out(server, offline):
+    """As at the top level, ``null`` inside a message is a field left out: an assistant's turn as the openai client's
+    ``ChatCompletionMessage.model_dump()`` gives it (every optional field null) is a message; a field of the wrong
+    type, or a tool call, is still a 400 naming it."""
+    url, _ = server
+    turn = openai.types.chat.ChatCompletionMessage(role="assistant", content="abc").model_dump()
+    assert turn["tool_calls"] is None and turn["refusal"] is None  # (what the client sends)
+    messages = [*MESSAGES, {**turn, "name": None}, {"role": "user", "content": "again?"}]
+    plain = [*MESSAGES, {"role": "assistant", "content": "abc"}, {"role": "user", "content": "again?"}]
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": messages, "max_tokens": 4, "temperature": 0})
+    assert r.status_code == 200, r.text
+    expected = offline.chat(plain, SamplingParams(temperature=0, max_tokens=4))[0].outputs[0].text
+    assert r.json()["choices"][0]["message"]["content"] == expected
+    tokens = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    assert tokens == offline.tokenizer.encode(offline._render_chat(plain))
+    for bad, named in (({**turn, "content": 5}, "messages[2].content"), ({**turn, "tool_calls": []}, "tool_calls")):
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [*MESSAGES, bad], "max_tokens": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert named in r.json()["error"]["message"]
+
+
 def test_default_sampling_applies_to_what_a_request_leaves_out(model_path, offline):
     """With the model's default temperature 0 (greedy), a request without temperature is greedy; one that gives
     its own temperature and seed samples as offline with those; max_tokens comes from the defaults too."""

@@ -1,16 +1,16 @@
 """The request bodies the server accepts (OpenAI's fields plus vLLM's sampling extras), checked by pydantic.
 
 Types are strict (``"1"`` is not a number, ``true`` is not an int, an int is a float), ``null`` leaves a field out
-(its default applies), unknown fields are refused (a field the server would otherwise ignore, say ``tools``, is an
-error that names it), and each sampling field ends up in a :class:`nanospec.SamplingParams`, whose own checks run
-too. Every failure becomes an HTTP 400 whose ``param`` names the field.
+(its default applies; a message's field too), unknown fields are refused (a field the server would otherwise ignore,
+say ``tools``, is an error that names it), and each sampling field ends up in a :class:`nanospec.SamplingParams`,
+whose own checks run too. Every failure becomes an HTTP 400 whose ``param`` names the field.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
 
 from nanospec.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -21,15 +21,23 @@ Str = Annotated[str, Strict()]
 TokenIds = list[Annotated[int, Strict(), Field(ge=0)]]
 
 
+def _without_nulls(data: Any) -> Any:
+    """A field given as ``null`` is a field left out (OpenAI's optional fields are nullable: its clients send
+    ``"temperature": null`` for "the default", and ``"tool_calls": null`` in an assistant's message)."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
+
+# checked by nanospec.chat_messages, as LLM.chat checks them, once each message's nulls are left out
+Messages = Annotated[Any, BeforeValidator(lambda m: [_without_nulls(x) for x in m] if isinstance(m, list) else m)]
+
+
 class Body(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
     def _null_is_left_out(cls, data: Any) -> Any:
-        """A field given as ``null`` is a field left out (OpenAI's optional fields are nullable: its clients send
-        ``"temperature": null`` for "the default")."""
-        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+        return _without_nulls(data)
 
 
 class StreamOptions(Body):
@@ -118,7 +126,7 @@ class ChatCompletionRequest(SamplingFields):
     after the prompt; ``logprobs`` is a bool and ``top_logprobs`` the count, as OpenAI has them;
     ``add_special_tokens`` (vLLM's): the rendered chat gets the tokenizer's special tokens too (the template writes
     its own)."""
-    messages: Any = None  # checked by nanospec.chat_messages, as LLM.chat checks it
+    messages: Messages = None
     add_special_tokens: Bool = False
     add_generation_prompt: Bool = True  # vLLM's: open the assistant's turn
     continue_final_message: Bool = False  # vLLM's: go on with the last message (add_generation_prompt false)
@@ -138,7 +146,7 @@ class TokenizeRequest(Body):
     the tokenizer's special tokens (BOS where it adds one); left out, a prompt does and rendered messages do not."""
     model: Str | None = None
     prompt: Str | None = None
-    messages: Any = None  # checked by nanospec.chat_messages
+    messages: Messages = None
     add_special_tokens: Bool | None = None
 
 
