@@ -696,6 +696,19 @@ def test_a_message_field_given_as_null_is_left_out(server, offline):
         assert named in r.json()["error"]["message"]
 
 
+def test_stream_options_need_stream(server):
+    """As vLLM: stream_options without ``stream: true`` is a 400 naming it, on both endpoints; null is left out."""
+    url, _ = server
+    for path, body in (("completions", {"prompt": "hi"}), ("chat/completions", {"messages": MESSAGES})):
+        body = {**body, "max_tokens": 2}
+        for stream in ({}, {"stream": False}):
+            r = httpx.post(f"{url}/v1/{path}", json={**body, **stream, "stream_options": {"include_usage": True}})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+            assert "stream_options" in r.json()["error"]["message"] and "stream" in r.json()["error"]["message"]
+        r = httpx.post(f"{url}/v1/{path}", json={**body, "stream": False, "stream_options": None})
+        assert r.status_code == 200, r.text
+
+
 def test_default_sampling_applies_to_what_a_request_leaves_out(model_path, offline):
     """With the model's default temperature 0 (greedy), a request without temperature is greedy; one that gives
     its own temperature and seed samples as offline with those; max_tokens comes from the defaults too."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, Strict, field_validator, model_validator
 
 from nanospec.sampling_params import MAX_LOGPROBS, MAX_N, SamplingParams
 
@@ -70,6 +70,14 @@ class SamplingFields(Body):
     bad_words: list[Str] | None = None  # vLLM's
     user: Str | None = None  # accepted, unused
     return_token_ids: Bool = False  # vLLM's: each choice also carries its token ids (a chunk: the new ones)
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_when_streaming(cls, options: StreamOptions, info) -> StreamOptions:
+        """As vLLM: stream_options (not null) needs ``stream: true``."""
+        if info.data.get("stream") is False:
+            raise ValueError("stream_options can only be given with stream: true")
+        return options
 
     def sampling_params(self, max_tokens: int, logprobs: int | None, defaults: dict | None = None) -> SamplingParams:
         """Every sampling field the request gives, and for those it leaves out ``defaults`` (the model's, see
