@@ -360,6 +360,8 @@ def test_full_queue_503_and_disconnect_frees_kv(model_path):
 
 def test_tokenize_detokenize_health_metrics(server, offline):
     url, llm = server
+    body = {"prompt": PROMPTS, "max_tokens": 20, "temperature": 0, **REPEAT}  # (n-gram guesses land: some accepted)
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
     r = httpx.post(f"{url}/tokenize", json={"prompt": "hello"}).json()
     assert r["tokens"] == offline.tokenizer.encode("hello") and r["count"] == 5 and r["max_model_len"] == 256
     r = httpx.post(f"{url}/tokenize", json={"messages": MESSAGES}).json()
