@@ -1,6 +1,7 @@
 """The engine loop. One step:
 
-    seqs      = scheduler.schedule()                    which sequences run; KV blocks reserved
+    seqs      = scheduler.schedule()                    which sequences run (a long prompt: a chunk a step); KV
+                                                        blocks reserved
     proposals = speculator.propose(seqs)                a token tree of guesses per sequence (maybe empty)
     batch     = build_step_batch(seqs, proposals)       one ragged batch: prefill, decode and verify alike
     logits, hidden = runner.execute(batch, ...)         ONE target forward (a request's prompt_logprobs: its prompt
@@ -10,7 +11,8 @@
                                                         prefix cache, roll back rejected KV, tell the proposer
 
 After verification ``num_cached_tokens`` moves to just before the newly emitted token and the blocks past it return
-to the pool. A failure of the tensor-parallel group is not one request's: it ends the step and reaches the caller.
+to the pool. A prompt's chunk that stops short of its last token draws nothing: it only moves ``num_cached_tokens``.
+A failure of the tensor-parallel group is not one request's: it ends the step and reaches the caller.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ class EngineLoad:
 class Engine:
     def __init__(self, runner: ModelRunner, tokenizer: Tokenizer, *, num_blocks: int, block_size: int,
                  max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, enable_prefix_caching: bool,
-                 proposer: Proposer | None = None, seed: int = 0, adaptive_speculation: bool = True,
-                 tune_threads: bool = False):
+                 enable_chunked_prefill: bool = True, proposer: Proposer | None = None, seed: int = 0,
+                 adaptive_speculation: bool = True, tune_threads: bool = False):
         """``runner``: the target's, over ``num_blocks`` KV blocks; the sizes as ``EngineArgs`` names them, resolved
         by :func:`~nanospec.engine_args.build_engine`. ``tune_threads``: each step's CPU thread count follows how busy
         the machine is (:mod:`nanospec.cpu_threads`)."""
@@ -78,7 +80,7 @@ class Engine:
                                      adaptive=adaptive_speculation)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    num_lookahead_slots=self.speculator.num_lookahead_slots,
-                                   on_preempt=self.speculator.preempt)
+                                   on_preempt=self.speculator.preempt, enable_chunked_prefill=enable_chunked_prefill)
         self.threads = ThreadTuner() if tune_threads else None
         self._step_tokens = 0  # the last step's forward, in tokens
         self.sequences: dict[int, Sequence] = {}
@@ -206,22 +208,30 @@ class Engine:
         return outputs
 
     def _step(self, seqs: list[Sequence]) -> list[CompletionOutput]:
+        # the sequences that draw a token first (their rows lead the batch), then the chunks of longer prompts
+        chunks = [seq for seq in seqs if seq.is_prefill_chunk]
+        drawing = [seq for seq in seqs if not seq.is_prefill_chunk]
         try:
-            proposals = self.speculator.propose(seqs)
-            batch = build_step_batch(seqs, proposals, self.block_manager.block_size)
+            proposals = self.speculator.propose(drawing + chunks)[:len(drawing)]
+            batch = build_step_batch(drawing + chunks, proposals + [Proposal()] * len(chunks),
+                                     self.block_manager.block_size)
             self._step_tokens = batch.num_tokens
             forward_start = time.perf_counter()
             logits, hidden = self.runner.execute(batch, hidden_states=self.speculator.needs_hidden_states)
             self.stats.forward_seconds += time.perf_counter() - forward_start
-            if any(seq.needs_prompt_logprobs for seq in seqs):
-                logits, hidden = take_prompt_logprobs(logits, hidden, seqs, [1 + len(p.fed()[0]) for p in proposals])
-            verdicts = self.speculator.verify(seqs, proposals, logits, hidden)
+            if any(seq.needs_prompt_logprobs for seq in drawing):
+                logits, hidden = take_prompt_logprobs(logits, hidden, drawing,
+                                                      [1 + len(p.fed()[0]) for p in proposals])
+            verdicts = self.speculator.verify(drawing, proposals, logits, hidden) if drawing else []
         except TensorParallelError:  # the whole group failed, not these requests
             raise
         except Exception as error:  # nothing is committed yet: only the requests that fail alone fail
             return self._isolate(seqs, error)
         self.stats.num_steps += 1
-        return [self._commit(seq, proposal, verdict) for seq, proposal, verdict in zip(seqs, proposals, verdicts)]
+        for seq in chunks:  # K/V computed, nothing drawn
+            seq.num_cached_tokens += seq.num_new_tokens
+            self.block_manager.cache_full_blocks(seq.block_table, seq.token_ids, seq.num_cached_tokens)
+        return [self._commit(seq, proposal, verdict) for seq, proposal, verdict in zip(drawing, proposals, verdicts)]
 
     def _isolate(self, seqs: list[Sequence], error: Exception) -> list[CompletionOutput]:
         """After a failed step: reset each sequence's speculative state, then fail it if alone, else run each alone."""

@@ -48,6 +48,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     quantization: str | None = "auto"  # "int4", "int4-g64", "int4-g128", "int8" or None (float weights)
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True  # a prompt longer than the step's token budget runs a chunk a step
 
     def __post_init__(self):
         """Every check that needs no weights; ``device``, ``dtype`` and ``speculative`` come out resolved."""
@@ -67,8 +68,9 @@ class EngineArgs:
             raise ValueError(f"seed must be an int, got {self.seed!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         parse_quantization(self.quantization)
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
@@ -172,7 +174,8 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
         runner = parallel.driver_runner(runner, TARGET)
     return Engine(runner, tokenizer, num_blocks=num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_model_len,
-                  enable_prefix_caching=args.enable_prefix_caching, proposer=proposer, seed=args.seed,
+                  enable_prefix_caching=args.enable_prefix_caching,
+                  enable_chunked_prefill=args.enable_chunked_prefill, proposer=proposer, seed=args.seed,
                   adaptive_speculation=args.speculative is None or args.speculative.adaptive,
                   tune_threads=device.type == "cpu" and parallel is None)
 

@@ -17,8 +17,10 @@ class SequenceStatus(enum.Enum):
 
 class Sequence:
     """Tokens ``token_ids`` = prompt + output. The target's K/V exists for the first
-    ``num_cached_tokens`` of them; the next forward computes ``token_ids[num_cached_tokens:]``
-    (the whole prompt on prefill, the last token on decode, everything again after preemption)."""
+    ``num_cached_tokens`` of them; the next forward computes the next ``num_scheduled_tokens`` of
+    ``token_ids[num_cached_tokens:]`` (None: all of them): the whole prompt on prefill, or a chunk of it
+    (chunked prefill: no token is drawn until the chunk that ends it), the last token on decode,
+    everything again after preemption."""
 
     def __init__(self, seq_id: int, prompt_token_ids: list[int], params: SamplingParams, seed: int,
                  text_stream: TextStream, stop_token_ids: list[int]):
@@ -32,6 +34,7 @@ class Sequence:
         self.status = SequenceStatus.WAITING
         self.block_table: list[int] = []
         self.num_cached_tokens = 0
+        self.num_scheduled_tokens: int | None = None  # set by the scheduler for the step
         self.num_prefix_cached_tokens: int | None = None  # tokens the prefix cache held at its first admission
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # the stop string or stop token id that ended it
@@ -48,6 +51,17 @@ class Sequence:
     def needs_prompt_logprobs(self) -> bool:
         """Its next step must compute every prompt row's logits (``SamplingParams.prompt_logprobs``)."""
         return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    @property
+    def num_new_tokens(self) -> int:
+        """The tokens the step computes (its own, not the guesses it feeds)."""
+        uncached = self.num_tokens - self.num_cached_tokens
+        return uncached if self.num_scheduled_tokens is None else min(self.num_scheduled_tokens, uncached)
+
+    @property
+    def is_prefill_chunk(self) -> bool:
+        """The step computes a chunk of its uncached tokens that stops short of the last: it draws no token."""
+        return self.num_cached_tokens + self.num_new_tokens < self.num_tokens
 
     @property
     def num_tokens(self) -> int:

@@ -343,6 +343,17 @@ def test_greedy_equals_plain(target, successor_head, expected, device, k, enforc
     assert_head_blocks_returned(llm)
 
 
+def test_chunked_prefill_equals_plain(target, successor_head, weighted_successor_head, expected, device):
+    """Prompts of up to 42 tokens computed 5 a step (chunked prefill): the head's K/V starts at the chunk that
+    draws the first token; greedy and seeded outputs equal plain decoding's, its guesses still accepted."""
+    for head, tree in [(successor_head, None), (weighted_successor_head, TREE)]:
+        llm = eagle_llm(target, head, device, tree=tree, max_num_batched_tokens=5)
+        for j, params in enumerate(ALL_PARAMS):
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j]
+        assert llm.stats()["num_accepted_tokens"] > 0
+        assert_head_blocks_returned(llm)
+
+
 @pytest.mark.parametrize("adaptive", [False, True], ids=["every_guess", "adaptive"])
 def test_the_head_drafts_one_depth_deeper_than_the_policy_verified(target, successor_head, expected, device, adaptive):
     """Each depth drafted costs a head forward: with the policy on the chain is drafted one depth deeper than the

@@ -763,6 +763,14 @@ def test_command_line_checks_every_argument_before_loading(model_path, tmp_path,
         run.stderr
 
 
+def test_engine_flags_reach_the_engine_arguments(model_path):
+    args = serve_main.parse_args(["--model", model_path, "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
+                                  "--max-num-batched-tokens", "64"])
+    assert (args.engine.enable_chunked_prefill, args.engine.enable_prefix_caching) == (False, False)
+    assert args.engine.max_num_batched_tokens == 64
+    assert serve_main.parse_args(["--model", model_path]).engine.enable_chunked_prefill is True
+
+
 def test_sigterm_ends_open_streams_with_a_final_chunk_and_done(model_path):
     env = checkout_env()
     proc = _serve(model_path, env=env)

@@ -61,7 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA: one GPU each)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096,
+                   help="tokens one step computes at most (default 4096)")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="a longer prompt runs a chunk a step beside the decoding requests (default on)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     p.add_argument("--num-blocks", type=int, default=None, help="KV blocks (default: from --kv-cache-memory)")
     p.add_argument("--block-size", type=int, default=16)
@@ -99,6 +102,7 @@ def _check(args: argparse.Namespace) -> None:
                                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                                  seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
                                  enable_prefix_caching=args.enable_prefix_caching,
+                                 enable_chunked_prefill=args.enable_chunked_prefill,
                                  quantization=quantization_from_cli(args.quantization))
         args.default_sampling, args.default_sampling_source = default_sampling(args.engine.model,
                                                                                args.generation_config)

@@ -185,16 +185,17 @@ class TokenTrie:
 
 
 def build_step_batch(seqs: list[Sequence], proposals: list[Proposal], block_size: int) -> ForwardBatch:
-    """One ragged batch for the step, on the host: each sequence's uncached tokens, then its proposal."""
+    """One ragged batch for the step, on the host: each sequence's new tokens, then its proposal (a prompt's chunk
+    that draws nothing wants no logits)."""
     token_lists, starts, logits_rows, positions, masks = [], [], [], [], []
     for seq, proposal in zip(seqs, proposals):
-        uncached = seq.token_ids[seq.num_cached_tokens:]
+        new = seq.token_ids[seq.num_cached_tokens:seq.num_cached_tokens + seq.num_new_tokens]
         fed, fed_parents = proposal.fed()
-        token_lists.append(uncached + fed)
+        token_lists.append(new + fed)
         starts.append(seq.num_cached_tokens)
-        root_row = len(uncached) - 1
+        root_row = len(new) - 1
         first_row = 0 if seq.needs_prompt_logprobs else root_row  # (the prompt rows come first, see Engine)
-        logits_rows.append(range(first_row, root_row + 1 + len(fed)))
+        logits_rows.append(range(first_row, root_row + 1 + len(fed)) if not seq.is_prefill_chunk else range(0))
         if proposal.is_chain:  # causal: the default positions and mask
             positions.append(None)
             masks.append(None)

@@ -136,7 +136,7 @@ class Speculator:
                   for s, room in zip(guessers, rooms)]
         counts = rooms
         if self.policy is not None:  # the prefix of each ranking that pays; the first c nodes lie at most c deep
-            num_tokens = sum(s.num_tokens - s.num_cached_tokens for s in seqs)
+            num_tokens = sum(s.num_new_tokens for s in seqs)
             counts = self.policy.choose_nodes(self.proposer.rank(guessers, depths), num_tokens, len(seqs))
             depths = [min(count, depth) for count, depth in zip(counts, depths)]
         vocab = self.model.config.vocab_size
