@@ -3,6 +3,7 @@
     python benchmarks/bench_peers.py                         # every engine, every benchmark prompt, 128 tokens
     python benchmarks/bench_peers.py --limit 6 --engines nanospec llama.cpp
     python benchmarks/bench_peers.py --batch 8 --engines nanospec nanospec-float32   # batch 8, nanospec only
+    python benchmarks/bench_peers.py --context-tokens 2000 --limit 4 --max-tokens 32   # after a long document
 
 The peer is llama.cpp through ``llama-cpp-python``, an optional extra that compiles from source (about 20 minutes
 on a 2-core CPU; ``CMAKE_ARGS="-DGGML_NATIVE=ON" pip install llama-cpp-python`` for this CPU's vector units).
@@ -17,7 +18,8 @@ Engines (``--engines``):
     llama.cpp-lookup          llama-cpp-python with its prompt-lookup draft (LlamaPromptLookupDecoding)
 
 Every engine gets the same token ids (the chat template applied by nanospec's tokenizer) and generates until eos
-or --max-tokens, streaming; per prompt it records the time to the first token (prefill) and the time of the rest
+or --max-tokens, streaming (``--context-tokens N``: each prompt comes after a document of the other
+prompts' texts, prompt i's starting with prompt i + 1's, so that the message is about N tokens); per prompt it records the time to the first token (prefill) and the time of the rest
 (decode). Reported per engine: decode tok/s (tokens after the first / their time), prefill tok/s (prompt tokens /
 time to the first token), end-to-end tok/s, each summed over all prompts, and its ratio to the first engine. A
 warm-up request runs on every engine first. ``--batch B`` runs nanospec engines only, B prompts in one generate
@@ -63,8 +65,22 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="threads for every engine (default: all)")
     p.add_argument("--batch", type=int, default=1, help="B prompts per generate call (nanospec engines only)")
     p.add_argument("--lookup-tokens", type=int, default=5, help="llama.cpp-lookup's guesses per step")
+    p.add_argument("--context-tokens", type=int, default=None,
+                   help="put a document before each prompt, for messages of about N tokens")
     p.add_argument("--json", default=None, help="also write the results here")
     return p.parse_args(argv)
+
+
+def with_documents(tokenizer, texts: list[str], num_tokens: int) -> list[str]:
+    """Each text after a document of the others (text i's starting with text i + 1's), cut so that the two make
+    about ``num_tokens`` tokens."""
+    out = []
+    for i, text in enumerate(texts):
+        others = texts[i + 1:] + texts[:i + 1]
+        document = tokenizer.encode("\n\n".join(others * (num_tokens // 50 + 1)))
+        room = max(num_tokens - len(tokenizer.encode(text)) - 2, 0)
+        out.append(tokenizer.decode(document[:room]) + "\n\n" + text)
+    return out
 
 
 class NanospecEngine:
@@ -148,9 +164,13 @@ def main(argv=None) -> int:
             engines.append(LlamaCppEngine(name, model, args.threads, args.lookup_tokens))
     tokenizer = next((e.llm.tokenizer for e in engines if isinstance(e, NanospecEngine)), None) or \
         LLM(args.model).tokenizer
-    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}],
-                                                          add_generation_prompt=True)) for p in prompts]
-    print(f"{len(prompts)} prompts, {args.max_tokens} new tokens at most, batch {args.batch}, {args.threads} threads, "
+    texts = [p["prompt"] for p in prompts]
+    if args.context_tokens:
+        texts = with_documents(tokenizer, texts, args.context_tokens)
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                          add_generation_prompt=True)) for text in texts]
+    print(f"{len(prompts)} prompts of {sum(map(len, ids)) / len(ids):.0f} tokens on average, {args.max_tokens} new "
+          f"tokens at most, batch {args.batch}, {args.threads} threads, "
           f"torch {torch.__version__}, model {model.name}; load average {os.getloadavg()[0]:.2f}")
     results = run_batches(engines, ids, args) if args.batch > 1 else run_alternating(engines, ids, args)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
