@@ -671,6 +671,40 @@ def test_gguf_rope_scaling(tmp_path, tiny_state, monkeypatch):
                   "linear, llama3), got 'yarn'")
 
 
+@pytest.mark.parametrize("metadata, scaling", [
+    ({"llama.rope.scaling.factor": 4.0}, {"rope_type": "linear", "factor": 4.0}),  # llama.cpp's kind by default
+    ({"llama.rope.scale_linear": 4.0}, {"rope_type": "linear", "factor": 4.0}),  # llama.cpp's older key
+    ({"llama.rope.scaling.type": "linear", "llama.rope.scaling.factor": 0.0}, None),  # 0: no scaling, as llama.cpp
+    ({"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0}, None),
+])
+def test_gguf_rope_scaling_read_as_llama_cpp_reads_it(tmp_path, tiny_state, metadata, scaling):
+    write_tiny_gguf(tmp_path / "scaled.gguf", tiny_state, metadata=metadata)
+    assert read_gguf(tmp_path / "scaled.gguf").config.rope_scaling == scaling
+
+
+def test_gguf_bad_old_rope_scale_key_named(tmp_path, tiny_state, monkeypatch):
+    path = tmp_path / "bad.gguf"
+    write_tiny_gguf(path, tiny_state, metadata={"llama.rope.scale_linear": -2.0})
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
+    refused(path, path, "llama.rope.scale_linear must be a finite number above 0")
+
+
+@pytest.mark.parametrize("metadata, named", [
+    ({"llama.rope.dimension_count": 4}, "llama.rope.dimension_count must be the head dimension (8)"),
+    ({"llama.expert_count": 8, "llama.expert_used_count": 2}, "llama.expert_count is 8"),
+])
+def test_gguf_llama_nanospec_cannot_run_refused(tmp_path, tiny_state, monkeypatch, metadata, named):
+    """Partial rotary embeddings (llama.cpp refuses a llama whose rope.dimension_count is not its head dimension) and
+    mixtures of experts: refused before any tensor is read, rather than run as a plain Llama."""
+    path = tmp_path / "other.gguf"
+    write_tiny_gguf(path, tiny_state, metadata=metadata)
+    monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
+    refused(path, path, named)
+    monkeypatch.undo()
+    write_tiny_gguf(path, tiny_state, metadata={"llama.rope.dimension_count": 8})  # as llama.cpp writes it
+    assert read_gguf(path).config.head_dim == 8
+
+
 @pytest.mark.parametrize("key", ["llama.block_count", "llama.context_length"])
 def test_real_gguf_with_huge_header_value_refused_at_once(tmp_path, monkeypatch, key):
     """The embedded SmolLM2 with one header field flipped to 2**32 - 1: this used to allocate gigabytes (a dict of

@@ -52,6 +52,7 @@ _CONFIG_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id":
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 _ROPE_SCALING_KEYS = {"rope_scaling.rope_type": "llama.rope.scaling.type",
                       "rope_scaling.factor": "llama.rope.scaling.factor"}
+_ROPE_FACTOR_KEYS = ("llama.rope.scaling.factor", "llama.rope.scale_linear")  # llama.cpp reads the second, older one
 
 
 @dataclass
@@ -268,22 +269,34 @@ def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
         if key in metadata and metadata.get(key) not in eos_ids:
             eos_ids.append(metadata.get(key))
     try:
-        return LlamaConfig(**fields, rope_scaling=_rope_scaling_from_metadata(metadata), tie_word_embeddings=tied,
-                           eos_token_id=eos_ids)
+        config = LlamaConfig(**fields, rope_scaling=_rope_scaling_from_metadata(metadata), tie_word_embeddings=tied,
+                             eos_token_id=eos_ids)
     except ConfigError as error:
         key = {**_CONFIG_KEYS, **_ROPE_SCALING_KEYS}.get(error.field)
         if error.field == "eos_token_id":
             key = next((key for key in _EOS_KEYS if metadata.get(key) == error.value), None)
+        if error.field == "rope_scaling.factor":
+            key = next(key for key in _ROPE_FACTOR_KEYS if key in metadata)
         raise ValueError(f"GGUF file {metadata.path}: {error.describe(key if key in metadata else error.field)}") \
             from None
+    rotary = metadata.get("llama.rope.dimension_count", config.head_dim)
+    if rotary != config.head_dim:  # llama.cpp refuses such a llama too ("invalid n_rot")
+        raise ValueError(f"GGUF file {metadata.path}: llama.rope.dimension_count must be the head dimension "
+                         f"({config.head_dim}): nanospec rotates every dimension of a head, got {short_repr(rotary)}")
+    experts = metadata.get("llama.expert_count", 0)
+    if experts:
+        raise ValueError(f"GGUF file {metadata.path}: llama.expert_count is {short_repr(experts)}: nanospec runs "
+                         "dense Llama models, not mixtures of experts")
+    return config
 
 
 def _rope_scaling_from_metadata(metadata: _Metadata) -> dict | None:
-    """rope_scaling as llama.rope.scaling.* state it (None: plain RoPE); LlamaConfig refuses a kind nanospec does not
-    compute (llama.cpp's "yarn", ...)."""
-    kind = metadata.get("llama.rope.scaling.type", "none")
-    factor = metadata.get("llama.rope.scaling.factor")
-    if kind == "none" or factor in (None, 1.0):
+    """rope_scaling as llama.cpp reads llama.rope.*: the kind (linear when not stated), the factor from
+    ``_ROPE_FACTOR_KEYS`` (none, 0 or 1: plain RoPE, as is the kind "none"); LlamaConfig refuses a kind nanospec does
+    not compute (llama.cpp's "yarn", ...)."""
+    kind = metadata.get("llama.rope.scaling.type", "linear")
+    factor = next((metadata.get(key) for key in _ROPE_FACTOR_KEYS if key in metadata), None)
+    if kind == "none" or factor in (None, 0.0, 1.0):
         return None
     return {"rope_type": kind, "factor": factor}
 
