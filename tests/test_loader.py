@@ -390,6 +390,31 @@ def test_missing_tensor(tmp_path):
         load_checkpoint(tmp_path, torch.float32)
 
 
+@pytest.mark.parametrize("extra", ["model.layers.0.self_attn.q_proj.bias", "model.layers.2.mlp.up_proj.weight"])
+def test_tensor_the_config_has_no_place_for_refused(tmp_path, monkeypatch, extra):
+    """A bias (attention_bias left out of config.json) or a layer beyond num_hidden_layers: refused by name before
+    any weight is read, as vLLM refuses it, rather than dropped to run another model."""
+    save_tiny_llama(tmp_path)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors[extra] = torch.zeros(48 if "up_proj" in extra else 32, *((32,) if "up_proj" in extra else ()))
+    save_file(tensors, path, metadata={"format": "pt"})
+    monkeypatch.setattr(loader, "all_finite", forbidden("read the weights of"))
+    refused(tmp_path, tmp_path, "no place for", extra)
+
+
+def test_tensors_transformers_skips_are_skipped(tmp_path):
+    """The RoPE frequencies older transformers saved, and lm_head.weight beside a tied embedding."""
+    model = save_tiny_llama(tmp_path, tied=True)
+    path = tmp_path / "model.safetensors"
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    tensors["lm_head.weight"] = torch.zeros(TINY["vocab_size"], TINY["hidden_size"])
+    save_file(tensors, path, metadata={"format": "pt"})
+    checkpoint = load_checkpoint(tmp_path, torch.float32)
+    assert checkpoint.tensors.keys() == expected_tensors(model, tied=True).keys()
+
+
 def test_wrong_tensor_shape(tmp_path):
     save_tiny_llama(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

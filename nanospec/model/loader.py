@@ -104,6 +104,10 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str |
         missing = [name for name in expected if name not in file_of]
         if missing:
             raise ValueError(f"checkpoint {directory} lacks tensors: {_short_list(missing)}")
+        unused = [name for name in file_of if name not in expected and not _ignored(name, config)]
+        if unused:  # a bias, a layer beyond num_hidden_layers, ...: running without it would run another model
+            raise ValueError(f"checkpoint {directory} holds tensors its config.json has no place for: "
+                             f"{_short_list(unused)}")
         for name, shape in expected.items():
             stored = handles[file_of[name]].get_slice(name)
             if tuple(stored.get_shape()) != shape:
@@ -124,6 +128,13 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str |
             else:
                 tensors[name] = tensor.to(dtype) if dtype is not None else tensor
     return Checkpoint(config, tensors, tokenizer, directory)
+
+
+def _ignored(name: str, config: LlamaConfig) -> bool:
+    """A stored tensor that is not a weight of the model, which transformers and vLLM skip too: the RoPE frequencies
+    older transformers saved (computed from config.json here), and lm_head.weight when tie_word_embeddings ties it to
+    the embedding."""
+    return name.endswith(".rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 
 def _weight_files(directory: Path) -> list[Path]:
