@@ -535,6 +535,12 @@ def test_config_json_with_unsupported_rope_scaling_refused(tiny_hf, tmp_path, mo
                                 f"(default, linear, llama3), got {kind!r}")
 
 
+def test_config_json_of_a_quantized_checkpoint_refused(tiny_hf, tmp_path, monkeypatch):
+    config_file = corrupt_copy(tiny_hf, tmp_path, quantization_config={"quant_method": "gptq", "bits": 4})
+    monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))
+    refused(config_file.parent, f"{config_file}: unsupported quantization_config (quant_method 'gptq')")
+
+
 def test_check_config_runs_before_any_weight_is_read(tiny_hf, tiny_state, tmp_path, monkeypatch):
     write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state)
     monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))

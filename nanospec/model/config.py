@@ -117,6 +117,11 @@ class LlamaConfig:
         for flag in ("attention_bias", "mlp_bias"):
             if d.get(flag, False):
                 raise ValueError(f"unsupported {flag}={d[flag]!r}: nanospec's Llama layers have no biases")
+        quantization_config = d.get("quantization_config")
+        if quantization_config:  # GPTQ, AWQ, FP8, bitsandbytes, ...: weights stored in a form nanospec does not read
+            method = quantization_config.get("quant_method") if isinstance(quantization_config, dict) else None
+            raise ValueError(f"unsupported quantization_config (quant_method {short_repr(method)}): nanospec loads "
+                             "float weights, and rounds them itself with quantization='int4' or 'int8'")
 
         # transformers 5 keeps rope_theta and the scaling together in `rope_parameters`; 4.x keeps them apart.
         rope_parameters = d.get("rope_parameters") or {}
