@@ -22,11 +22,12 @@ from nanospec.model.commands import DRAFT, TARGET
 from nanospec.model.config import LlamaConfig
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
 from nanospec.model.hub import resolve_model_path
-from nanospec.model.loader import Checkpoint, load_checkpoint, round_checkpoint
+from nanospec.model.loader import Checkpoint, load_checkpoint, read_config, round_checkpoint
 from nanospec.model.parallel import check_shardable, kv_heads_per_rank
 from nanospec.model.quantization import int4_group_size, parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
                                          parse_speculative_config)
+from nanospec.speculative.draft import check_draft_config
 from nanospec.worker import ModelSpec, TensorParallel, build_model, build_runner, serve_as_worker
 from nanospec.worker import start as start_tensor_parallel
 
@@ -120,11 +121,19 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
 def _check_fits(args: EngineArgs, config: LlamaConfig) -> None:
     """ValueError for an engine argument the model's config rules out, before its weights are read: ``max_model_len``
     beyond its context, a ``tensor_parallel_size`` that does not split its heads, a ``kv_cache_memory`` that holds no
-    block of its K/V."""
+    block of its K/V; and a draft model that cannot draft for it (its config alone read)."""
     context = config.max_position_embeddings
     if args.max_model_len is not None and not 1 < args.max_model_len <= context:
         raise ValueError(f"max_model_len must be in (1, {context}], got {args.max_model_len}")
     check_shardable(config, args.tensor_parallel_size)
+    if args.speculative is not None and args.speculative.method == "draft":
+        draft = read_config(args.speculative.model)
+        check_draft_config(draft, config, args.speculative.model, args.max_model_len)
+        if args.draft_tensor_parallel_size > 1:
+            try:
+                check_shardable(draft, args.draft_tensor_parallel_size, "draft_tensor_parallel_size")
+            except ValueError as e:
+                raise ValueError(f"the draft model {args.speculative.model!r}: {e}") from None
     if args.num_blocks is None and args.kv_cache_memory is not None:
         kv_heads = kv_heads_per_rank(config.num_key_value_heads, args.tensor_parallel_size)
         check_holds_a_block(args.kv_cache_memory, kv_bytes_per_block(config.num_hidden_layers, args.block_size,
@@ -155,10 +164,7 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
                                  args.dtype, max_model_len, parallel.draft if parallel is not None else None,
                                  args.enable_prefix_caching, model.matmul_dtype)
         if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
-            if args.max_model_len is not None:
-                raise ValueError(f"max_model_len={args.max_model_len} is longer than the draft model's context "
-                                 f"({proposer.max_model_len} tokens)")
-            max_model_len = proposer.max_model_len  # the draft guesses only within its own context
+            max_model_len = proposer.max_model_len  # the draft guesses only within its own context (_check_fits)
     enforce_eager = args.enforce_eager if args.enforce_eager is not None else device.type != "cuda"
     max_query_len = 1 + (proposer.max_tokens_per_step if proposer is not None else 0)  # a root and its guesses
     target = ModelSpec(source, args.dtype, target_max_len, num_blocks, args.block_size, args.max_num_seqs,

@@ -9,6 +9,7 @@ import pytest
 
 from nanospec import LLM, SamplingParams
 from nanospec.cache.block_manager import slots_of
+from nanospec.model import loader
 from nanospec.model.forward_batch import build_forward_batch
 from nanospec.speculative.policy import AcceptanceEstimate
 from tiny import assert_no_leak, assert_same_kv, fixed_costs, make_tiny_llama
@@ -290,7 +291,20 @@ def test_bad_speculative_config(target_path, device, config, match):
         spec_llm(target_path, device, config)
 
 
-def test_draft_with_another_vocabulary_is_refused(target_path, device, tmp_path):
-    make_tiny_llama(tmp_path, vocab=300)
-    with pytest.raises(ValueError, match="vocabulary"):
-        spec_llm(target_path, device, {"method": "draft", "model": str(tmp_path)})
+@pytest.mark.parametrize("draft, kwargs, match", [
+    ({"vocab": 300}, {}, "has a vocabulary of 300 tokens but the target has 320"),
+    ({"max_pos": 64}, {"max_model_len": 100}, r"max_model_len=100 is longer than the draft model's context \(64"),
+    ({"num_heads": 3, "num_kv_heads": 1, "hidden": 48}, {"tensor_parallel_size": 2},
+     "draft_tensor_parallel_size=2 does not divide the model's 3 attention heads"),
+])
+def test_draft_that_cannot_draft_is_refused_before_any_weight_is_read(target_path, device, tmp_path, monkeypatch,
+                                                                       draft, kwargs, match):
+    """From the draft's config.json alone, before the target's weights (or the draft's) are read."""
+    make_tiny_llama(tmp_path, **draft)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a weight file was opened")
+
+    monkeypatch.setattr(loader, "safe_open", forbidden)
+    with pytest.raises(ValueError, match=match):
+        spec_llm(target_path, device, {"method": "draft", "model": str(tmp_path)}, **kwargs)

@@ -81,14 +81,7 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
     or become quantized; None dequantizes every tensor to float32. ``check_config`` is called with the config as soon
     as it is read, before the tokenizer or any tensor: what it raises ends the read."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no such GGUF file: {path}")
-    metadata, header_tensors = _read_header(path)
-    architecture = metadata.get("general.architecture")
-    if architecture != "llama":
-        raise ValueError(f"unsupported GGUF architecture {short_repr(architecture)} in {path}: nanospec runs 'llama' "
-                         "only")
-    config = _config_from_metadata(metadata, tied=not any(t.name == "output.weight" for t in header_tensors))
+    metadata, header_tensors, config = _read_header_and_config(path)
     if check_config is not None:
         check_config(config)
     tokenizer_json, tokenizer_config = tokenizer_from_metadata(metadata, config.vocab_size)
@@ -114,6 +107,23 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
             weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
         tensors[hf_names[tensor.name]] = weight
     return GGUFModel(config, tensors, tokenizer_json, tokenizer_config)
+
+
+def read_gguf_config(path: str | os.PathLike) -> LlamaConfig:
+    """The config of a GGUF file of a Llama model, from its header alone (read_gguf's errors for the header)."""
+    return _read_header_and_config(Path(path))[2]
+
+
+def _read_header_and_config(path: Path) -> tuple[_Metadata, list[_Tensor], LlamaConfig]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    metadata, header_tensors = _read_header(path)
+    architecture = metadata.get("general.architecture")
+    if architecture != "llama":
+        raise ValueError(f"unsupported GGUF architecture {short_repr(architecture)} in {path}: nanospec runs 'llama' "
+                         "only")
+    config = _config_from_metadata(metadata, tied=not any(t.name == "output.weight" for t in header_tensors))
+    return metadata, header_tensors, config
 
 
 _SCALAR_FORMATS = {  # struct formats of GGUF's scalar value types

@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from nanospec.model.config import REQUIRED_HF_FIELDS, LlamaConfig, short_repr, token_ids
 from nanospec.model.embedded import embedded_model_path
-from nanospec.model.gguf_file import all_finite, read_gguf
+from nanospec.model.gguf_file import all_finite, read_gguf, read_gguf_config
 from nanospec.model.quantization import Weight, check_int4_shape, parse_quantization, quantize
 from nanospec.tokenizer import Tokenizer
 
@@ -41,15 +41,28 @@ def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None, q
     checkpoint's matrices on load. `check_config` is called with the config as soon as it is read, before the tokenizer
     or any tensor: what it raises ends the load."""
     scheme, group_size = parse_quantization(quantization)
+    path = _model_path(path)
+    if path.is_dir():
+        return _load_hf_directory(path, dtype, scheme, group_size, check_config)
+    return _load_gguf(path, dtype, scheme, group_size, check_config)
+
+
+def read_config(path: str | os.PathLike | None) -> LlamaConfig:
+    """The config of the checkpoint :func:`load_checkpoint` would load from `path`, with its errors, read alone:
+    config.json or a GGUF file's header, no tokenizer, no tensor."""
+    path = _model_path(path)
+    return _read_hf_config(path) if path.is_dir() else read_gguf_config(path)
+
+
+def _model_path(path: str | os.PathLike | None) -> Path:
+    """`path` (None: the embedded model's file), checked to be a directory or a GGUF file."""
     if path is not None and os.fspath(path) == "":
         raise ValueError("the model path is empty: give a Hugging Face directory or a .gguf file")
     path = embedded_model_path() if path is None else Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model path does not exist: {path}")
-    if path.is_dir():
-        return _load_hf_directory(path, dtype, scheme, group_size, check_config)
-    if path.suffix == ".gguf" or _starts_with_gguf(path):
-        return _load_gguf(path, dtype, scheme, group_size, check_config)
+    if path.is_dir() or path.suffix == ".gguf" or _starts_with_gguf(path):
+        return path
     raise ValueError(f"cannot load {path}: expected a .gguf file or a Hugging Face model directory "
                      "(config.json, model.safetensors, tokenizer.json)")
 
@@ -80,8 +93,7 @@ def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_
     return Checkpoint(model.config, tensors, tokenizer, path)
 
 
-def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int,
-                       check_config: Callable[[LlamaConfig], None] | None) -> Checkpoint:
+def _read_hf_config(directory: Path) -> LlamaConfig:
     if not (directory / "config.json").is_file():
         gguf_files = sorted(path for path in directory.glob("*.gguf") if path.is_file())
         hint = f" (to load a GGUF, pass the file itself, e.g. {gguf_files[0]})" if gguf_files else ""
@@ -89,9 +101,14 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str |
     config_file = directory / "config.json"
     hf_config = read_json(config_file)
     try:
-        config = LlamaConfig.from_hf_dict(hf_config, require=REQUIRED_HF_FIELDS)
+        return LlamaConfig.from_hf_dict(hf_config, require=REQUIRED_HF_FIELDS)
     except ValueError as error:
         raise ValueError(f"{config_file}: {error}") from None
+
+
+def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int,
+                       check_config: Callable[[LlamaConfig], None] | None) -> Checkpoint:
+    config = _read_hf_config(directory)
     if check_config is not None:
         check_config(config)
     tokenizer = _load_tokenizer(directory, config)

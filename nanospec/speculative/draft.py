@@ -21,6 +21,7 @@ from nanospec.cache.block_manager import BlockManager
 from nanospec.cache.kv_cache import KVCache
 from nanospec.kernels.sampling import sample_from_probs
 from nanospec.model.forward_batch import build_forward_batch
+from nanospec.model.config import LlamaConfig
 from nanospec.model.llama import Llama
 from nanospec.model.loader import load_checkpoint
 from nanospec.model.parallel import ParallelGroup, check_shardable
@@ -47,6 +48,18 @@ class DraftState:
     retry_after: int = 1  # undrafted steps after which the estimate returns to its prior (see commit)
 
 
+def check_draft_config(draft: LlamaConfig, target: LlamaConfig, model, max_model_len: int | None = None) -> None:
+    """ValueError for the draft model `model` (config `draft`) that cannot draft for the `target`: another vocabulary
+    size, or a context shorter than the ``max_model_len`` asked for (None: the engine shortens its context to the
+    draft's)."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"the draft model {str(model)!r} has a vocabulary of {draft.vocab_size} tokens but the "
+                         f"target has {target.vocab_size}: they must share one vocabulary")
+    if max_model_len is not None and max_model_len > draft.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} is longer than the draft model's context "
+                         f"({draft.max_position_embeddings} tokens)")
+
+
 class DraftProposer(Proposer):
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
@@ -54,10 +67,8 @@ class DraftProposer(Proposer):
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
         self.coupled = config.acceptance == "coupled"
-        checkpoint = load_checkpoint(config.model, dtype, config.quantization)
-        if checkpoint.config.vocab_size != target_config.vocab_size:
-            raise ValueError(f"the draft model {config.model!r} has a vocabulary of {checkpoint.config.vocab_size} "
-                             f"tokens but the target has {target_config.vocab_size}: they must share one vocabulary")
+        checkpoint = load_checkpoint(config.model, dtype, config.quantization,
+                                     check_config=lambda draft: check_draft_config(draft, target_config, config.model))
         probe = "Hello, world! 123 ünïcödé <|im_start|>"
         if checkpoint.tokenizer.encode(probe) != target_tokenizer.encode(probe):
             raise ValueError(f"the draft model {config.model!r} tokenizes text differently from the target: "
