@@ -3,6 +3,7 @@ embedded model's chat defaults, or none; bad values are refused naming the file.
 
 import json
 
+import gguf
 import pytest
 
 from nanospec.model.embedded import EMBEDDED_SAMPLING
@@ -33,10 +34,32 @@ def test_the_embedded_model_gets_the_chats_defaults_and_vllm_gets_none(tmp_path)
     assert default_sampling(None)[0] == EMBEDDED_SAMPLING == {"temperature": 0.2, "top_p": 0.9}
     assert default_sampling(None, "vllm")[0] == {}
     assert default_sampling(str(tmp_path))[0] == {}  # a directory without the file: the API's defaults
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
+
+
+def write_gguf(path, metadata):
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in metadata.items():
+        value_type = gguf.GGUFValueType.INT32 if isinstance(value, int) else gguf.GGUFValueType.FLOAT32
+        writer.add_key_value(key, value, value_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_file_gives_its_own_sampling_keys_not_a_file_beside_it(tmp_path):
+    """As llama.cpp reads a GGUF (general.sampling.*); a generation_config.json beside it may be another model's."""
     write(tmp_path, {"temperature": 0.3})
-    assert default_sampling(str(gguf))[0] == {"temperature": 0.3}  # the file beside a .gguf
+    plain = write_gguf(tmp_path / "plain.gguf", {})
+    assert default_sampling(str(plain)) == ({}, f"the API's defaults ({plain} has no general.sampling keys)")
+    tuned = write_gguf(tmp_path / "tuned.gguf", {"general.sampling.temp": 0.5, "general.sampling.top_k": 0,
+                                                "general.sampling.top_p": 0.75, "general.sampling.min_p": 0.125,
+                                                "general.sampling.penalty_repeat": 1.5})
+    assert default_sampling(str(tuned))[0] == {"temperature": 0.5, "top_p": 0.75, "top_k": -1, "min_p": 0.125,
+                                               "repetition_penalty": 1.5}
+    bad = write_gguf(tmp_path / "bad.gguf", {"general.sampling.top_p": 2.0})
+    with pytest.raises(ValueError, match=r"bad\.gguf \(general\.sampling\): top_p"):
+        default_sampling(str(bad))
 
 
 def test_a_directory_given_explicitly(tmp_path):

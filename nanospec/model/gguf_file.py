@@ -114,6 +114,14 @@ def read_gguf_config(path: str | os.PathLike) -> LlamaConfig:
     return _read_header_and_config(Path(path))[2]
 
 
+def read_gguf_metadata(path: str | os.PathLike) -> dict:
+    """The key/value metadata of a GGUF file (read_gguf's errors for the header)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no such GGUF file: {path}")
+    return dict(_read_header(path)[0])
+
+
 def _read_header_and_config(path: Path) -> tuple[_Metadata, list[_Tensor], LlamaConfig]:
     if not path.is_file():
         raise FileNotFoundError(f"no such GGUF file: {path}")
