@@ -81,6 +81,8 @@ SHIPPED = {"mlp": "mlp_speculator", "eagle3": "eagle3"}  # --spec NAME[:DIR]: th
 def spec_config_from_arg(spec: str | None, k: int | None) -> dict | None:
     """The speculative_config for --spec and -k; ValueError (one line) for a bad combination."""
     if spec is None:
+        if k is not None:
+            raise ValueError(f"-k {k} needs --spec (the number of tokens a speculative method guesses per step)")
         return None
     if k is not None and k < 1:
         raise ValueError(f"-k {k}: the number of speculative tokens must be >= 1")

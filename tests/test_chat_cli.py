@@ -191,6 +191,7 @@ def test_ctrl_c_while_loading_exits_130_in_process(monkeypatch, use_llm, capsys)
     (["--spec", "mlp:"], "--spec 'mlp:'"),
     (["--spec", "eagle3:"], "--spec 'eagle3:'"),
     (["--spec", "mlp", "-k", "0"], "must be >= 1"),
+    (["-k", "3"], "-k 3 needs --spec"),
     (["--quantization", "None"], "--quantization must be one of auto, int4, int4-g64, int4-g128, int8 or none "
                                  "(float weights), got 'None'"),
 ])
