@@ -122,7 +122,8 @@ def replace_undecodable_input() -> None:
 
 def load(args):
     """(LLM, SamplingParams) from the arguments. Checks the sampling and speculation arguments first, then loads
-    (nanospec logs a line per phase to stderr). ValueError / OSError: bad arguments or an unloadable model."""
+    (nanospec logs a line per phase to stderr). ValueError / OSError: bad arguments, an unloadable model, one
+    without a chat template, or a --max-tokens that fills its context."""
     from nanospec import LLM, SamplingParams
     from nanospec.device import fix_malloc_mmap_threshold
     from nanospec.log import set_level
@@ -144,6 +145,10 @@ def load(args):
         llm.shutdown()
         raise ValueError(f"{args.model} has no chat template, so it cannot chat (for raw text, use LLM.generate "
                          "or the server's /v1/completions)")
+    if params.max_tokens >= llm.engine.max_model_len:  # the room kept for the answer would drop every turn
+        llm.shutdown()
+        raise ValueError(f"--max-tokens {params.max_tokens} leaves no room for the conversation: the context holds "
+                         f"{llm.engine.max_model_len} tokens, prompt and answer together")
     return llm, params
 
 

@@ -227,6 +227,16 @@ def test_a_model_without_a_chat_template_exits_2_at_start_up(monkeypatch, use_ll
     assert not llm.calls and llm.shut_down
 
 
+def test_max_tokens_the_context_cannot_hold_exits_2_at_start_up(monkeypatch, use_llm, capsys):
+    """Room for the answer is kept by dropping old turns: an answer that alone fills the context would drop every
+    turn, every time."""
+    llm = use_llm(ScriptedLLM(max_model_len=60))
+    assert main_with_stdin(monkeypatch, ["--max-tokens", "60"], b"hi\n") == 2
+    assert capsys.readouterr().err == "error: --max-tokens 60 leaves no room for the conversation: the context " \
+                                      "holds 60 tokens, prompt and answer together\n"
+    assert not llm.calls and llm.shut_down
+
+
 def test_spec_mlp_configs():
     assert chat.spec_config_from_arg("mlp", None) == {"method": "mlp_speculator"}
     assert chat.spec_config_from_arg("mlp", 2) == {"method": "mlp_speculator", "num_speculative_tokens": 2}
