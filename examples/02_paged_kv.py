@@ -6,7 +6,11 @@ A tiny pool (24 blocks of 16 tokens) makes the traffic visible: each request's b
 one block every 16 tokens, and finished requests hand their blocks back while others keep running.
 """
 
+import argparse
+
 from nanospec import LLM, SamplingParams
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 llm = LLM(num_blocks=24, block_size=16)
 engine, bm = llm.engine, llm.engine.block_manager

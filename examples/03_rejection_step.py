@@ -11,10 +11,14 @@ tree_rejection_sample, given the chain as a tree (node i's parent is node i - 1)
 (its Triton kernel on a GPU, its PyTorch reference on CPU).
 """
 
+import argparse
+
 import torch
 
 from nanospec.kernels.random import uniform_ref
 from nanospec.kernels.tree_rejection import tree_rejection_sample
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 WORDS = ["the", "cat", "sat", "on", "a", "down"]
 V = len(WORDS)

@@ -19,12 +19,15 @@ first 4 layers: it shares the tokenizer but was never trained to stop early, so 
 target and its own forwards make the step dearer: a draft model pays off only when it predicts the target well.
 """
 
+import argparse
 import tempfile
 import time
 
 from nanospec import LLM, SamplingParams
 from nanospec.convert import convert
 from nanospec.model.embedded import embedded_model_path
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 PROMPT = """Add the line `import os` at the top of this code and return the whole code unchanged otherwise.
 

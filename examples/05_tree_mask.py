@@ -8,11 +8,15 @@ Every node sees its ancestors and itself (plus the whole cached context), and si
 root following the target's argmax; the accepted path's K/V is then moved next to the root.
 """
 
+import argparse
+
 import torch
 
 from nanospec.kernels.attention_mask import unpack_mask
 from nanospec.speculative.proposal import tree_depths, tree_mask
 from nanospec.kernels.tree_verify import greedy_tree_verify
+
+argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
 
 #          0        1       2       3        4       5        6
 words = ["<root>", "the", "a", "cat", "dog", "sat", "ran"]

@@ -12,11 +12,15 @@ position, and each column plus that guess becomes a new 4-gram for the pool. The
 other. With a PNG path and matplotlib installed, the mask is also drawn to that file.
 """
 
-import sys
+import argparse
 
 from nanospec.kernels.attention_mask import unpack_mask
 from nanospec.speculative.lookahead import LookaheadDecoder
 from nanospec.speculative.proposal import tree_depths, tree_mask
+
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("png", nargs="?", help="draw the mask to this PNG file (needs matplotlib)")
+args = p.parse_args()
 
 W, N, G = 5, 4, 2
 ROOT = 42
@@ -45,7 +49,7 @@ for row in range(n):
     cells = "".join(" x" if visible[row, col] else " ." for col in range(n))
     print(f"{row:>3} {labels[row]:<6} {'P+' + str(positions[row]):>4} {step.tokens[row]:>4} {cells}")
 
-if len(sys.argv) > 1:
+if args.png:
     try:
         import matplotlib
 
@@ -60,8 +64,8 @@ if len(sys.argv) > 1:
         ax.set_yticks(range(n), [f"{lab} (P+{p})" for lab, p in zip(labels, positions)], fontsize=7)
         ax.set_title(f"lookahead step mask, W={W} N={N} G={G} (row sees column)")
         fig.tight_layout()
-        fig.savefig(sys.argv[1], dpi=150)
-        print(f"\nwrote {sys.argv[1]}")
+        fig.savefig(args.png, dpi=150)
+        print(f"\nwrote {args.png}")
 
 # ---------------------------------------------------------------- the same layout, running on a real prompt
 print(f"\nRunning the embedded SmolLM2 with lookahead decoding (W={W}, N={N}, G={G}), greedy:")

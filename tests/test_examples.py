@@ -17,3 +17,11 @@ def test_example_runs(script):
     assert result.returncode == 0, result.stderr[-2000:]
     if script == "06_lookahead.py":
         assert "identical to plain greedy decoding: True" in result.stdout
+
+
+@pytest.mark.parametrize("script", sorted(path.name for path in (ROOT / "examples").glob("*.py")))
+def test_example_help_prints_usage_and_runs_nothing(script):
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--help"], capture_output=True,
+                            text=True, timeout=120, cwd=ROOT, env=checkout_env())
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage: ") and "nanospec: loading" not in result.stderr
