@@ -254,7 +254,9 @@ def repl(llm, params, args) -> None:
     while True:
         try:
             line = input("> " if interactive else "")
-        except EOFError:
+        except EOFError:  # Ctrl-D: the shell's prompt starts on a line of its own
+            if interactive:
+                print()
             return
         line = line.strip()
         if not line:

@@ -175,6 +175,27 @@ def test_ctrl_c_at_the_prompt_exits_130(monkeypatch, use_llm):
     assert chat.main([]) == 130
 
 
+class TypedStdin:
+    """A terminal's stdin: input() prompts on stdout and reads LINES, then Ctrl-D (end of input)."""
+
+    def __init__(self, lines):
+        self.lines = list(lines)
+
+    def isatty(self):
+        return True
+
+    def readline(self):
+        return self.lines.pop(0) if self.lines else ""
+
+
+def test_ctrl_d_at_the_prompt_ends_the_prompt_line(monkeypatch, use_llm, capsys):
+    """As in Python's REPL: the shell's prompt then starts on a line of its own."""
+    use_llm(ScriptedLLM())
+    monkeypatch.setattr(sys, "stdin", TypedStdin(["hi\n"]))
+    assert chat.main([]) == 0
+    assert capsys.readouterr().out.endswith("Paris is the capital.\n> \n")
+
+
 def test_ctrl_c_while_loading_exits_130_in_process(monkeypatch, use_llm, capsys):
     use_llm(KeyboardInterrupt())
     assert main_with_stdin(monkeypatch, [], b"hi\n") == 130
