@@ -2,7 +2,7 @@
 
 Streams tokens as they are accepted. Commands: /reset (forget the conversation), /stats (tokens/s,
 steps, speculation acceptance and tau of the last turn and the session, and how much of the last prompt came from
-the prefix cache: a turn computes only what the conversation added), /quit.
+the prefix cache: a turn computes only what the conversation added), /quit, /help (lists them).
 When stdin is not a terminal each input line is one user turn and the program exits at EOF:
   echo "What is the capital of France?" | python -m nanospec.chat
 
@@ -32,6 +32,7 @@ import time
 
 from nanospec.model.embedded import EMBEDDED_SAMPLING
 
+COMMANDS = "/reset clears the conversation, /stats shows speed, /quit exits"  # the banner's and /help's line
 EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 2, 130, 141  # 141: 128 + SIGPIPE, as a shell reports it
 
 
@@ -249,8 +250,7 @@ def repl(llm, params, args) -> None:
     history: list[dict] = []
     session, last = TurnStats(), TurnStats()
     if interactive:
-        print("nanospec chat: /reset clears the conversation, /stats shows speed, /quit exits; "
-              "Ctrl-C stops an answer.")
+        print(f"nanospec chat: {COMMANDS}; Ctrl-C stops an answer.")
     while True:
         try:
             line = input("> " if interactive else "")
@@ -263,6 +263,9 @@ def repl(llm, params, args) -> None:
             continue
         if line in ("/quit", "/exit"):
             return
+        if line == "/help":
+            print(COMMANDS)
+            continue
         if line == "/reset":
             history.clear()
             print("(conversation cleared)")

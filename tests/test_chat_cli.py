@@ -175,6 +175,13 @@ def test_ctrl_c_at_the_prompt_exits_130(monkeypatch, use_llm):
     assert chat.main([]) == 130
 
 
+def test_help_lists_the_commands_and_is_not_a_question(monkeypatch, use_llm, capsys):
+    llm = use_llm(ScriptedLLM())
+    assert main_with_stdin(monkeypatch, [], b"/help\nhi\n") == 0
+    assert [messages for messages, _ in llm.calls] == [[{"role": "user", "content": "hi"}]]
+    assert capsys.readouterr().out.startswith("/reset clears the conversation, /stats shows speed, /quit exits\n")
+
+
 class TypedStdin:
     """A terminal's stdin: input() prompts on stdout and reads LINES, then Ctrl-D (end of input)."""
 
