@@ -5,7 +5,8 @@
 Listens on 127.0.0.1:8000 unless told otherwise. With --api-key (or NANOSPEC_API_KEY) every /v1 route,
 /tokenize and /detokenize need 'Authorization: Bearer KEY'. Sampling a request leaves out comes from the model
 (--generation-config auto: its generation_config.json, a .gguf's general.sampling keys; the embedded SmolLM2:
-temperature 0.2, top-p 0.9, as the chat), said in the start-up log. Every argument is checked, and the address bound, before the model loads.
+temperature 0.2, top-p 0.9, as the chat), said in the start-up log. Every argument is checked, and the address
+bound, before the model loads.
 Ctrl-C or SIGTERM shuts down gracefully: every open stream ends with a chunk whose finish_reason is "abort" and
 'data: [DONE]', then the process ends by that signal, as uvicorn does (status 130 / 143 in a shell).
 Exit status 2: bad arguments, an address that cannot be bound, or a model that cannot be loaded (one 'error:' line
