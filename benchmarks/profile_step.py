@@ -2,8 +2,9 @@
 
     python benchmarks/profile_step.py                         # embedded SmolLM2, its 4-bit weights
     python benchmarks/profile_step.py --quantization none     # the same model in float32
+    python benchmarks/profile_step.py --context 2000          # after a 2,000-token prompt
 
-Greedy decode of one prompt; after a warm-up, ``--steps`` steps are profiled. Parts, in ms a step: the matmuls of
+Greedy decode of one prompt (``--context N``: the benchmark prompts' texts joined, N tokens); after a warm-up, ``--steps`` steps are profiled. Parts, in ms a step: the matmuls of
 the layers and of the head (torch ops that read weights), attention (the CPU backend's ops), norms, RoPE and the
 K/V write, dtype casts, sampling, the other torch ops, and Python (the step's wall time less every op's own time:
 the engine, the scheduler, the model's Python). Each op's own time is taken under the profiler, and the step's wall
@@ -23,6 +24,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_chunked_prefill import prompts  # noqa: E402
 
 from nanospec import LLM, SamplingParams  # noqa: E402
 
@@ -48,17 +53,20 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quantization", default="auto", help="auto, int4, int8 or none (float32 weights)")
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--context", type=int, default=None, help="a prompt of this many tokens (default: one sentence)")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--table", action="store_true", help="also print the profiler's table of ops")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(quantization=None if args.quantization == "none" else args.quantization, dtype="float32",
-              device="cpu", max_num_seqs=1, max_model_len=2048)
+              device="cpu", max_num_seqs=1, max_model_len=max(2048, (args.context or 0) + args.steps + 16))
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+    if args.context:
+        prompt = prompts(llm.tokenizer, args.context)[1]
     engine = llm.engine
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
-    engine.add_request(llm._encode(prompt), SamplingParams(temperature=0, max_tokens=args.steps + 8,
+    engine.add_request(llm._encode(prompt, True), SamplingParams(temperature=0, max_tokens=args.steps + 8,
                                                            ignore_eos=True))
     for _ in range(4):  # prefill and the first decodes
         engine.step()
@@ -67,7 +75,7 @@ def main() -> None:
             engine.step()
     while engine.has_unfinished():
         engine.step()
-    engine.add_request(llm._encode(prompt), SamplingParams(temperature=0, max_tokens=args.steps + 8,
+    engine.add_request(llm._encode(prompt, True), SamplingParams(temperature=0, max_tokens=args.steps + 8,
                                                            ignore_eos=True))
     for _ in range(4):
         engine.step()
