@@ -246,6 +246,20 @@ def test_read_gguf_undoes_llama_cpp_layout(tmp_path, tiny_state, float16):
     assert tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "<s>x</s>"
 
 
+def test_gguf_metadata_without_arrays_is_the_metadata_less_its_arrays(tmp_path, tiny_state):
+    """read_gguf_metadata steps over array values (the tokenizer's, an array of arrays, of numbers) unread and reads
+    the keys after them as the full header read does."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, tiny_state, metadata={"test.nested": [[1, 2], [3]], "test.numbers": [1.5, 2.5],
+                                                "test.after": "the last key"})
+    full = gguf_file._read_header(path)[0]
+    assert {k: v for k, v in full.items() if not isinstance(v, list)} == gguf_file.read_gguf_metadata(path)
+    assert full["test.nested"] == [[1, 2], [3]] and full["tokenizer.ggml.tokens"]
+    assert gguf_file.read_gguf_metadata(path)["test.after"] == "the last key"
+    with pytest.raises(FileNotFoundError, match="no such GGUF file"):
+        gguf_file.read_gguf_metadata(tmp_path / "missing.gguf")
+
+
 def test_load_checkpoint_reads_gguf_and_casts(tmp_path, tiny_state):
     write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state)
     checkpoint = load_checkpoint(tmp_path / "tiny.gguf", torch.bfloat16)
