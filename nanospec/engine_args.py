@@ -27,7 +27,7 @@ from nanospec.model.parallel import check_shardable, kv_heads_per_rank
 from nanospec.model.quantization import int4_group_size, parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
                                          parse_speculative_config)
-from nanospec.speculative.draft import check_draft_config
+from nanospec.speculative.draft import check_draft_config, check_draft_shardable
 from nanospec.worker import ModelSpec, TensorParallel, build_model, build_runner, serve_as_worker
 from nanospec.worker import start as start_tensor_parallel
 
@@ -129,11 +129,7 @@ def _check_fits(args: EngineArgs, config: LlamaConfig) -> None:
     if args.speculative is not None and args.speculative.method == "draft":
         draft = read_config(args.speculative.model)
         check_draft_config(draft, config, args.speculative.model, args.max_model_len)
-        if args.draft_tensor_parallel_size > 1:
-            try:
-                check_shardable(draft, args.draft_tensor_parallel_size, "draft_tensor_parallel_size")
-            except ValueError as e:
-                raise ValueError(f"the draft model {args.speculative.model!r}: {e}") from None
+        check_draft_shardable(draft, args.speculative.model, args.draft_tensor_parallel_size)
     if args.num_blocks is None and args.kv_cache_memory is not None:
         kv_heads = kv_heads_per_rank(config.num_key_value_heads, args.tensor_parallel_size)
         check_holds_a_block(args.kv_cache_memory, kv_bytes_per_block(config.num_hidden_layers, args.block_size,

@@ -60,6 +60,16 @@ def check_draft_config(draft: LlamaConfig, target: LlamaConfig, model, max_model
                          f"({draft.max_position_embeddings} tokens)")
 
 
+def check_draft_shardable(draft: LlamaConfig, model, tp_size: int, group_size: int | None = None) -> None:
+    """ValueError, naming the draft model `model`, when ``draft_tensor_parallel_size`` `tp_size` does not split its
+    heads (or, given its int4 `group_size`, its groups)."""
+    if tp_size > 1:
+        try:
+            check_shardable(draft, tp_size, "draft_tensor_parallel_size", group_size)
+        except ValueError as e:
+            raise ValueError(f"the draft model {str(model)!r}: {e}") from None
+
+
 class DraftProposer(Proposer):
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
@@ -73,12 +83,8 @@ class DraftProposer(Proposer):
         if checkpoint.tokenizer.encode(probe) != target_tokenizer.encode(probe):
             raise ValueError(f"the draft model {config.model!r} tokenizes text differently from the target: "
                              f"they must share one vocabulary")
-        if tp is not None and tp.size > 1:
-            try:
-                check_shardable(checkpoint.config, tp.size, "draft_tensor_parallel_size",
-                                int4_group_size(checkpoint.tensors))
-            except ValueError as e:
-                raise ValueError(f"the draft model {config.model!r}: {e}") from None
+        if tp is not None:  # (the heads were checked from the config alone; the int4 groups need the tensors)
+            check_draft_shardable(checkpoint.config, config.model, tp.size, int4_group_size(checkpoint.tensors))
         self.dtype = dtype
         self.max_len = max_model_len  # (the workers build their shards with the same RoPE table)
         self.model = Llama(checkpoint.config, checkpoint.tensors, device, dtype, max_len=max_model_len, tp=tp)
