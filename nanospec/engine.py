@@ -74,7 +74,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs  # what a server reads
         self.vocab_size = self.model.config.vocab_size
-        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching)
+        # on a CPU each table's K/V is kept one slice of the cache where it can (see BlockManager)
+        self.block_manager = BlockManager(num_blocks, block_size, enable_prefix_caching,
+                                          consecutive=self.kv_cache.data.device.type == "cpu")
         self.speculator = Speculator(proposer, self.runner, self.block_manager, max_model_len=max_model_len,
                                      max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                      adaptive=adaptive_speculation)
@@ -193,6 +195,7 @@ class Engine:
             self._stepping = True
             with Contention() as timed:
                 seqs = self.scheduler.schedule()
+                self._copy_placed_prefixes()
                 self._step_tokens = 0
                 outputs = self._step(seqs) if seqs else []
         finally:
@@ -206,6 +209,16 @@ class Engine:
         if self.threads is not None and self._step_tokens:
             self.threads.observe(threads, self._step_tokens, timed.seconds, timed.waiting)
         return outputs
+
+    def _copy_placed_prefixes(self) -> None:
+        """The cached prefixes the scheduler placed by copy (``BlockManager.take_copies``): their K/V, block by
+        block."""
+        copies = self.block_manager.take_copies()
+        if copies:
+            size = self.block_manager.block_size
+            offsets = torch.arange(size)
+            src, dst = (torch.tensor(blocks, dtype=torch.int64)[:, None] * size + offsets for blocks in zip(*copies))
+            self.runner.copy_kv_slots(src.flatten(), dst.flatten())
 
     def _step(self, seqs: list[Sequence]) -> list[CompletionOutput]:
         # the sequences that draw a token first (their rows lead the batch), then the chunks of longer prompts

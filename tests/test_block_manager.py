@@ -33,9 +33,9 @@ ops = st.lists(st.tuples(st.sampled_from(["reserve", "truncate", "free"]), st.in
 
 
 @settings(max_examples=300, deadline=None)
-@given(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 4, 16]), ops=ops)
-def test_random_reserve_truncate_free_keep_every_block(num_blocks, block_size, ops):
-    bm = BlockManager(num_blocks, block_size)
+@given(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 4, 16]), ops=ops, consecutive=st.booleans())
+def test_random_reserve_truncate_free_keep_every_block(num_blocks, block_size, ops, consecutive):
+    bm = BlockManager(num_blocks, block_size, consecutive=consecutive)
     tables = [[] for _ in range(6)]
     lengths = [0] * 6
     for op, seq, n in ops:
@@ -128,6 +128,51 @@ def test_a_table_alone_keeps_consecutive_blocks_with_the_cache_too(enable):
     assert bm.num_free_blocks == 32 and bm.num_cached_blocks == (bm.blocks_for(length) - 1 if enable else 0)
 
 
+def test_consecutive_tables_grow_into_the_next_block_when_it_is_free():
+    """With ``consecutive`` a table takes the block after its last before the lowest free one."""
+    for consecutive, grown in ((False, [2, 0]), (True, [2, 3])):
+        bm = BlockManager(8, 4, consecutive=consecutive)
+        first, second, table = [], [], []
+        for t in (first, second, table):
+            bm.reserve(t, 4)
+        bm.free(first)
+        bm.reserve(table, 8)
+        assert table == grown
+        check_invariant(bm, [second, table])
+
+
+def test_consecutive_tables_copy_a_cached_prefix_that_cannot_be_continued_in_place():
+    """The cached prefix's next block is cached too (another request's continuation): the new table takes a run of
+    free blocks and the prefix's K/V is copied there; the cached blocks stay cached. Where the blocks after the
+    prefix are free, the prefix is shared in place."""
+    bm = BlockManager(16, 2, enable_prefix_caching=True, consecutive=True)
+    first = [1, 2, 3, 4, 5, 6, 7]  # 3 full blocks and one token
+    table: list[int] = []
+    bm.allocate(table, [], len(first), len(first))
+    bm.cache_full_blocks(table, first, len(first) - 1)
+    bm.free(table)
+    assert table == [] and bm.num_cached_blocks == 3
+    other: list[int] = []
+    tokens = [1, 2, 3, 4, 9, 9, 9]
+    prefix = bm.cached_prefix(tokens)
+    assert prefix == [0, 1]  # block 2 (first's [5, 6]) is cached: no room to grow in place
+    assert bm.allocate(other, prefix, len(tokens), len(tokens) + 2) == 4
+    assert other == [3, 4, 5, 6, 7]
+    assert bm.take_copies() == [(0, 3), (1, 4)] and bm.take_copies() == []
+    assert bm.num_cached_blocks == 3 and bm.cached_prefix(first) == [0, 1, 2]
+    assert bm.stats.hits == 4
+    check_invariant(bm, [other])
+    bm = BlockManager(16, 2, enable_prefix_caching=True, consecutive=True)
+    table = []
+    bm.allocate(table, [], 5, 5)  # two full blocks and one token
+    bm.cache_full_blocks(table, first[:5], 4)
+    bm.free(table)
+    again: list[int] = []
+    assert bm.allocate(again, bm.cached_prefix([1, 2, 3, 4, 8]), 5, 7) == 4
+    assert again == [0, 1, 2, 3] and bm.take_copies() == [], "shared in place: the blocks after the prefix are free"
+    check_invariant(bm, [again])
+
+
 def test_a_prompt_takes_the_cached_blocks_of_its_start_but_never_its_last_token():
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     first = list(range(10, 24))  # 14 tokens: 3 full blocks and 2 tokens
@@ -212,10 +257,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     that one table holds and that hold no name."""
 
     BLOCK, POOL, K = 2, 14, 3
+    CONSECUTIVE = False
 
     @initialize(seed=st.integers(0, 2**16))
     def start(self, seed):
-        self.bm = BlockManager(self.POOL, self.BLOCK, enable_prefix_caching=True)
+        self.bm = BlockManager(self.POOL, self.BLOCK, enable_prefix_caching=True, consecutive=self.CONSECUTIVE)
         self.rng = random.Random(seed)
         self.seqs: dict[int, dict] = {}  # id -> {"tokens", "table", "computed", "running"}
         self.shadow: dict[int, tuple] = {}
@@ -247,6 +293,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 seq["computed"] = self.bm.allocate(seq["table"], prefix, len(seq["tokens"]), need)
                 seq["running"] = True
                 assert seq["computed"] < len(seq["tokens"]), "the last token is always computed"
+        copies = [(src * self.BLOCK + i, dst * self.BLOCK + i) for src, dst in self.bm.take_copies()
+                  for i in range(self.BLOCK)]
+        copied = {dst: self.shadow.get(src) for src, dst in copies}  # every read before any write
+        for dst, value in copied.items():
+            assert self.bm.ref_counts[dst // self.BLOCK] == 1, "a copy into a shared block"
+            self.shadow[dst] = value
         for seq in self.seqs.values():
             if not seq["running"]:
                 continue
@@ -306,3 +358,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 TestPrefixCacheMachine = PrefixCacheMachine.TestCase
 TestPrefixCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)
+
+
+class ConsecutivePrefixCacheMachine(PrefixCacheMachine):
+    """The same with ``consecutive`` tables: a cached prefix placed by copy reads back as its own tokens too."""
+    CONSECUTIVE = True
+
+
+TestConsecutivePrefixCacheMachine = ConsecutivePrefixCacheMachine.TestCase
+TestConsecutivePrefixCacheMachine.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

@@ -18,6 +18,13 @@ past its committed length, so a shared block is never written.
 
 Every block is exactly one of: **used** (``ref_counts[b]`` tables hold it), **cached** (no table, named, in the
 LRU) or **free** (no table, no name). ``num_free_blocks`` counts free and cached: both are there to reserve.
+
+**Consecutive tables** (``consecutive=True``, where attention runs on a CPU): the CPU attention reads a table of
+consecutive blocks as one slice of the cache and any other table by a gather of its whole context, in every layer at
+every step. So a table grows into the block after its last when that one is free, and a new table whose cached
+prefix cannot be continued in place (its blocks not consecutive, or the blocks after them held) takes a run of free
+blocks instead and has the prefix's K/V *copied* there (``take_copies``: the engine copies before the step's
+forward); the cached blocks stay cached, untouched.
 """
 
 from __future__ import annotations
@@ -51,7 +58,8 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 consecutive: bool = False):
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         if block_size < 1:
@@ -59,7 +67,13 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.free_block_ids: list[int] = list(range(num_blocks))  # a heap: the lowest free id is handed out first
+        self.consecutive = consecutive
+        # a heap of the free blocks (the lowest id is handed out first); a block taken out of turn (the one after a
+        # table's last) stays in it until popped, so ``in_heap`` keeps every block in it at most once
+        self._free_heap: list[int] = list(range(num_blocks))
+        self._in_heap = bytearray(b"\x01") * num_blocks
+        self._num_free = num_blocks
+        self._copies: list[tuple[int, int]] = []  # (cached block, its copy): K/V the engine copies before the forward
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks  # a full block's name (None: not named)
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # a named block's tokens
@@ -70,7 +84,15 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that ``reserve`` can hand out: free and cached."""
-        return len(self.free_block_ids) + len(self.evictable)
+        return self._num_free + len(self.evictable)
+
+    @property
+    def free_block_ids(self) -> list[int]:
+        """The free blocks, lowest first."""
+        return sorted(b for b in self._free_heap if self._is_free(b))
+
+    def _is_free(self, block: int) -> bool:
+        return self.ref_counts[block] == 0 and self.block_hashes[block] is None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -86,19 +108,37 @@ class BlockManager:
     def reserve(self, block_table: list[int], num_tokens: int) -> None:
         """Grow ``block_table`` in place until ``num_tokens`` tokens fit, with the lowest free block ids (then the
         least recently used cached blocks, forgotten): a sequence whose speculative tail is reserved and returned
-        every step gets the same blocks back, and one running alone keeps consecutive blocks (the CPU attention
-        then reads its K/V as one slice, not a gather)."""
+        every step gets the same blocks back, and one running alone keeps consecutive blocks. With ``consecutive``,
+        the block after the table's last comes first when it is free."""
         missing = self.blocks_for(num_tokens) - len(block_table)
         if missing > self.num_free_blocks:
             raise OutOfBlocks(f"need {missing} blocks, {self.num_free_blocks} free")
         for _ in range(missing):
-            if self.free_block_ids:
-                block = heapq.heappop(self.free_block_ids)
+            after = block_table[-1] + 1 if block_table else self.num_blocks
+            if self.consecutive and after < self.num_blocks and self._is_free(after):
+                block = after  # its heap entry stays until popped
+                self._num_free -= 1
+            elif self._num_free:
+                block = self._pop_free()
             else:
                 block, _ = self.evictable.popitem(last=False)
                 self._forget(block)
             self.ref_counts[block] = 1
             block_table.append(block)
+
+    def _pop_free(self) -> int:
+        while True:
+            block = heapq.heappop(self._free_heap)
+            self._in_heap[block] = 0
+            if self._is_free(block):
+                self._num_free -= 1
+                return block
+
+    def _push_free(self, block: int) -> None:
+        self._num_free += 1
+        if not self._in_heap[block]:
+            self._in_heap[block] = 1
+            heapq.heappush(self._free_heap, block)
 
     def truncate(self, block_table: list[int], num_tokens: int) -> None:
         """Shrink ``block_table`` in place to the blocks that ``num_tokens`` tokens need, the last block first."""
@@ -120,7 +160,7 @@ class BlockManager:
         else:
             if name is not None:  # named, but another block holds that name
                 self.block_hashes[block] = self.block_tokens[block] = None
-            heapq.heappush(self.free_block_ids, block)
+            self._push_free(block)
 
     def _forget(self, block: int) -> None:
         del self.cached_blocks[self.block_hashes[block]]
@@ -158,7 +198,17 @@ class BlockManager:
         if not self.can_allocate(prefix, num_tokens):
             raise OutOfBlocks(f"need {self.blocks_for(num_tokens)} blocks ({len(prefix)} cached), "
                               f"{self.num_free_blocks} free")
-        for block in prefix:
+        run = self._run_for(prefix, num_tokens) if self.consecutive and prefix else None
+        if run is not None:  # the prefix's K/V copied to the start of a run of free blocks
+            for block in prefix:
+                if self.ref_counts[block] == 0:
+                    self.evictable.move_to_end(block)  # used just now
+            for block in run:
+                self.ref_counts[block] = 1
+                self._num_free -= 1
+            self._copies += zip(prefix, run)
+            block_table += run
+        for block in prefix if run is None else ():
             if self.ref_counts[block] == 0:
                 del self.evictable[block]
             self.ref_counts[block] += 1
@@ -168,6 +218,27 @@ class BlockManager:
             self.stats.queries += num_queried_tokens
             self.stats.hits += len(prefix) * self.block_size
         return len(prefix) * self.block_size
+
+    def _run_for(self, prefix: list[int], num_tokens: int) -> list[int] | None:
+        """Where a new table with the cached ``prefix`` would not be consecutive in place: the lowest run of free
+        blocks that holds all ``num_tokens`` tokens (None: keep the prefix in place, or no run is free)."""
+        needed = self.blocks_for(num_tokens)
+        in_place = all(b == prefix[0] + i for i, b in enumerate(prefix)) and \
+            all(b < self.num_blocks and self._is_free(b) for b in range(prefix[-1] + 1, prefix[0] + needed))
+        if in_place:
+            return None
+        start = 0
+        for block in range(self.num_blocks):
+            if not self._is_free(block):
+                start = block + 1
+            elif block + 1 - start == needed:
+                return list(range(start, start + needed))
+        return None
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """The (cached block, block) pairs whose K/V must be copied before the next forward, handed over once."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int) -> None:
         """Name the blocks of ``block_table`` that ``token_ids[:num_computed]`` fills (K/V computed and committed:
@@ -195,5 +266,5 @@ class BlockManager:
         while self.evictable:
             block, _ = self.evictable.popitem(last=False)
             self._forget(block)
-            heapq.heappush(self.free_block_ids, block)
+            self._push_free(block)
         return True
