@@ -42,7 +42,7 @@ class EngineArgs:
     block_size: int = 16
     kv_cache_memory: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
+    max_num_batched_tokens: int | None = None  # None: 512 on a CPU (llama.cpp's batch), 4096 on a GPU
     max_model_len: int | None = None  # None: the model's context (or the draft's, if shorter)
     seed: int = 0
     enforce_eager: bool | None = None
@@ -61,7 +61,7 @@ class EngineArgs:
         _check_int("block_size", self.block_size, 1, 4096)
         _check_int("num_blocks", self.num_blocks, 1, optional=True)
         _check_int("max_num_seqs", self.max_num_seqs, 1, 1 << 16)
-        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, optional=True)
         _check_int("kv_cache_memory", self.kv_cache_memory, 1, optional=True, unit=" (bytes)")
         _check_int("max_model_len", self.max_model_len, 2, optional=True)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 1024)
@@ -75,6 +75,8 @@ class EngineArgs:
         parse_quantization(self.quantization)
         self.device = resolve_device(self.device)
         self.dtype = resolve_dtype(self.dtype, self.device)
+        if self.max_num_batched_tokens is None:  # on a CPU 512 prompt tokens are seconds of a step already
+            self.max_num_batched_tokens = 4096 if self.device.type == "cuda" else 512
         self.speculative: SpeculativeConfig | None = parse_speculative_config(self.speculative_config)
         if self.device.type == "cuda":  # "auto" on a GPU: float weights (cuBLAS prefills faster than the int4 matmul)
             self.quantization = None if self.quantization == "auto" else self.quantization

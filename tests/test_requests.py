@@ -8,10 +8,12 @@ exactly."""
 import gc
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nanospec import LLM, SamplingParams
+from nanospec.engine_args import EngineArgs
 from tiny import assert_no_leak, make_tiny_llama
 
 PROMPTS = [[5, 9, 33, 5, 9, 33, 5, 9], list(range(40, 61)) * 2, [7] * 9, [100, 101, 102, 103, 3]]
@@ -417,3 +419,12 @@ def test_bad_llm_arguments(paths, kwargs, match, device):
 def test_bad_stop_token_ids_for_this_vocabulary(plain):
     with pytest.raises(ValueError, match="stop_token_ids"):
         plain.generate([PROMPTS[0]], SamplingParams(stop_token_ids=[plain.config.vocab_size]))
+
+
+def test_the_step_budget_defaults_to_the_device():
+    """``max_num_batched_tokens=None``: 512 on a CPU (a chunk of that many prompt tokens is seconds of work there),
+    4096 on a GPU; a value given is kept."""
+    assert EngineArgs(device="cpu").max_num_batched_tokens == 512
+    assert EngineArgs(device="cpu", max_num_batched_tokens=64).max_num_batched_tokens == 64
+    if torch.cuda.is_available():
+        assert EngineArgs(device="cuda").max_num_batched_tokens == 4096

@@ -62,8 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="split the model over this many processes (gloo on CPU, NCCL on CUDA: one GPU each)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="requests in one batch at most (default 64)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096,
-                   help="tokens one step computes at most (default 4096)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens one step computes at most (default 512 on a CPU, 4096 on a GPU)")
     p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
                    help="a longer prompt runs a chunk a step beside the decoding requests (default on)")
     p.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
