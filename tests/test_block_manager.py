@@ -173,6 +173,33 @@ def test_consecutive_tables_copy_a_cached_prefix_that_cannot_be_continued_in_pla
     check_invariant(bm, [again])
 
 
+def test_consecutive_tables_grow_in_place_over_cached_blocks_when_no_run_is_free():
+    """A pool too short for a run (its free blocks scattered): the cached blocks after the prefix are forgotten so
+    that the new table grows in place; a block another table holds there leaves the prefix shared as it lies."""
+    bm = BlockManager(8, 2, enable_prefix_caching=True, consecutive=True)
+    first = [1, 2, 3, 4, 5, 6, 7, 8, 9]  # 4 full blocks and one token: blocks 0-4
+    table: list[int] = []
+    bm.allocate(table, [], len(first), len(first))
+    holders = [[], [], []]
+    for holder in holders:
+        bm.reserve(holder, 1)  # blocks 5, 6, 7
+    bm.cache_full_blocks(table, first, len(first) - 1)
+    bm.free(table)
+    bm.free(holders[1])  # block 6 free; blocks 0-3 cached, 4 free: no free run of 4
+    other: list[int] = []
+    assert bm.allocate(other, bm.cached_prefix([1, 2, 3, 4, 9, 9]), 6, 8) == 4
+    assert other == [0, 1, 2, 3] and bm.take_copies() == [] and bm.cached_prefix(first) == [0, 1]
+    check_invariant(bm, [other, holders[0], holders[2]])
+    bm.free(other)
+    held: list[int] = []
+    bm.reserve(held, 1)
+    assert held == [2]  # the lowest free block: the cache holds 0 and 1
+    again: list[int] = []
+    assert bm.allocate(again, bm.cached_prefix([1, 2, 3, 4, 9, 9]), 6, 8) == 4
+    assert again[:2] == [0, 1] and 2 not in again and bm.take_copies() == []
+    check_invariant(bm, [again, held, holders[0], holders[2]])
+
+
 def test_a_prompt_takes_the_cached_blocks_of_its_start_but_never_its_last_token():
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     first = list(range(10, 24))  # 14 tokens: 3 full blocks and 2 tokens

@@ -24,7 +24,8 @@ consecutive blocks as one slice of the cache and any other table by a gather of 
 every step. So a table grows into the block after its last when that one is free, and a new table whose cached
 prefix cannot be continued in place (its blocks not consecutive, or the blocks after them held) takes a run of free
 blocks instead and has the prefix's K/V *copied* there (``take_copies``: the engine copies before the step's
-forward); the cached blocks stay cached, untouched.
+forward); the cached blocks stay cached, untouched. Where no run is free, the cached blocks right after the prefix
+are forgotten (out of LRU order) so that the table grows in place.
 """
 
 from __future__ import annotations
@@ -198,42 +199,51 @@ class BlockManager:
         if not self.can_allocate(prefix, num_tokens):
             raise OutOfBlocks(f"need {self.blocks_for(num_tokens)} blocks ({len(prefix)} cached), "
                               f"{self.num_free_blocks} free")
-        run = self._run_for(prefix, num_tokens) if self.consecutive and prefix else None
-        if run is not None:  # the prefix's K/V copied to the start of a run of free blocks
+        if not (self.consecutive and prefix and self._copy_to_a_run(block_table, prefix, num_tokens)):
             for block in prefix:
                 if self.ref_counts[block] == 0:
-                    self.evictable.move_to_end(block)  # used just now
-            for block in run:
-                self.ref_counts[block] = 1
-                self._num_free -= 1
-            self._copies += zip(prefix, run)
-            block_table += run
-        for block in prefix if run is None else ():
-            if self.ref_counts[block] == 0:
-                del self.evictable[block]
-            self.ref_counts[block] += 1
-            block_table.append(block)
+                    del self.evictable[block]
+                self.ref_counts[block] += 1
+                block_table.append(block)
         self.reserve(block_table, num_tokens)
         if self.enable_prefix_caching:
             self.stats.queries += num_queried_tokens
             self.stats.hits += len(prefix) * self.block_size
         return len(prefix) * self.block_size
 
-    def _run_for(self, prefix: list[int], num_tokens: int) -> list[int] | None:
-        """Where a new table with the cached ``prefix`` would not be consecutive in place: the lowest run of free
-        blocks that holds all ``num_tokens`` tokens (None: keep the prefix in place, or no run is free)."""
+    def _copy_to_a_run(self, block_table: list[int], prefix: list[int], num_tokens: int) -> bool:
+        """With ``consecutive``, a new table with the cached ``prefix`` as one run of blocks. Where the blocks after
+        the prefix are free it is shared in place (returns False: ``reserve`` then grows it into them). Else it takes
+        the lowest run of free blocks that holds all ``num_tokens`` tokens, the prefix's K/V to be copied there
+        (``take_copies``), and returns True. With no such run (the pool is short, and evicts anyway) the cached
+        blocks after the prefix that no table holds are forgotten, so that it grows in place; False."""
         needed = self.blocks_for(num_tokens)
-        in_place = all(b == prefix[0] + i for i, b in enumerate(prefix)) and \
-            all(b < self.num_blocks and self._is_free(b) for b in range(prefix[-1] + 1, prefix[0] + needed))
-        if in_place:
-            return None
+        after = range(prefix[-1] + 1, prefix[0] + needed)
+        in_order = prefix == list(range(prefix[0], prefix[-1] + 1)) and after.stop <= self.num_blocks
+        if in_order and all(self._is_free(b) for b in after):
+            return False
         start = 0
         for block in range(self.num_blocks):
             if not self._is_free(block):
                 start = block + 1
             elif block + 1 - start == needed:
-                return list(range(start, start + needed))
-        return None
+                run = list(range(start, start + needed))
+                for cached in prefix:
+                    if self.ref_counts[cached] == 0:
+                        self.evictable.move_to_end(cached)  # used just now
+                for taken in run:
+                    self.ref_counts[taken] = 1
+                self._num_free -= needed
+                self._copies += zip(prefix, run)
+                block_table += run
+                return True
+        if in_order and all(self.ref_counts[b] == 0 for b in after):
+            for cached in after:
+                if cached in self.evictable:
+                    del self.evictable[cached]
+                    self._forget(cached)
+                    self._push_free(cached)
+        return False
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The (cached block, block) pairs whose K/V must be copied before the next forward, handed over once."""
