@@ -8,7 +8,7 @@ Greedy decode of one prompt (``--context N``: the benchmark prompts' texts joine
 the layers and of the head (torch ops that read weights), attention (the CPU backend's ops), norms, RoPE and the
 K/V write, dtype casts, sampling, the other torch ops, and Python (the step's wall time less every op's own time:
 the engine, the scheduler, the model's Python). Each op's own time is taken under the profiler, and the step's wall
-time from the same steps run again without it; the profiler adds a little to every op, so the ops' shares are a
+time from as many steps of the same request just before, without it; the profiler adds a little to every op, so the ops' shares are a
 little high and Python's a little low.
 """
 
@@ -60,29 +60,23 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(quantization=None if args.quantization == "none" else args.quantization, dtype="float32",
-              device="cpu", max_num_seqs=1, max_model_len=max(2048, (args.context or 0) + args.steps + 16))
+              device="cpu", max_num_seqs=1, max_model_len=max(2048, (args.context or 0) + 2 * args.steps + 16))
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     if args.context:
         prompt = prompts(llm.tokenizer, args.context)[1]
     engine = llm.engine
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
-    engine.add_request(llm._encode(prompt, True), SamplingParams(temperature=0, max_tokens=args.steps + 8,
-                                                           ignore_eos=True))
-    for _ in range(4):  # prefill and the first decodes
-        engine.step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
-            engine.step()
-    while engine.has_unfinished():
-        engine.step()
-    engine.add_request(llm._encode(prompt, True), SamplingParams(temperature=0, max_tokens=args.steps + 8,
-                                                           ignore_eos=True))
-    for _ in range(4):
+    request = engine.add_request(llm._encode(prompt, True), SamplingParams(temperature=0, max_tokens=2 * args.steps + 8,
+                                                                     ignore_eos=True))
+    while engine.sequences[request].num_output_tokens < 4:  # the prefill (a chunk a step) and the first decodes
         engine.step()
     wall = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - wall) / args.steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the same request's next steps
+        for _ in range(args.steps):
+            engine.step()
     while engine.has_unfinished():
         engine.step()
     ms = defaultdict(float)
