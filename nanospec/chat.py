@@ -2,7 +2,8 @@
 
 Streams tokens as they are accepted. Commands: /reset (forget the conversation), /stats (tokens/s,
 steps, speculation acceptance and tau of the last turn and the session, and how much of the last prompt came from
-the prefix cache: a turn computes only what the conversation added), /quit, /help (lists them).
+the prefix cache: a turn computes only what the conversation added), /quit, /help (lists them). Another single
+word starting with "/" (/foo) is an unknown command, named on stderr and not sent to the model.
 When stdin is not a terminal each input line is one user turn and the program exits at EOF:
   echo "What is the capital of France?" | python -m nanospec.chat
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import re
 import signal
 import sys
 import time
@@ -273,6 +275,9 @@ def repl(llm, params, args) -> None:
         if line == "/stats":
             print(last.line("last turn"))
             print(session.line("session"))
+            continue
+        if re.fullmatch(r"/[a-zA-Z]+", line):  # a single /word is a command; other lines starting with / are text
+            print(f"unknown command {line}: /help lists the commands", file=sys.stderr)
             continue
         turn = {"role": "user", "content": line}
         start = time.perf_counter()

@@ -182,6 +182,15 @@ def test_help_lists_the_commands_and_is_not_a_question(monkeypatch, use_llm, cap
     assert capsys.readouterr().out.startswith("/reset clears the conversation, /stats shows speed, /quit exits\n")
 
 
+def test_an_unknown_command_is_named_and_not_sent(monkeypatch, use_llm, capsys):
+    """A single word starting with "/" is a command; any other line starting with "/" is a question."""
+    llm = use_llm(ScriptedLLM())
+    assert main_with_stdin(monkeypatch, [], b"/foo\n/stat\n/usr/bin is what?\n/ hi\n") == 0
+    assert [messages[-1]["content"] for messages, _ in llm.calls] == ["/usr/bin is what?", "/ hi"]
+    err = capsys.readouterr().err
+    assert err == "unknown command /foo: /help lists the commands\nunknown command /stat: /help lists the commands\n"
+
+
 class TypedStdin:
     """A terminal's stdin: input() prompts on stdout and reads LINES, then Ctrl-D (end of input)."""
 
