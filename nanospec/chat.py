@@ -155,6 +155,11 @@ def load(args):
     return llm, params
 
 
+def plural(n: int, word: str) -> str:
+    """``1 token``, ``2 tokens``."""
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 class TurnStats:
     """Tokens/s, target steps, acceptance and tau (tokens per target step after the prefill), and the prompt tokens
     the prefix cache held."""
@@ -177,13 +182,14 @@ class TurnStats:
 
     def line(self, label: str) -> str:
         tps = self.tokens / self.seconds if self.seconds else 0.0
-        text = f"[{label}] {self.tokens} tokens in {self.seconds:.2f} s ({tps:.1f} tok/s), {self.steps} target steps"
+        text = (f"[{label}] {plural(self.tokens, 'token')} in {self.seconds:.2f} s ({tps:.1f} tok/s), "
+                f"{plural(self.steps, 'target step')}")
         if self.draft:
             tau = self.decode_tokens / self.decode_steps if self.decode_steps else 1.0
-            text += (f", acceptance {self.accepted / self.draft:.1%} ({self.accepted}/{self.draft} drafts), "
+            text += (f", acceptance {self.accepted / self.draft:.1%} ({self.accepted}/{plural(self.draft, 'draft')}), "
                      f"tau {tau:.2f} tokens/step")
         if self.prompt_tokens:
-            text += (f"; prompt {self.prompt_tokens} tokens, {self.cached_tokens} from the prefix cache "
+            text += (f"; prompt {plural(self.prompt_tokens, 'token')}, {self.cached_tokens} from the prefix cache "
                      f"({self.cached_tokens / self.prompt_tokens:.0%})")
         return text
 
@@ -285,7 +291,7 @@ def repl(llm, params, args) -> None:
             dropped = fit_to_context(llm, system, history, turn, params.max_tokens)
             if dropped:
                 del history[:2 * dropped]
-                print(f"(dropped the {dropped} oldest turn{'s' if dropped > 1 else ''} to fit the context)",
+                print(f"(dropped the {plural(dropped, 'oldest turn')} to fit the context)",
                       file=sys.stderr)
             answer, out, interrupted = stream_answer(llm, system + history + [turn], params)
         except ValueError as e:  # e.g. this input alone does not fit the context; the template refuses it

@@ -191,6 +191,20 @@ def test_an_unknown_command_is_named_and_not_sent(monkeypatch, use_llm, capsys):
     assert err == "unknown command /foo: /help lists the commands\nunknown command /stat: /help lists the commands\n"
 
 
+def test_stats_say_one_token_and_one_step_in_the_singular():
+    def out(tokens, steps):
+        return CompletionOutput(request_id=0, prompt_token_ids=[1] * tokens, text="", token_ids=[7] * tokens,
+                                finish_reason="stop", num_steps=steps, num_draft_tokens=1, num_accepted_tokens=1)
+
+    stats = chat.TurnStats()
+    stats.add(out(1, 1), 0.5)
+    assert stats.line("stats") == ("[stats] 1 token in 0.50 s (2.0 tok/s), 1 target step, acceptance 100.0% "
+                                   "(1/1 draft), tau 1.00 tokens/step; prompt 1 token, 0 from the prefix cache (0%)")
+    stats.add(out(2, 2), 0.5)
+    assert stats.line("stats") == ("[stats] 3 tokens in 1.00 s (3.0 tok/s), 3 target steps, acceptance 100.0% "
+                                   "(2/2 drafts), tau 1.00 tokens/step; prompt 3 tokens, 0 from the prefix cache (0%)")
+
+
 class TypedStdin:
     """A terminal's stdin: input() prompts on stdout and reads LINES, then Ctrl-D (end of input)."""
 
