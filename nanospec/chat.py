@@ -13,7 +13,8 @@ piped or typed, become U+FFFD. While the model loads, a line per phase goes to s
 
 Ctrl-C during an answer stops it as soon as the engine step in flight has produced its tokens (a step
 is never cut half-way) and returns to the prompt; that unfinished turn, the question and the partial
-answer, is dropped from the conversation. A second Ctrl-C before the answer stops quits.
+answer, is dropped from the conversation. A second Ctrl-C before the answer stops quits. An answer that
+--max-tokens cuts inside a character shows U+FFFD for it; the conversation keeps the text before it.
 
 Exit status:
   0    normal end: end of input (EOF, Ctrl-D) or /quit
@@ -301,6 +302,8 @@ def repl(llm, params, args) -> None:
         if interrupted:
             print("(interrupted: this question and the partial answer are dropped from the conversation)")
         else:
+            if out is not None and out.finish_reason == "length":  # cut inside a character: its bytes decode as U+FFFD
+                answer = answer.rstrip("\ufffd")
             history += [turn, {"role": "assistant", "content": answer}]
         if out is not None:
             last = TurnStats()

@@ -61,6 +61,7 @@ class ScriptedLLM:
     this process sends itself after the second piece of that answer. Records what every call received."""
 
     PIECES = ["Paris ", "is ", "the ", "capital."]
+    FINISH = "stop"  # the last piece's finish_reason
 
     def __init__(self, ctrl_c=None, max_model_len=1 << 20, tokenizer=None):
         self.engine = types.SimpleNamespace(max_model_len=max_model_len)
@@ -86,7 +87,7 @@ class ScriptedLLM:
             for i, piece in enumerate(self.PIECES):
                 last = i == len(self.PIECES) - 1
                 yield CompletionOutput(request_id=call, prompt_token_ids=[1], text="", token_ids=list(range(i + 1)),
-                                       finish_reason="stop" if last else None, num_steps=i + 1, delta_text=piece)
+                                       finish_reason=self.FINISH if last else None, num_steps=i + 1, delta_text=piece)
                 if i == 1:
                     for _ in range(self.ctrl_c.get(call, 0)):
                         signal.raise_signal(signal.SIGINT)
@@ -203,6 +204,19 @@ def test_stats_say_one_token_and_one_step_in_the_singular():
     stats.add(out(2, 2), 0.5)
     assert stats.line("stats") == ("[stats] 3 tokens in 1.00 s (3.0 tok/s), 3 target steps, acceptance 100.0% "
                                    "(2/2 drafts), tau 1.00 tokens/step; prompt 3 tokens, 0 from the prefix cache (0%)")
+
+
+def test_an_answer_cut_inside_a_character_is_kept_without_it(monkeypatch, use_llm, capsys):
+    """--max-tokens can end an answer inside a UTF-8 character, whose bytes decode as U+FFFD: the terminal shows it,
+    the conversation keeps the text before it. An answer that ends with U+FFFD for another reason keeps it."""
+    llm = use_llm(ScriptedLLM())
+    llm.PIECES, llm.FINISH = ["\u65e5\u672c", "\ufffd"], "length"
+    assert main_with_stdin(monkeypatch, ["--max-tokens", "3"], b"one\ntwo\n") == 0
+    assert llm.calls[1][0][1] == {"role": "assistant", "content": "\u65e5\u672c"}
+    assert "\u65e5\u672c\ufffd" in capsys.readouterr().out
+    llm.FINISH = "stop"
+    assert main_with_stdin(monkeypatch, [], b"one\ntwo\n") == 0
+    assert llm.calls[3][0][1] == {"role": "assistant", "content": "\u65e5\u672c\ufffd"}
 
 
 class TypedStdin:
