@@ -56,7 +56,9 @@ def parse_args(argv=None):
                    help="keep the tokens at least this share as likely as the likeliest, in [0, 1] (default 0: off)")
     p.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens (default 256)")
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
+    p.add_argument("--system", default=None,
+                   help="system prompt; left out or --system \"\": the chat template's default, if it has one "
+                        "(SmolLM2's: \"You are a helpful AI assistant named SmolLM, trained by Hugging Face\")")
     p.add_argument("--spec", default=None,
                    help="speculative decoding: 'ngram', 'draft:PATH' (a small Llama with the same vocabulary), "
                         "'lookahead', 'mlp' / 'eagle3' (the MLP speculator / EAGLE-3 head shipped for the embedded "

@@ -343,6 +343,17 @@ def test_help_documents_exit_statuses_interrupts_and_defaults(capsys):
         assert section in chat.__doc__
 
 
+def test_an_empty_system_prompt_is_the_templates_default_and_help_says_so(monkeypatch, use_llm, capsys):
+    llm = use_llm(ScriptedLLM())
+    assert main_with_stdin(monkeypatch, ["--system", ""], b"hi\n") == 0
+    assert llm.calls[0][0] == [{"role": "user", "content": "hi"}]  # no system message: the template adds its own
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        chat.main(["--help"])
+    assert 'left out or --system "": the chat template\'s default, if it has one' in \
+        " ".join(capsys.readouterr().out.split())
+
+
 # ---------------------------------------------------------------- the program, on a tiny random model
 def test_piped_lines_are_answered_and_stats_shown(tiny_path):
     result = run_chat(["--model", str(tiny_path), "--max-tokens", "8", "--spec", "ngram"],
