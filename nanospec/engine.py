@@ -236,6 +236,8 @@ class Engine:
                 logits, hidden = take_prompt_logprobs(logits, hidden, drawing,
                                                       [1 + len(p.fed()[0]) for p in proposals])
             verdicts = self.speculator.verify(drawing, proposals, logits, hidden) if drawing else []
+            if chunks:
+                self.speculator.read_chunks(chunks, batch.num_tokens - sum(seq.num_new_tokens for seq in chunks))
         except TensorParallelError:  # the whole group failed, not these requests
             raise
         except Exception as error:  # nothing is committed yet: only the requests that fail alone fail

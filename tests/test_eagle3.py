@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanospec import LLM, SamplingParams
+from nanospec.cache.block_manager import slots_of
 from nanospec.speculative.eagle3 import Eagle3Proposer, Eagle3State
 from nanospec.speculative.proposal import Proposal
 from tiny import (assert_no_leak, assert_prompt_logprobs_as_plain, fixed_costs, make_tiny_llama,
@@ -344,14 +345,45 @@ def test_greedy_equals_plain(target, successor_head, expected, device, k, enforc
 
 
 def test_chunked_prefill_equals_plain(target, successor_head, weighted_successor_head, expected, device):
-    """Prompts of up to 42 tokens computed 5 a step (chunked prefill): the head's K/V starts at the chunk that
-    draws the first token; greedy and seeded outputs equal plain decoding's, its guesses still accepted."""
+    """Prompts of up to 42 tokens computed 5 a step (chunked prefill): greedy and seeded outputs equal plain
+    decoding's, its guesses accepted."""
     for head, tree in [(successor_head, None), (weighted_successor_head, TREE)]:
         llm = eagle_llm(target, head, device, tree=tree, max_num_batched_tokens=5)
         for j, params in enumerate(ALL_PARAMS):
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)] == expected[j]
         assert llm.stats()["num_accepted_tokens"] > 0
         assert_head_blocks_returned(llm)
+
+
+def test_the_head_runs_over_every_chunk_of_a_prompt(target, weighted_successor_head, device):
+    """A 42-token prompt computed 5 a step: the head runs over each chunk's rows too, so when the prompt ends its
+    K/V covers the whole prompt with the values a whole prefill gives (bit for bit on a CPU), and so do its first
+    guesses."""
+    seen = {}
+    for budget in (5, 4096):
+        llm = eagle_llm(target, weighted_successor_head, device, tree=TREE, max_num_batched_tokens=budget,
+                        max_num_seqs=1)
+        engine, proposer = llm.engine, llm.engine.speculator.proposer
+        seq = engine.sequences[engine.add_request(PROMPTS[1], GREEDY)]
+        steps = 0
+        while seq.num_output_tokens == 0:
+            engine.step()
+            steps += 1
+        st = seq.spec_state
+        slots = torch.tensor(slots_of(st.block_table, proposer.block_size, range(st.num_cached - st.base)))
+        k_cache, v_cache = proposer.kv_cache.layer_slots(0)
+        seen[budget] = (steps, st.base, st.num_cached, k_cache[slots].clone(), v_cache[slots].clone(),
+                        st.tree.token_ids, st.tree.parents)
+        while engine.has_unfinished():
+            engine.step()
+        assert_head_blocks_returned(llm)
+    (chunked_steps, *chunked), (whole_steps, *whole) = seen[5], seen[4096]
+    assert (chunked_steps, whole_steps) == (9, 1)
+    assert chunked[:2] == whole[:2] == [0, len(PROMPTS[1])]
+    exact = dict(rtol=0, atol=0) if torch.device(device).type == "cpu" else {}
+    for got, want in zip(chunked[2:4], whole[2:4]):
+        torch.testing.assert_close(got, want, **exact)
+    assert chunked[4:] == whole[4:]
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["every_guess", "adaptive"])

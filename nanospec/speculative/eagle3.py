@@ -161,6 +161,33 @@ class Eagle3Proposer(Proposer):
         self.block_manager.free(seq.spec_state.block_table)
         seq.spec_state = None
 
+    # ---------------------------------------------------------------- the head's K/V, on the device
+    def read_chunks(self, seqs: list[Sequence], first_row: int) -> None:
+        """The head over the rows of prompt chunks (no guesses): row ``j`` fed the fused states at ``j`` and the
+        prompt token at ``j + 1``, so that its K/V covers the whole prompt when the sequence starts drafting."""
+        tokens, starts, tables, positions, aux_rows = [], [], [], [], []
+        row = first_row
+        for seq in seqs:
+            st: Eagle3State | None = seq.spec_state
+            c, size = seq.num_cached_tokens, seq.num_new_tokens
+            if st is not None:
+                if st.base is None or st.num_cached != c:  # first run, or a step missed: start again at c
+                    self.block_manager.free(st.block_table)
+                    st.base = c
+                self.block_manager.reserve(st.block_table, c + size - st.base)  # fits: the target's pool holds them
+                tokens.append(seq.token_ids[c + 1:c + size + 1])
+                starts.append(c - st.base)
+                tables.append(st.block_table)
+                positions.append(list(range(c, c + size)))
+                aux_rows += range(row, row + size)
+                st.num_cached = c + size
+            row += size
+        if tokens:
+            batch = build_forward_batch(tokens, starts, tables, self.block_size, [[] for _ in tokens], self.device,
+                                        positions=positions)
+            aux_rows = torch.tensor(aux_rows, device=self.device)
+            self._run(batch, self.head.fuse(self.runner.aux_hidden[aux_rows].to(self.dtype)))
+
     # ---------------------------------------------------------------- drafting, on the device
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:

@@ -1,8 +1,8 @@
 """What the speculator asks of a proposer: a ranked token tree per sequence (a chain is a tree). It tells the goodput
 policy each node's chance (:meth:`Proposer.rank`) before ``propose`` is asked for the depths that pay.
 ``bind`` hands it the target's runner once; per sequence: ``start``, ``rank`` / ``propose`` each decode step,
-``read_forward`` on the device after verification (its values come back as ``Verdict.ahead``), ``commit`` after the
-sequence grew, ``preempt`` when its KV is dropped, ``free`` when it ends.
+``read_forward`` on the device after verification (its values come back as ``Verdict.ahead``), ``read_chunks`` after a
+step that ran a chunk of its prompt, ``commit`` after the sequence grew, ``preempt`` when its KV is dropped, ``free`` when it ends.
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ class Proposer(abc.ABC):
                      verification) -> list[torch.Tensor]:
         """Device tensors ``[B, ...]`` computed after verification, row ``b`` landing in ``Verdict.ahead``."""
         return []
+
+    def read_chunks(self, seqs: list[Sequence], first_row: int) -> None:
+        """After the forward: ``seqs`` ran a chunk of their prompts (``num_new_tokens`` rows each, in order from row
+        ``first_row`` of the batch), drawing nothing. For a proposer with K/V of its own over the prompt."""
 
     def bind(self, runner) -> None:
         """Before the first step: the target's runner."""

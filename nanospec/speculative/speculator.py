@@ -176,6 +176,12 @@ class Speculator:
             self.runner.copy_kv_slots(torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
         return verdicts
 
+    def read_chunks(self, seqs: list[Sequence], first_row: int) -> None:
+        """After a forward in which ``seqs`` ran a chunk of their prompts, from row ``first_row`` on: tell the
+        proposer."""
+        if self.proposer is not None:
+            self.proposer.read_chunks(seqs, first_row)
+
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """After ``seq`` grew by ``verdict.emitted`` (and did not finish): tell the proposer."""
         if self.speculates(seq):
