@@ -200,6 +200,40 @@ def test_consecutive_tables_grow_in_place_over_cached_blocks_when_no_run_is_free
     check_invariant(bm, [again, held, holders[0], holders[2]])
 
 
+def test_consecutive_tables_grow_over_another_continuation_of_their_own_tokens():
+    """A request repeats an earlier one's prompt in a pool with no free run: it takes the earlier blocks in place,
+    then grows over the earlier answer's cached blocks, first a continuation of its own tokens (named after its last
+    block), then blocks no lookup reaches any more (their parent's name is gone)."""
+    bm = BlockManager(5, 2, enable_prefix_caching=True, consecutive=True)
+    earlier: list[int] = []
+    bm.allocate(earlier, [], 9, 9)  # [1, 2] [3, 4] [5, 6] [7, 8] [9]: blocks 0-4
+    bm.cache_full_blocks(earlier, list(range(1, 10)), 8)
+    bm.free(earlier)
+    table: list[int] = []
+    prompt = [1, 2, 3, 4]
+    assert bm.allocate(table, bm.cached_prefix(prompt), 4, 4) == 2 and table == [0, 1] and not bm.take_copies()
+    tokens = prompt + [50, 51, 52, 53, 54]  # its own answer
+    bm.cache_full_blocks(table, tokens, 4)
+    for length, grown in ((6, [0, 1, 2]), (8, [0, 1, 2, 3]), (9, [0, 1, 2, 3, 4])):
+        bm.reserve(table, length)
+        assert table == grown
+        bm.cache_full_blocks(table, tokens, length - 1)
+    check_invariant(bm, [table])
+
+
+def test_consecutive_tables_leave_the_head_of_another_chain_cached():
+    bm = BlockManager(8, 2, enable_prefix_caching=True, consecutive=True)
+    table, other = [], []
+    bm.allocate(table, [], 2, 2)                       # block 0
+    bm.allocate(other, [], 5, 5)                       # blocks 1-3
+    bm.cache_full_blocks(table, [1, 2], 2)
+    bm.cache_full_blocks(other, [20, 21, 22, 23, 24], 4)
+    bm.free(other)
+    bm.reserve(table, 4)
+    assert table == [0, 3] and bm.cached_prefix([20, 21, 22, 23, 24]) == [1, 2]
+    check_invariant(bm, [table])
+
+
 def test_a_prompt_takes_the_cached_blocks_of_its_start_but_never_its_last_token():
     bm = BlockManager(16, 4, enable_prefix_caching=True)
     first = list(range(10, 24))  # 14 tokens: 3 full blocks and 2 tokens

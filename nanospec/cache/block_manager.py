@@ -21,11 +21,12 @@ LRU) or **free** (no table, no name). ``num_free_blocks`` counts free and cached
 
 **Consecutive tables** (``consecutive=True``, where attention runs on a CPU): the CPU attention reads a table of
 consecutive blocks as one slice of the cache and any other table by a gather of its whole context, in every layer at
-every step. So a table grows into the block after its last when that one is free, and a new table whose cached
-prefix cannot be continued in place (its blocks not consecutive, or the blocks after them held) takes a run of free
-blocks instead and has the prefix's K/V *copied* there (``take_copies``: the engine copies before the step's
-forward); the cached blocks stay cached, untouched. Where no run is free, the cached blocks right after the prefix
-are forgotten (out of LRU order) so that the table grows in place.
+every step. So a table grows into the block after its last when that one is free (or cached as another continuation
+of its own tokens, or out of every lookup's reach), and a new table whose cached prefix cannot be continued in place
+(its blocks not consecutive, or the blocks after them held) takes a run of free blocks instead and has the prefix's
+K/V *copied* there (``take_copies``: the engine copies before the step's forward); the cached blocks stay cached,
+untouched. Where no run is free, the cached blocks right after the prefix are forgotten (out of LRU order) so that
+the table grows in place.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.block_hashes: list[bytes | None] = [None] * num_blocks  # a full block's name (None: not named)
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # a named block's tokens
+        self.block_parents: list[bytes | None] = [None] * num_blocks  # a named block's parent's name (b"": none)
         self.cached_blocks: dict[bytes, int] = {}  # name -> the block that holds it, used or cached
         self.evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks, least recently used first
         self.stats = PrefixCacheStats()
@@ -110,7 +112,8 @@ class BlockManager:
         """Grow ``block_table`` in place until ``num_tokens`` tokens fit, with the lowest free block ids (then the
         least recently used cached blocks, forgotten): a sequence whose speculative tail is reserved and returned
         every step gets the same blocks back, and one running alone keeps consecutive blocks. With ``consecutive``,
-        the block after the table's last comes first when it is free."""
+        the block after the table's last comes first when it is free, or cached but of no use a table would lose
+        (:meth:`_reclaimable`), which is then forgotten."""
         missing = self.blocks_for(num_tokens) - len(block_table)
         if missing > self.num_free_blocks:
             raise OutOfBlocks(f"need {missing} blocks, {self.num_free_blocks} free")
@@ -119,6 +122,10 @@ class BlockManager:
             if self.consecutive and after < self.num_blocks and self._is_free(after):
                 block = after  # its heap entry stays until popped
                 self._num_free -= 1
+            elif self.consecutive and block_table and self._reclaimable(after, self.block_hashes[block_table[-1]]):
+                block = after
+                del self.evictable[after]
+                self._forget(after)
             elif self._num_free:
                 block = self._pop_free()
             else:
@@ -126,6 +133,16 @@ class BlockManager:
                 self._forget(block)
             self.ref_counts[block] = 1
             block_table.append(block)
+
+    def _reclaimable(self, block: int, parent: bytes | None) -> bool:
+        """Whether ``block`` is cached as another continuation of the tokens named ``parent`` (a request that repeats
+        a prompt meets its predecessor's answer there), or where no lookup reaches it (no block holds its parent's
+        name any more)."""
+        if block not in self.evictable:
+            return False
+        own_parent = self.block_parents[block]
+        return (parent is not None and own_parent == parent) or \
+            (own_parent != b"" and own_parent not in self.cached_blocks)
 
     def _pop_free(self) -> int:
         while True:
@@ -264,6 +281,7 @@ class BlockManager:
         parent = self.block_hashes[block_table[first - 1]] if first > 0 else b""
         for j in range(first, num_full):
             block, tokens = block_table[j], tuple(token_ids[j * size:(j + 1) * size])
+            self.block_parents[block] = parent
             parent = chain_hash(parent, tokens)
             self.block_hashes[block], self.block_tokens[block] = parent, tokens
             self.cached_blocks.setdefault(parent, block)  # a name already held elsewhere stays there
