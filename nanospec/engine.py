@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nanospec.cache.block_manager import BlockManager
+from nanospec.cache.block_manager import BlockManager, slots_of
 from nanospec.cpu_threads import Contention, ThreadTuner
 from nanospec.detokenizer import TextStream
 from nanospec.model.parallel import TensorParallelError
@@ -216,9 +216,9 @@ class Engine:
         copies = self.block_manager.take_copies()
         if copies:
             size = self.block_manager.block_size
-            offsets = torch.arange(size)
-            src, dst = (torch.tensor(blocks, dtype=torch.int64)[:, None] * size + offsets for blocks in zip(*copies))
-            self.runner.copy_kv_slots(src.flatten(), dst.flatten())
+            src, dst = (torch.tensor(slots_of(list(blocks), size, range(len(copies) * size)), dtype=torch.int64)
+                        for blocks in zip(*copies))
+            self.runner.copy_kv_slots(src, dst)
 
     def _step(self, seqs: list[Sequence]) -> list[CompletionOutput]:
         # the sequences that draw a token first (their rows lead the batch), then the chunks of longer prompts
