@@ -162,6 +162,14 @@ class Eagle3Proposer(Proposer):
         seq.spec_state = None
 
     # ---------------------------------------------------------------- the head's K/V, on the device
+    def _hold_rows(self, st: Eagle3State, c: int, size: int) -> None:
+        """Room in the head's pool for the ``size`` rows the target ran from position ``c`` (they fit: the target's
+        pool holds them too); its K/V starts again at ``c`` on its first run or after a step it missed."""
+        if st.base is None or st.num_cached != c:
+            self.block_manager.free(st.block_table)
+            st.base = c
+        self.block_manager.reserve(st.block_table, c + size - st.base)
+
     def read_chunks(self, seqs: list[Sequence], first_row: int) -> None:
         """The head over the rows of prompt chunks (no guesses): row ``j`` fed the fused states at ``j`` and the
         prompt token at ``j + 1``, so that its K/V covers the whole prompt when the sequence starts drafting."""
@@ -171,10 +179,7 @@ class Eagle3Proposer(Proposer):
             st: Eagle3State | None = seq.spec_state
             c, size = seq.num_cached_tokens, seq.num_new_tokens
             if st is not None:
-                if st.base is None or st.num_cached != c:  # first run, or a step missed: start again at c
-                    self.block_manager.free(st.block_table)
-                    st.base = c
-                self.block_manager.reserve(st.block_table, c + size - st.base)  # fits: the target's pool holds them
+                self._hold_rows(st, c, size)
                 tokens.append(seq.token_ids[c + 1:c + size + 1])
                 starts.append(c - st.base)
                 tables.append(st.block_table)
@@ -207,10 +212,7 @@ class Eagle3Proposer(Proposer):
             if b in active:
                 st: Eagle3State = seq.spec_state
                 c, n, size = seq.num_cached_tokens, seq.num_tokens, sizes[b]
-                if st.base is None or st.num_cached != c:  # first run, or a step missed: start again at c
-                    self.block_manager.free(st.block_table)
-                    st.base = c
-                self.block_manager.reserve(st.block_table, c + size - st.base)  # the rows the target ran
+                self._hold_rows(st, c, size)
                 prompt = seq.token_ids[c + 1:n]  # the next token of each row before the root
                 tokens.append(prompt + [0] * (size - len(prompt)))
                 emitted_at += [-1] * len(prompt) + [b * width + d for d in range(size - len(prompt))]
