@@ -4,12 +4,13 @@
     python benchmarks/profile_step.py --quantization none     # the same model in float32
     python benchmarks/profile_step.py --context 2000          # after a 2,000-token prompt
 
-Greedy decode of one prompt (``--context N``: the benchmark prompts' texts joined, N tokens); after a warm-up, ``--steps`` steps are profiled. Parts, in ms a step: the matmuls of
-the layers and of the head (torch ops that read weights), attention (the CPU backend's ops), norms, RoPE and the
-K/V write, dtype casts, sampling, the other torch ops, and Python (the step's wall time less every op's own time:
-the engine, the scheduler, the model's Python). Each op's own time is taken under the profiler, and the step's wall
-time from as many steps of the same request just before, without it; the profiler adds a little to every op, so the ops' shares are a
-little high and Python's a little low.
+Greedy decode of one prompt (``--context N``: the benchmark prompts' texts joined, N tokens); after a warm-up,
+``--steps`` steps are profiled. Parts, in ms a step: the matmuls of the layers and of the head (torch ops that read
+weights), attention (the CPU backend's ops), norms, RoPE and the K/V write, dtype casts, sampling, the other torch
+ops, and Python (the step's wall time less every op's own time: the engine, the scheduler, the model's Python). Each
+op's own time is taken under the profiler, and the step's wall time from as many steps of the same request just
+before, without it; the profiler adds a little to every op, so the ops' shares are a little high and Python's a
+little low.
 """
 
 from __future__ import annotations

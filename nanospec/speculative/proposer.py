@@ -2,7 +2,8 @@
 policy each node's chance (:meth:`Proposer.rank`) before ``propose`` is asked for the depths that pay.
 ``bind`` hands it the target's runner once; per sequence: ``start``, ``rank`` / ``propose`` each decode step,
 ``read_forward`` on the device after verification (its values come back as ``Verdict.ahead``), ``read_chunks`` after a
-step that ran a chunk of its prompt, ``commit`` after the sequence grew, ``preempt`` when its KV is dropped, ``free`` when it ends.
+step that ran a chunk of its prompt, ``commit`` after the sequence grew, ``preempt`` when its KV is dropped, ``free``
+when it ends.
 """
 
 from __future__ import annotations
