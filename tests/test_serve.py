@@ -792,3 +792,10 @@ def test_sigterm_ends_open_streams_with_a_final_chunk_and_done(model_path):
     finally:
         proc.kill()
         proc.stderr.close()
+
+
+def test_response_ids_are_unique_within_one_clock_tick(monkeypatch):
+    from nanospec.serve.responses import Formatter
+    monkeypatch.setattr(time, "time_ns", lambda: 1_000_000)  # two requests in one tick of a coarse clock
+    ids = {Formatter(None, "m", chat).id for chat in (True, True, False, False)}
+    assert len(ids) == 4 and all(i.startswith(("chatcmpl-", "cmpl-")) for i in ids)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+import uuid
 
 from nanospec.outputs import CompletionOutput, TokenLogprob
 from nanospec.tokenizer import Tokenizer
@@ -41,7 +42,7 @@ class Formatter:
         self.token_ids = token_ids  # add each choice's token ids (vLLM's return_token_ids)
         self.echo = echo  # completions' echo: each prompt's text (choice i * n + c is prompt i's)
         self.n = n
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{time.time_ns():x}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # unique, as vLLM's
         self.created = int(time.time())
 
     def _token(self, token_id: int) -> str:
