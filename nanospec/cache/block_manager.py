@@ -9,24 +9,21 @@ token ``i`` in slot
 
     hash(block j) = H(hash(block j - 1), tokens of block j)        (block -1: the empty prefix)
 
-so equal names mean equal tokens from the start of the sequence to the end of the block (``H`` is BLAKE2b-128; a
-hit also compares the block's own tokens). A block whose last table lets go keeps its K/V and name as a **cached**
-block, which a new table starting with the same tokens takes by reference count instead of recomputing it. Free
-blocks go out before cached ones, cached ones least recently used first (a table's tail is returned before its
-head, so a prefix outlives its continuations). Only full, named blocks are shared, and a sequence writes only at or
-past its committed length, so a shared block is never written.
+(``H``: BLAKE2b-128; a hit also compares the block's own tokens). A block whose last table lets go keeps its K/V and
+name as a **cached** block, which a new table starting with the same tokens takes by reference count. Free blocks go
+out before cached ones, cached ones least recently used first (a table's tail is returned before its head, so a
+prefix outlives its continuations). Only full, named blocks are shared, and a sequence writes only at or past its
+committed length, so a shared block is never written.
 
 Every block is exactly one of: **used** (``ref_counts[b]`` tables hold it), **cached** (no table, named, in the
 LRU) or **free** (no table, no name). ``num_free_blocks`` counts free and cached: both are there to reserve.
 
-**Consecutive tables** (``consecutive=True``, where attention runs on a CPU): the CPU attention reads a table of
-consecutive blocks as one slice of the cache and any other table by a gather of its whole context, in every layer at
-every step. So a table grows into the block after its last when that one is free (or cached as another continuation
-of its own tokens, or out of every lookup's reach), and a new table whose cached prefix cannot be continued in place
-(its blocks not consecutive, or the blocks after them held) takes a run of free blocks instead and has the prefix's
-K/V *copied* there (``take_copies``: the engine copies before the step's forward); the cached blocks stay cached,
-untouched. Where no run is free, the cached blocks right after the prefix are forgotten (out of LRU order) so that
-the table grows in place.
+**Consecutive tables** (``consecutive=True``, where attention runs on a CPU, which reads a table of consecutive
+blocks as one slice and any other by a gather): a table grows into the block after its last when that one is free
+(or cached as another continuation of its own tokens, or out of every lookup's reach), and a new table whose cached
+prefix cannot be continued in place takes a run of free blocks instead and has the prefix's K/V *copied* there
+(``take_copies``: the engine copies before the step's forward); the cached blocks stay cached. Where no run is
+free, the cached blocks right after the prefix are forgotten so that the table grows in place.
 """
 
 from __future__ import annotations
@@ -89,11 +86,6 @@ class BlockManager:
         """Blocks that ``reserve`` can hand out: free and cached."""
         return self._num_free + len(self.evictable)
 
-    @property
-    def free_block_ids(self) -> list[int]:
-        """The free blocks, lowest first."""
-        return sorted(b for b in self._free_heap if self._is_free(b))
-
     def _is_free(self, block: int) -> bool:
         return self.ref_counts[block] == 0 and self.block_hashes[block] is None
 
@@ -124,12 +116,11 @@ class BlockManager:
                 self._num_free -= 1
             elif self.consecutive and block_table and self._reclaimable(after, self.block_hashes[block_table[-1]]):
                 block = after
-                del self.evictable[after]
-                self._forget(after)
             elif self._num_free:
                 block = self._pop_free()
             else:
-                block, _ = self.evictable.popitem(last=False)
+                block = next(iter(self.evictable))  # the least recently used
+            if block in self.evictable:
                 self._forget(block)
             self.ref_counts[block] = 1
             block_table.append(block)
@@ -181,6 +172,8 @@ class BlockManager:
             self._push_free(block)
 
     def _forget(self, block: int) -> None:
+        """A cached block leaves the LRU and loses its name."""
+        del self.evictable[block]
         del self.cached_blocks[self.block_hashes[block]]
         self.block_hashes[block] = self.block_tokens[block] = None
 
@@ -257,7 +250,6 @@ class BlockManager:
         if in_order and all(self.ref_counts[b] == 0 for b in after):
             for cached in after:
                 if cached in self.evictable:
-                    del self.evictable[cached]
                     self._forget(cached)
                     self._push_free(cached)
         return False
@@ -291,8 +283,7 @@ class BlockManager:
         did."""
         if any(self.ref_counts):
             return False
-        while self.evictable:
-            block, _ = self.evictable.popitem(last=False)
+        for block in list(self.evictable):
             self._forget(block)
             self._push_free(block)
         return True

@@ -1,7 +1,6 @@
 """The CPU backend of attention: RoPE, the KV write and paged attention in torch, with the same math as the Triton
-path (:mod:`nanospec.kernels.rope_store_kv`, :mod:`nanospec.kernels.paged_attention`). On a CPU per-op overhead is
-what is left to cut, so what depends only on the batch (:class:`RopeTables`, :class:`PagedAttentionPlan`, where each
-real token's K/V goes) is worked out once per forward and shared by every layer.
+path (:mod:`nanospec.kernels.rope_store_kv`, :mod:`nanospec.kernels.paged_attention`). What depends only on the batch
+(:class:`RopeTables`, :class:`PagedAttentionPlan`, the K/V slots) is worked out once per forward for every layer.
 """
 
 from __future__ import annotations
@@ -18,8 +17,7 @@ class RopeTables:
 
         cos = [c | c],   sin = [-s | s],   rope(x) = x * cos + [x2 | x1] * sin
 
-    (the two halves of the rotation in three ops), head ``h``'s rows multiplied by ``head_scale[h]`` (``[H]``): the
-    softmax scale is folded into the query heads this way.
+    head ``h``'s rows multiplied by ``head_scale[h]`` (``[H]``: the softmax scale folded into the query heads).
     """
 
     def __init__(self, positions: torch.Tensor, cos_sin_cache: torch.Tensor, head_scale: torch.Tensor):
@@ -56,21 +54,14 @@ class PagedAttentionPlan:
 
         out = softmax(q K^T) V        (two matmuls and a softmax, none of them split across threads)
 
-    A row's output is so a function of its query and of the K/V it sees, and of nothing else: not of the batch, the
-    other guesses, the step, nor of how a prompt was split into chunks or which part of it came from the prefix
-    cache, nor of how many threads run it. With the matmul kernels row-wise too (the CPU's int4 and int8 kernels and
-    oneDNN's float32 one are), a token's K/V and logits are bit for bit the same whether it was prefilled, decoded,
-    verified or found cached, at any thread count (the engine changes it with the machine's load). (BLAS picks its
-    kernels by shape: one matmul over several rows, or over keys padded and masked, rounds differently, and with
-    bfloat16 matmul inputs such a difference can move a value across a rounding step and change a near tie. The
-    fused ``scaled_dot_product_attention`` splits a long context across threads when it has few rows, and so
-    rounds differently with each thread count.)
+    so a row's output depends only on its query and the K/V it sees: not on the batch, the step, chunking, the
+    prefix cache or the thread count. With row-wise matmuls too, a token's K/V and logits are the same bits whether
+    it was prefilled, decoded, verified or found cached. (Batched or padded matmuls, and the fused
+    ``scaled_dot_product_attention``, round differently with shape and thread count.)
 
-    Each sequence's slots are a plain slice when its blocks are consecutive, as a lone request's are. A tree node
-    that is not a prefix of the step's tokens sees the context and its ancestors: their K/V are copied over the step's
-    own, right after the context (in the cache itself, or in the sequence's gathered copy), so that it too attends
-    over one prefix of consecutive slots, and the step's K/V are put back after the sequence's last row. Only the
-    step's few rows move, never the context.
+    A sequence's slots are a plain slice when its blocks are consecutive. A tree node that is not a prefix of the
+    step's tokens has its ancestors' K/V copied over the step's own, right after the context, so that it too attends
+    over one run of slots; the step's K/V are put back after the sequence's last row.
     """
 
     def __init__(self, block_tables: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor,
@@ -97,11 +88,7 @@ class PagedAttentionPlan:
 
     def attend(self, q: torch.Tensor, k_slots: torch.Tensor, v_slots: torch.Tensor) -> torch.Tensor:
         """``softmax(q K^T + mask) V`` for ``q [T, Hq, D]`` already multiplied by the scale; ``[T, Hq, D]``.
-
-        ``k_slots`` / ``v_slots``: the cache with its block axes merged, ``[num_blocks * block_size, Hk, D]``.
-        Each row is two ``bmm`` over 3-d views (kv heads as the batch) and a softmax, the second ``bmm`` writing
-        into the row's place in the output.
-        """
+        ``k_slots`` / ``v_slots``: the cache with its block axes merged, ``[num_blocks * block_size, Hk, D]``."""
         num_tokens, num_heads, head_dim = q.shape
         num_kv_heads = num_heads // self.group
         rows = (q if q.dtype == k_slots.dtype else q.to(k_slots.dtype)).view(num_tokens, num_kv_heads, self.group,
