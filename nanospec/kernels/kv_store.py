@@ -16,43 +16,43 @@ from nanospec.kernels.backend import dispatch, tl, triton
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, k_token_stride, k_head_stride,
-                     v_token_stride, v_head_stride, k_cache_slot_stride, k_cache_head_stride, v_cache_slot_stride,
-                     v_cache_head_stride, num_heads, head_dim, BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
-    token = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    if slot < 0:  # padding token
-        return
-    heads = tl.arange(0, BLOCK_HEADS)[:, None]
-    dims = tl.arange(0, BLOCK_DIM)[None, :]
-    mask = (heads < num_heads) & (dims < head_dim)
-
-    k = tl.load(k_ptr + token * k_token_stride + heads * k_head_stride + dims, mask=mask)
-    v = tl.load(v_ptr + token * v_token_stride + heads * v_head_stride + dims, mask=mask)
-    tl.store(k_cache_ptr + slot * k_cache_slot_stride + heads * k_cache_head_stride + dims, k, mask=mask)
-    tl.store(v_cache_ptr + slot * v_cache_slot_stride + heads * v_cache_head_stride + dims, v, mask=mask)
-
-
-@triton.jit
-def _gather_kv_kernel(k_cache_ptr, v_cache_ptr, k_out_ptr, v_out_ptr, slots_ptr, k_cache_slot_stride,
-                      k_cache_head_stride, v_cache_slot_stride, v_cache_head_stride, num_heads, head_dim,
-                      BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+def _move_kv_kernel(k_ptr, v_ptr, k_out_ptr, v_out_ptr, slots_ptr, k_row_stride, k_head_stride, v_row_stride,
+                    v_head_stride, k_out_row_stride, k_out_head_stride, v_out_row_stride, v_out_head_stride, num_heads,
+                    head_dim, GATHER: tl.constexpr, BLOCK_HEADS: tl.constexpr, BLOCK_DIM: tl.constexpr):
+    """Row ``i`` of k and v to row ``slots[i]`` of the outputs, or with ``GATHER`` row ``slots[i]`` to row ``i``;
+    nothing for a negative slot (a padding token)."""
     index = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + index).to(tl.int64)
+    if slot < 0:
+        return
+    if GATHER:
+        src = slot
+        dst = index
+    else:
+        src = index
+        dst = slot
     heads = tl.arange(0, BLOCK_HEADS)[:, None]
     dims = tl.arange(0, BLOCK_DIM)[None, :]
     mask = (heads < num_heads) & (dims < head_dim)
 
-    k = tl.load(k_cache_ptr + slot * k_cache_slot_stride + heads * k_cache_head_stride + dims, mask=mask)
-    v = tl.load(v_cache_ptr + slot * v_cache_slot_stride + heads * v_cache_head_stride + dims, mask=mask)
-    out_offsets = (index * num_heads + heads) * head_dim + dims
-    tl.store(k_out_ptr + out_offsets, k, mask=mask)
-    tl.store(v_out_ptr + out_offsets, v, mask=mask)
+    k = tl.load(k_ptr + src * k_row_stride + heads * k_head_stride + dims, mask=mask)
+    v = tl.load(v_ptr + src * v_row_stride + heads * v_head_stride + dims, mask=mask)
+    tl.store(k_out_ptr + dst * k_out_row_stride + heads * k_out_head_stride + dims, k, mask=mask)
+    tl.store(v_out_ptr + dst * v_out_row_stride + heads * v_out_head_stride + dims, v, mask=mask)
 
 
 def _slot_view(cache: torch.Tensor) -> torch.Tensor:
     """``[num_blocks, block_size, Hk, D]`` -> ``[num_blocks * block_size, Hk, D]`` without a copy."""
     return cache.view(-1, *cache.shape[2:])
+
+
+def _move_kv(k, v, k_out, v_out, slots, gather: bool) -> None:
+    """Launch :func:`_move_kv_kernel`, one program per slot; every tensor ``[rows, Hk, D]``, contiguous in D."""
+    num_heads, head_dim = k.shape[1:]
+    _move_kv_kernel[(slots.shape[0],)](k, v, k_out, v_out, slots, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                                       k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1), num_heads,
+                                       head_dim, GATHER=gather, BLOCK_HEADS=triton.next_power_of_2(num_heads),
+                                       BLOCK_DIM=triton.next_power_of_2(head_dim))
 
 
 def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -65,19 +65,10 @@ def store_kv_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cach
 
 def store_kv_triton(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     slot_mapping: torch.Tensor) -> None:
-    num_tokens, num_heads, head_dim = k.shape
-    if num_tokens == 0:
+    if k.shape[0] == 0:
         return
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if v.stride(-1) != 1:
-        v = v.contiguous()
-    k_slots, v_slots = _slot_view(k_cache), _slot_view(v_cache)
-    _store_kv_kernel[(num_tokens,)](k, v, k_slots, v_slots, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-                                    v.stride(1), k_slots.stride(0), k_slots.stride(1), v_slots.stride(0),
-                                    v_slots.stride(1), num_heads, head_dim,
-                                    BLOCK_HEADS=triton.next_power_of_2(num_heads),
-                                    BLOCK_DIM=triton.next_power_of_2(head_dim))
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    _move_kv(k, v, _slot_view(k_cache), _slot_view(v_cache), slot_mapping, gather=False)
 
 
 def copy_kv_slots_ref(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots: torch.Tensor,
@@ -97,11 +88,8 @@ def copy_kv_slots_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots
     num_heads, head_dim = k_slots.shape[1:]
     k_moved = torch.empty((num_pairs, num_heads, head_dim), dtype=k_cache.dtype, device=k_cache.device)
     v_moved = torch.empty((num_pairs, num_heads, head_dim), dtype=v_cache.dtype, device=v_cache.device)
-    _gather_kv_kernel[(num_pairs,)](k_slots, v_slots, k_moved, v_moved, src_slots, k_slots.stride(0), k_slots.stride(1),
-                                    v_slots.stride(0), v_slots.stride(1), num_heads, head_dim,
-                                    BLOCK_HEADS=triton.next_power_of_2(num_heads),
-                                    BLOCK_DIM=triton.next_power_of_2(head_dim))
-    store_kv_triton(k_moved, v_moved, k_cache, v_cache, dst_slots)
+    _move_kv(k_slots, v_slots, k_moved, v_moved, src_slots, gather=True)
+    _move_kv(k_moved, v_moved, k_slots, v_slots, dst_slots, gather=False)
 
 
 copy_kv_slots = dispatch(copy_kv_slots_triton, copy_kv_slots_ref)

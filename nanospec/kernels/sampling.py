@@ -55,28 +55,38 @@ def _row_argmax(row_logits, vocab_size, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _count_at_or_above(row_logits, vocab_size, key_threshold, BLOCK_V: tl.constexpr):
-    """How many tokens of a row have ``key(x) >= key_threshold``."""
-    count = tl.full((), 0, tl.int32)
+def _at_or_above(row_logits, vocab_size, key_threshold, row_max, temperature, MASS: tl.constexpr,
+                 BLOCK_V: tl.constexpr):
+    """Over the tokens of a row with ``key(x) >= key_threshold``: how many, or with ``MASS`` the sum of
+    ``exp((x - row_max) / temperature)``."""
+    if MASS:
+        total = tl.full((), 0.0, tl.float32)
+    else:
+        total = tl.full((), 0, tl.int32)
     for start in range(0, vocab_size, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
         mask = cols < vocab_size
         x = tl.load(row_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        count += tl.sum((mask & (_order_key(x) >= key_threshold)).to(tl.int32), axis=0)
-    return count
+        kept = mask & (_order_key(x) >= key_threshold)
+        if MASS:
+            total += tl.sum(tl.where(kept, tl.exp((x - row_max) / temperature), 0.0), axis=0)
+        else:
+            total += tl.sum(kept.to(tl.int32), axis=0)
+    return total
 
 
 @triton.jit
-def _mass_at_or_above(row_logits, vocab_size, key_threshold, row_max, temperature, BLOCK_V: tl.constexpr):
-    """Sum of ``exp((x - row_max) / temperature)`` over the tokens with ``key(x) >= key_threshold``."""
-    mass = tl.full((), 0.0, tl.float32)
-    for start in range(0, vocab_size, BLOCK_V):
-        cols = start + tl.arange(0, BLOCK_V)
-        mask = cols < vocab_size
-        x = tl.load(row_logits + cols, mask=mask, other=float("-inf")).to(tl.float32)
-        weight = tl.exp((x - row_max) / temperature)
-        mass += tl.sum(tl.where(mask & (_order_key(x) >= key_threshold), weight, 0.0), axis=0)
-    return mass
+def _largest_key(row_logits, vocab_size, lo, goal, row_max, temperature, MASS: tl.constexpr, BLOCK_V: tl.constexpr):
+    """The largest key ``>= lo`` whose :func:`_at_or_above` is ``>= goal`` and positive (``lo`` if none): each round
+    keeps ``lo`` a key that qualifies and halves ``[lo, hi]``, so 32 rounds cover the 2**32 int32 keys."""
+    hi = tl.full((), 2**31 - 1, tl.int64)
+    for _ in range(32):
+        mid = lo + (hi - lo + 1) // 2
+        total = _at_or_above(row_logits, vocab_size, mid, row_max, temperature, MASS, BLOCK_V)
+        enough = (total >= goal) & (total > 0)
+        lo = tl.where(enough, mid, lo)
+        hi = tl.where(enough, hi, mid - 1)
+    return lo
 
 
 @triton.jit
@@ -96,35 +106,18 @@ def _probs_from_logits_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr,
             cols = start + tl.arange(0, BLOCK_V)
             tl.store(row_probs + cols, (cols == argmax).to(tl.float32), mask=cols < vocab_size)
     else:
-        # Each bisection keeps `lo` a key whose condition holds and halves [lo, hi] every round:
-        # 32 rounds pin down the largest such key among the 2**32 int32 keys.
         threshold = tl.full((), -(2**31), tl.int64)  # every token is at or above it
         if min_p > 0.0:
             min_logit = row_max + temperature * tl.log(min_p)
-            num_likely = _count_at_or_above(row_logits, vocab_size, _order_key(min_logit), BLOCK_V)
+            num_likely = _at_or_above(row_logits, vocab_size, _order_key(min_logit), row_max, temperature, False,
+                                      BLOCK_V)
             top_k = tl.where((top_k > 0) & (top_k < num_likely), top_k, num_likely)
         if (top_k > 0) & (top_k < vocab_size):
-            lo = threshold
-            hi = tl.full((), 2**31 - 1, tl.int64)
-            for _ in range(32):
-                mid = lo + (hi - lo + 1) // 2
-                enough = _count_at_or_above(row_logits, vocab_size, mid, BLOCK_V) >= top_k
-                lo = tl.where(enough, mid, lo)
-                hi = tl.where(enough, hi, mid - 1)
-            threshold = lo
-        mass = _mass_at_or_above(row_logits, vocab_size, threshold, row_max, temperature, BLOCK_V)
+            threshold = _largest_key(row_logits, vocab_size, threshold, top_k, row_max, temperature, False, BLOCK_V)
         if top_p < 1.0:
-            target = top_p * mass
-            lo = threshold
-            hi = tl.full((), 2**31 - 1, tl.int64)
-            for _ in range(32):
-                mid = lo + (hi - lo + 1) // 2
-                mid_mass = _mass_at_or_above(row_logits, vocab_size, mid, row_max, temperature, BLOCK_V)
-                enough = (mid_mass >= target) & (mid_mass > 0.0)  # never an empty set, even if top_p <= 0
-                lo = tl.where(enough, mid, lo)
-                mass = tl.where(enough, mid_mass, mass)
-                hi = tl.where(enough, hi, mid - 1)
-            threshold = lo
+            target = top_p * _at_or_above(row_logits, vocab_size, threshold, row_max, temperature, True, BLOCK_V)
+            threshold = _largest_key(row_logits, vocab_size, threshold, target, row_max, temperature, True, BLOCK_V)
+        mass = _at_or_above(row_logits, vocab_size, threshold, row_max, temperature, True, BLOCK_V)
 
         for start in range(0, vocab_size, BLOCK_V):
             cols = start + tl.arange(0, BLOCK_V)
