@@ -3,8 +3,7 @@
     x = [gate | up]                       x: [T, 2F], gate and up: [T, F]
     out = silu(gate) * up                 silu(g) = g / (1 + exp(-g))
 
-computed in fp32, stored in ``x.dtype``. The Triton kernel runs a 2-D grid: one row per program
-along axis 0, BLOCK columns of that row along axis 1.
+computed in fp32, stored in ``x.dtype``.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 
 Every op module declares its op once: ``<op> = dispatch(<op>_triton, <op>_ref)``, and takes ``triton`` and ``tl``
 from here: the real modules where a kernel can launch (a CUDA GPU, or ``TRITON_INTERPRET=1``), else a stand-in, so a
-CPU process does not pay Triton's import (about 70 MB resident) for kernels it cannot run.
+CPU process does not import Triton.
 """
 
 from __future__ import annotations
@@ -51,17 +51,16 @@ else:
     triton = tl = _NoTriton()
 
 _VALID = ("auto", "triton", "torch")
-_backend = os.environ.get("NANOSPEC_BACKEND", "auto").lower()
-if _backend not in _VALID:
-    raise ValueError(f"NANOSPEC_BACKEND={_backend!r} is not one of {_VALID}")
 
 
 def set_backend(name: str) -> None:
     global _backend
-    name = name.lower()
-    if name not in _VALID:
-        raise ValueError(f"backend {name!r} is not one of {_VALID}")
-    _backend = name
+    if name.lower() not in _VALID:
+        raise ValueError(f"backend {name!r} (NANOSPEC_BACKEND or set_backend) is not one of {_VALID}")
+    _backend = name.lower()
+
+
+set_backend(os.environ.get("NANOSPEC_BACKEND", "auto"))
 
 
 @contextlib.contextmanager
@@ -81,9 +80,7 @@ def use_triton(t: torch.Tensor) -> bool:
         return False
     if _backend == "triton":
         if not t.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-            raise RuntimeError(
-                "the triton backend on CPU tensors needs TRITON_INTERPRET=1 set before nanospec is imported"
-            )
+            _no_triton("the triton backend on a CPU tensor")
         return True
     return t.is_cuda
 

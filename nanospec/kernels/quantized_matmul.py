@@ -71,11 +71,8 @@ FEW_ROWS = 16  # at most this many rows (decode, verify): the narrow launch shap
 
 
 def launch_shape(M: int, N: int, K: int) -> dict:
-    """Block sizes and the K split for ``M`` rows (only which side of ``FEW_ROWS`` ``M`` falls on counts).
-
-    A few rows read each weight once: narrow tiles (32 outputs) over long K steps (256), one K slice. A split of K
-    (``shape=dict(..., split_k=S)``) costs a float32 partial buffer and its sum, and lost to one slice over SmolLM2's
-    and Llama-3.2-1B's weights together (``bench_quantized_matmul.py --sweep``, benchmarks/RESULTS.md)."""
+    """Block sizes and the K split for ``M`` rows (only which side of ``FEW_ROWS`` ``M`` falls on counts): a few rows
+    read each weight once, in narrow tiles over long K steps (a split of K measured slower, benchmarks/RESULTS.md)."""
     if M <= FEW_ROWS:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, split_k=1, num_warps=4)
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, split_k=1, num_warps=8)

@@ -14,9 +14,6 @@ import torch
 
 from nanospec.kernels.backend import tl, triton
 
-_M1 = 0x7FEB352D
-_M2 = 0x846CA68B
-_K0 = 0x9E3779B9
 _MASK32 = 0xFFFFFFFF
 
 
@@ -47,9 +44,9 @@ def uniform(seed, offset, index):
 
 def _mix32_ref(x: torch.Tensor) -> torch.Tensor:
     x = x ^ (x >> 16)
-    x = (x * _M1) & _MASK32
+    x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
-    x = (x * _M2) & _MASK32
+    x = (x * 0x846CA68B) & _MASK32
     x = x ^ (x >> 16)
     return x
 
@@ -61,7 +58,7 @@ def uniform_ref(seed, offset, index) -> torch.Tensor:
     index = torch.as_tensor(index, dtype=torch.int64, device=seed.device)
     seed_lo = seed & _MASK32
     seed_hi = (seed >> 32) & _MASK32
-    h = _mix32_ref(seed_lo ^ _K0)
+    h = _mix32_ref(seed_lo ^ 0x9E3779B9)
     h = _mix32_ref(h ^ seed_hi)
     h = _mix32_ref(h ^ (offset & _MASK32))
     h = _mix32_ref(h ^ (index & _MASK32))

@@ -3,8 +3,7 @@
     out[t, :] = x[t, :] / sqrt(mean_h(x[t, h]^2) + eps) * weight
 
 computed in fp32 and stored in ``out_dtype`` (default ``x.dtype``): HF ``LlamaRMSNorm`` up to its extra
-rounding of the normalised x to the input dtype before the weight multiply (identical in fp32). ``out_dtype``
-lets a norm hand its consumer the dtype it reads (a CPU weight-only matmul reads bfloat16) without a cast.
+rounding of the normalised x to the input dtype before the weight multiply (identical in fp32).
 
 With ``residual`` given, the add comes first and its sum is the new residual stream:
 
@@ -12,7 +11,6 @@ With ``residual`` given, the add comes first and its sum is the new residual str
     returns (rms_norm(s), s)
 
 Shapes: ``x`` and ``residual`` are ``[T, H]`` (any leading dims work, ``T`` may be 0), ``weight`` is ``[H]``.
-The Triton kernel runs one program per row with the whole row in one block (BLOCK = next_power_of_2(H)).
 """
 
 from __future__ import annotations
@@ -53,8 +51,7 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: to
 
 
 def _normalize(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype) -> torch.Tensor:
-    """``F.rms_norm``'s ops in its order (the same bits), written out: on a CPU ``F.rms_norm`` dispatches about
-    twice as many ops (its mean and ``+ eps`` each convert a scalar)."""
+    """``F.rms_norm``'s ops in its order (the same bits), written out: half the ops on a CPU."""
     x32 = x if x.dtype == torch.float32 else x.float()
     inv_rms = torch.sum(x32 * x32, dim=-1, keepdim=True).div_(x.shape[-1]).add_(eps).rsqrt_()
     out = (x32 * inv_rms).mul_(weight if weight.dtype == torch.float32 else weight.float())
@@ -83,9 +80,7 @@ def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, residual:
         _rms_norm_kernel[(num_rows,)](x_rows, residual_rows, weight, out, residual_out, x_rows.stride(0),
                                       residual_rows.stride(0), hidden_size, eps, HAS_RESIDUAL=residual is not None,
                                       BLOCK=block, num_warps=min(max(block // 256, 1), 8))
-    if residual is None:
-        return out
-    return out, residual_out
+    return out if residual is None else (out, residual_out)
 
 
 rms_norm = dispatch(rms_norm_triton, rms_norm_ref)

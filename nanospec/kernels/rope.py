@@ -5,9 +5,7 @@
     out[i + D/2] = x[i + D/2] * c + x[i] * s
 
 computed in fp32, stored in the input dtype, out of place. The cache holds ``[cos(p * inv_freq) | sin(p * inv_freq)]``
-for every position (fp32 ``[P, D]``). The engine rotates fused with the KV write (:mod:`nanospec.kernels.rope_store_kv`,
-whose kernel uses the Triton helpers here) or in its CPU backend (:mod:`nanospec.kernels.cpu_attention`);
-:func:`apply_rope_ref` is the formula itself.
+for every position (fp32 ``[P, D]``). The Triton helpers here serve :mod:`nanospec.kernels.rope_store_kv`.
 """
 
 from __future__ import annotations

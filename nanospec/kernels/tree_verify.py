@@ -78,11 +78,10 @@ def greedy_tree_verify_triton(target_argmax: torch.Tensor, node_tokens: torch.Te
     path = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
     emitted = torch.empty((batch, max_nodes), dtype=torch.int64, device=device)
     if batch > 0:
-        _greedy_tree_verify_kernel[(batch,)](target_argmax.to(torch.int64).contiguous(),
-                                             node_tokens.to(device=device, dtype=torch.int64).contiguous(),
-                                             parents.to(device=device, dtype=torch.int64).contiguous(),
-                                             num_nodes.to(device=device, dtype=torch.int64).contiguous(), path, emitted,
-                                             max_nodes, BLOCK_N=triton.next_power_of_2(max_nodes), num_warps=1)
+        as_int64 = [t.to(device=device, dtype=torch.int64).contiguous() for t in (target_argmax, node_tokens, parents,
+                                                                               num_nodes)]
+        _greedy_tree_verify_kernel[(batch,)](*as_int64, path, emitted, max_nodes,
+                                             BLOCK_N=triton.next_power_of_2(max_nodes), num_warps=1)
     return path, emitted
 
 
