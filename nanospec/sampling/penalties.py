@@ -27,9 +27,8 @@ def bad_words_token_ids(words: list[str], tokenizer, vocab_size: int) -> list[li
     for word in words:
         alone, spaced = tokenizer.encode(word.lstrip()), tokenizer.encode(" " + word.lstrip())
         variants = [alone] + ([spaced] if spaced and spaced[0] != alone[0] and len(spaced) == len(alone) else [])
-        for tokens in variants:
-            if any(not 0 <= t < vocab_size for t in tokens):
-                raise ValueError(f"bad_words: {word!r} has a token outside the vocabulary [0, {vocab_size})")
+        if any(not 0 <= t < vocab_size for tokens in variants for t in tokens):
+            raise ValueError(f"bad_words: {word!r} has a token outside the vocabulary [0, {vocab_size})")
         ids += variants
     return ids
 
@@ -133,9 +132,8 @@ def apply_penalties(logits: torch.Tensor, seqs: list[Sequence], seq_rows: list[l
                           torch.ones(len(path_rows), dtype=torch.float32, device=device), accumulate=True)
     in_output = counts > 0
     per_row = [penalized[b].params for b in owners]
-    repetition = tensor([p.repetition_penalty for p in per_row], torch.float32)[:, None]
-    frequency = tensor([p.frequency_penalty for p in per_row], torch.float32)[:, None]
-    presence = tensor([p.presence_penalty for p in per_row], torch.float32)[:, None]
+    repetition, frequency, presence = tensor([(p.repetition_penalty, p.frequency_penalty, p.presence_penalty)
+                                              for p in per_row], torch.float32).T[..., None]
 
     row_index = tensor(rows)
     x = logits[row_index].float()
