@@ -101,11 +101,10 @@ class BlockManager:
         return self.blocks_for(num_tokens) - len(block_table) <= self.num_free_blocks
 
     def reserve(self, block_table: list[int], num_tokens: int) -> None:
-        """Grow ``block_table`` in place until ``num_tokens`` tokens fit, with the lowest free block ids (then the
-        least recently used cached blocks, forgotten): a sequence whose speculative tail is reserved and returned
-        every step gets the same blocks back, and one running alone keeps consecutive blocks. With ``consecutive``,
-        the block after the table's last comes first when it is free, or cached but of no use a table would lose
-        (:meth:`_reclaimable`), which is then forgotten."""
+        """Grow ``block_table`` in place until ``num_tokens`` tokens fit, with the lowest free block ids (so a
+        speculative tail reserved and returned every step gets the same blocks back), then the least recently used
+        cached blocks, forgotten. With ``consecutive``, first the block after the table's last when it is free or
+        :meth:`_reclaimable`."""
         missing = self.blocks_for(num_tokens) - len(block_table)
         if missing > self.num_free_blocks:
             raise OutOfBlocks(f"need {missing} blocks, {self.num_free_blocks} free")
@@ -222,11 +221,10 @@ class BlockManager:
         return len(prefix) * self.block_size
 
     def _copy_to_a_run(self, block_table: list[int], prefix: list[int], num_tokens: int) -> bool:
-        """With ``consecutive``, a new table with the cached ``prefix`` as one run of blocks. Where the blocks after
-        the prefix are free it is shared in place (returns False: ``reserve`` then grows it into them). Else it takes
-        the lowest run of free blocks that holds all ``num_tokens`` tokens, the prefix's K/V to be copied there
-        (``take_copies``), and returns True. With no such run (the pool is short, and evicts anyway) the cached
-        blocks after the prefix that no table holds are forgotten, so that it grows in place; False."""
+        """With ``consecutive``: False where the blocks after ``prefix`` are free (shared in place, ``reserve`` grows
+        into them); True after taking the lowest free run for all ``num_tokens`` tokens, the prefix's K/V to be
+        copied there (``take_copies``); with no such run, False after forgetting the unheld cached blocks after the
+        prefix, so that it grows in place."""
         needed = self.blocks_for(num_tokens)
         after = range(prefix[-1] + 1, prefix[0] + needed)
         in_order = prefix == list(range(prefix[0], prefix[-1] + 1)) and after.stop <= self.num_blocks

@@ -21,9 +21,8 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 def pool_blocks(bytes_per_block: int, device: torch.device, block_size: int, max_model_len: int, max_num_seqs: int,
                 num_blocks: int | None = None, kv_cache_memory: int | None = None) -> int:
     """``num_blocks``, or by default blocks enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens at once
-    (what the engine can use) within ``kv_cache_memory`` bytes: by default 40% of a GPU's free memory, or a quarter
-    of a CPU machine's memory (reserved: resident only as blocks are written). ValueError, before allocating, when
-    the budget holds no block or the pool is larger than the device's memory."""
+    within ``kv_cache_memory`` bytes (default: the shares above of a GPU's free or a CPU's memory). ValueError, before
+    allocating, when the budget holds no block or the pool is larger than the device's memory."""
     have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
         os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if num_blocks is None:

@@ -1,5 +1,2 @@
-"""Hand-written Triton kernels, one op per file, each beside its plain-PyTorch reference.
-
-Each module exposes ``<op>`` (dispatching through :mod:`nanospec.kernels.backend`), ``<op>_triton``
-and ``<op>_ref`` with the same signature.
-"""
+"""Hand-written Triton kernels, one op per file, each beside its plain-PyTorch reference: ``<op>_triton``, ``<op>_ref``
+and ``<op>`` (dispatching through :mod:`nanospec.kernels.backend`), with the same signature."""

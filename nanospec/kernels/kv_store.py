@@ -89,7 +89,7 @@ def copy_kv_slots_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, src_slots
     k_moved = torch.empty((num_pairs, num_heads, head_dim), dtype=k_cache.dtype, device=k_cache.device)
     v_moved = torch.empty((num_pairs, num_heads, head_dim), dtype=v_cache.dtype, device=v_cache.device)
     _move_kv(k_slots, v_slots, k_moved, v_moved, src_slots, gather=True)
-    _move_kv(k_moved, v_moved, k_slots, v_slots, dst_slots, gather=False)
+    store_kv_triton(k_moved, v_moved, k_cache, v_cache, dst_slots)
 
 
 copy_kv_slots = dispatch(copy_kv_slots_triton, copy_kv_slots_ref)
