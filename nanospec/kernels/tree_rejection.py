@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from nanospec.kernels.backend import dispatch, tl, triton
-from nanospec.kernels.exponential_race import exponentials_ref
+from nanospec.kernels.exponential_race import exponentials_ref, race
 from nanospec.kernels.random import uniform, uniform_ref
 
 _TINY = torch.finfo(torch.float32).tiny  # floor for a row sum, so an all-zero row gives no NaN
@@ -63,28 +63,22 @@ def _residual_mass(p_ptr, q_ptr, p_sum, q_sum, coef, V, BLOCK_V: tl.constexpr):
 def _draw_token(p_ptr, q_ptr, p_sum, q_sum, coef, use_residual, seed, offset, V, BLOCK_V: tl.constexpr):
     """The exponential race over the residual ``norm(max(p - coef * q, 0))`` when ``use_residual`` and it has mass,
     else over p (ties to the lowest id)."""
-    best_p_score = tl.full((), 0.0, tl.float32)
-    best_p_token = tl.full((), 0, tl.int32)
-    best_residual_score = tl.full((), 0.0, tl.float32)
-    best_residual_token = tl.full((), 0, tl.int32)
-    for start in range(0, V, BLOCK_V):
-        vocab = start + tl.arange(0, BLOCK_V)
-        p = tl.load(p_ptr + vocab, mask=vocab < V, other=0.0).to(tl.float32)
-        exponential = (-tl.log(uniform(seed, offset, vocab).to(tl.float64))).to(tl.float32)
-        p_score = tl.math.div_rn(p, exponential)
-        tile_best = tl.max(p_score, axis=0)  # a later tile wins only if strictly better: ties go to the lowest id
-        best_p_token = tl.where(tile_best > best_p_score, start + tl.argmax(p_score, axis=0), best_p_token)
-        best_p_score = tl.maximum(tile_best, best_p_score)
-
-        q = tl.load(q_ptr + vocab, mask=vocab < tl.where(use_residual, V, 0), other=0.0).to(tl.float32)
-        residual = tl.maximum(tl.math.div_rn(p, p_sum) - coef * tl.math.div_rn(q, q_sum), 0.0)
-        residual_score = tl.math.div_rn(residual, exponential)
-        tile_best = tl.max(residual_score, axis=0)
-        best_residual_token = tl.where(
-            tile_best > best_residual_score, start + tl.argmax(residual_score, axis=0), best_residual_token
-        )
-        best_residual_score = tl.maximum(tile_best, best_residual_score)
-    return tl.where(use_residual & (best_residual_score > 0.0), best_residual_token, best_p_token)
+    best_score = tl.full((), 0.0, tl.float32)
+    best_token = tl.full((), 0, tl.int64)
+    if use_residual:
+        for start in range(0, V, BLOCK_V):
+            vocab = start + tl.arange(0, BLOCK_V)
+            p = tl.load(p_ptr + vocab, mask=vocab < V, other=0.0).to(tl.float32)
+            q = tl.load(q_ptr + vocab, mask=vocab < V, other=0.0).to(tl.float32)
+            residual = tl.maximum(tl.math.div_rn(p, p_sum) - coef * tl.math.div_rn(q, q_sum), 0.0)
+            exponential = (-tl.log(uniform(seed, offset, vocab).to(tl.float64))).to(tl.float32)
+            score = tl.math.div_rn(residual, exponential)
+            tile_best = tl.max(score, axis=0)  # a later tile wins only if strictly better: ties go to the lowest id
+            best_token = tl.where(tile_best > best_score, start + tl.argmax(score, axis=0), best_token)
+            best_score = tl.maximum(tile_best, best_score)
+    if best_score == 0.0:
+        best_token = race(p_ptr, seed, offset, V, BLOCK_V)
+    return best_token
 
 
 @triton.jit
