@@ -23,13 +23,9 @@ import torch
 from nanospec.kernels.backend import dispatch, tl, triton
 from nanospec.kernels.exponential_race import race, race_ref
 
-_MAX_BLOCK_V = 1024
-_INT32_MIN = -(2**31)
-_TOP_P_FIRST_CANDIDATES = 64  # the reference's first guess at how many tokens a nucleus holds
-
 
 def _block_v(vocab_size: int) -> int:
-    return min(max(triton.next_power_of_2(vocab_size), 16), _MAX_BLOCK_V)
+    return min(max(triton.next_power_of_2(vocab_size), 16), 1024)
 
 
 @triton.jit
@@ -145,7 +141,7 @@ def _order_key_ref(x: torch.Tensor) -> torch.Tensor:
 def _keep_threshold_ref(keys, weights, top_k, top_p) -> torch.Tensor:
     """Per row, the key ``tau`` of the docstring: tokens with ``keys >= tau`` are kept."""
     num_rows, vocab_size = keys.shape
-    threshold = torch.full((num_rows,), _INT32_MIN, dtype=torch.int64, device=keys.device)
+    threshold = torch.full((num_rows,), -(2**31), dtype=torch.int64, device=keys.device)
     top_k_on = (top_k > 0) & (top_k < vocab_size)
     if top_k_on.any():
         largest_k = int(top_k[top_k_on].max())
@@ -156,8 +152,8 @@ def _keep_threshold_ref(keys, weights, top_k, top_p) -> torch.Tensor:
     top_p_on = top_p < 1.0
     if top_p_on.any():
         target = top_p * (weights * (keys >= threshold[:, None])).sum(dim=1)
-        # The nucleus usually holds few tokens: look at the largest ones first, double until enough.
-        num_candidates = min(_TOP_P_FIRST_CANDIDATES, vocab_size)
+        # The nucleus usually holds few tokens: look at the largest 64 first, double until enough.
+        num_candidates = min(64, vocab_size)
         while True:
             candidate_keys, candidate_index = keys.topk(num_candidates, dim=1)
             kept = candidate_keys >= threshold[:, None]
