@@ -33,10 +33,7 @@ def rope_inv_freq(head_dim: int, theta: float, rope_scaling: dict | None = None,
     if rope_type == "linear":
         return inv_freq / rope_scaling["factor"]
     if rope_type == "llama3":
-        factor = rope_scaling["factor"]
-        low_freq_factor = rope_scaling["low_freq_factor"]
-        high_freq_factor = rope_scaling["high_freq_factor"]
-        original_max = rope_scaling["original_max_position_embeddings"]
+        factor, low_freq_factor, high_freq_factor, original_max = (scaling[k] for k in ROPE_SCALING_KEYS[rope_type])
         wavelength = 2 * math.pi / inv_freq
         # 0 where the frequency is kept (short wavelengths), 1 where it is divided by factor (long ones).
         smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
