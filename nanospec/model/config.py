@@ -10,8 +10,7 @@ from nanospec.kernels.rope import ROPE_SCALING_KEYS
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 
-# The sane range of each integer field, (smallest, largest): far beyond any real Llama (Llama 3.1 405B has 126 layers,
-# 16384 hidden, 53248 intermediate, 128 heads, a 128k vocabulary and a 128k context), far below absurd.
+# The sane range of each integer field, (smallest, largest): far beyond any real Llama, far below absurd.
 LIMITS = {
     "vocab_size": (1, 1 << 22),
     "hidden_size": (1, 1 << 16),
@@ -24,12 +23,10 @@ LIMITS = {
 }
 # The range of each float field, (exclusive lower bound, inclusive upper bound).
 FLOAT_LIMITS = {"rms_norm_eps": (0.0, 1.0), "rope_theta": (1.0, 1e12)}
-# The numbers rope_scaling may hold, each finite and positive: those of every kind ROPE_SCALING_KEYS lists (beside
-# the RoPE table that reads them).
+# The numbers rope_scaling may hold, each finite and positive: those of every kind ROPE_SCALING_KEYS lists.
 _ROPE_SCALING_NUMBERS = tuple(dict.fromkeys(key for keys in ROPE_SCALING_KEYS.values() for key in keys))
 
-# What a checkpoint's config.json must state: defaulting its shape (transformers' defaults are Llama-2-7B's) would
-# only turn a missing field into a puzzling shape mismatch later.
+# What a checkpoint's config.json must state: a defaulted shape would only fail later as a shape mismatch.
 REQUIRED_HF_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 

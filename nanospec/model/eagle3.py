@@ -222,15 +222,13 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
         if ids.min() < 0 or ids.max() >= target.vocab_size:
             raise ValueError(f"{path}: d2t maps a draft id outside the target's vocabulary [0, {target.vocab_size})")
     head = Eagle3Head(config, has_embedding)
-    layer = {name: tensors[f"midlayer.{name}"] for name in LAYER_NAMES}
+    layer = lambda name: tensors[f"midlayer.{name}.weight"]  # noqa: E731
     state = {"fc.weight": tensors["fc.weight"], "norm": tensors["norm.weight"],
-             "lm_head.weight": tensors["lm_head.weight"], "input_layernorm": layer["input_layernorm.weight"],
-             "hidden_norm": layer["hidden_norm.weight"],
-             "post_attention_layernorm": layer["post_attention_layernorm.weight"],
-             "qkv_proj.weight": torch.cat([layer[f"self_attn.{p}_proj.weight"] for p in "qkv"]),
-             "o_proj.weight": layer["self_attn.o_proj.weight"],
-             "gate_up_proj.weight": torch.cat([layer["mlp.gate_proj.weight"], layer["mlp.up_proj.weight"]]),
-             "down_proj.weight": layer["mlp.down_proj.weight"],
+             "lm_head.weight": tensors["lm_head.weight"],
+             **{norm: layer(norm) for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+             "qkv_proj.weight": torch.cat([layer(f"self_attn.{p}_proj") for p in "qkv"]),
+             "o_proj.weight": layer("self_attn.o_proj"), "down_proj.weight": layer("mlp.down_proj"),
+             "gate_up_proj.weight": torch.cat([layer("mlp.gate_proj"), layer("mlp.up_proj")]),
              "d2t": tensors["d2t"].long() if "d2t" in tensors else head.d2t}
     if has_embedding:
         state["embed_tokens.weight"] = tensors["embed_tokens.weight"]

@@ -8,11 +8,11 @@ embedded SmolLM2's model card's temperature 0.2, top-p 0.9; ``"vllm"``: the API'
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from nanospec.model.embedded import EMBEDDED_SAMPLING
 from nanospec.model.gguf_file import read_gguf_metadata
+from nanospec.model.loader import read_json
 from nanospec.sampling_params import SamplingParams
 
 FILE_NAME = "generation_config.json"
@@ -56,12 +56,7 @@ def read_gguf_sampling(file: Path) -> tuple[dict, str]:
 
 
 def read_generation_config(file: Path) -> tuple[dict, str]:
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{file}: not a readable JSON file ({e})") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"{file}: must hold a JSON object")
+    config = read_json(file)
     fields = {ours: config[theirs] for theirs, ours in KEYS.items() if config.get(theirs) is not None}
     if config.get("do_sample") is False:
         fields["temperature"] = 0.0

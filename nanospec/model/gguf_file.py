@@ -2,9 +2,8 @@
 (``_LAYER_NAMES``), and a tokenizer (:mod:`nanospec.model.gguf_tokenizer`). llama.cpp reorders q and k rows per head
 so that each rotary pair (i, i + d / 2) sits in adjacent rows: HF row h * d / 2 + j is stored at row 2 j + h.
 
-The header is read here, not by gguf's GGUFReader, which trusts every length and count in the file (a corrupt array
-count sends it into a loop of billions of steps): each is checked against the bytes left, every tensor's data
-against the file's end, and every tensor's name, shape and type against the config, before any data is read.
+The header is read here, not by gguf's GGUFReader, which trusts every length and count in the file: each is checked
+against the bytes left, and every tensor against the file's end and the config, before any data is read.
 """
 
 from __future__ import annotations
@@ -74,9 +73,8 @@ class _Tensor:
 def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_size: int = 32,
               check_config: Callable[[LlamaConfig], None] | None = None) -> GGUFModel:
     """Read a GGUF file of a Llama model. Raises FileNotFoundError, or ValueError naming the file and the key or tensor
-    at fault for a file that is not a valid GGUF of a Llama model: a corrupt or truncated header or tensor, missing or
-    absurd metadata (LlamaConfig's checks), a tensor whose name, shape or type does not fit the metadata (all these
-    before any tensor is dequantized), and a tensor that holds NaN or infinite values once dequantized.
+    at fault: a corrupt or truncated header, bad metadata (LlamaConfig's checks), a tensor whose name, shape or type
+    does not fit the metadata (all before any tensor is dequantized), or NaN or infinite values.
     ``quantization`` (None, "auto", "int4", "int8"; ``nanospec.model.gguf_quant.gguf_weight``): which weights stay
     or become quantized; None dequantizes every tensor to float32. ``check_config`` is called with the config as soon
     as it is read, before the tokenizer or any tensor: what it raises ends the read."""
@@ -93,8 +91,7 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
 
     tensors = {}
     for tensor in tqdm(header_tensors, desc=f"Loading {path.name}", unit="tensor", leave=False, disable=None):
-        # copied out of the memory map first (gguf's numpy dequantizers are several times slower on the map), then the
-        # pages read let go: else every byte of the file stays resident until the whole model is read
+        # copied out of the memory map (gguf's dequantizers are slow on it), whose pages are then let go
         blocks = np.array(tensor.data)
         if getattr(tensor.data, "_mmap", None) is not None and hasattr(mmap, "MADV_DONTNEED"):
             tensor.data._mmap.madvise(mmap.MADV_DONTNEED)
@@ -115,8 +112,7 @@ def read_gguf_config(path: str | os.PathLike) -> LlamaConfig:
 
 
 def read_gguf_metadata(path: str | os.PathLike) -> dict:
-    """The key/value metadata of a GGUF file but its arrays (the tokenizer's, left unread: a tenth of the time),
-    with read_gguf's errors for the header."""
+    """The key/value metadata of a GGUF file but its arrays (left unread), with read_gguf's errors for the header."""
     return dict(_read_header(Path(path), arrays=False)[0])
 
 
@@ -171,28 +167,15 @@ class _HeaderParser:
         self.offset += size
         return text
 
-    def skip_array(self, what: str) -> None:
-        """Step over an array value (its type already read) without building it."""
-        item_type, count = self.scalar("I", what), self.scalar("Q", what)
-        if item_type in _SCALAR_FORMATS:
-            size = count * struct.calcsize(_SCALAR_FORMATS[item_type])
-            self.need(size, f"{what} ({count} values)")
-            self.offset += size
-            return
-        self.need(count * 8, f"{what} ({count} values)")  # a string or an array takes 8 bytes or more
-        for _ in range(count):
-            if item_type == GGUFValueType.STRING:
-                size = self.scalar("Q", what)
-                self.need(size, what)
-                self.offset += size
-            elif item_type == GGUFValueType.ARRAY:
-                self.skip_array(what)
-            else:
-                raise _Corrupt(f"{what} has an unknown value type ({item_type})")
-
-    def value(self, value_type: int, what: str):
+    def value(self, value_type: int, what: str, build: bool = True):
+        """The value of type ``value_type``; ``build`` False steps over an array's items unread (returns None)."""
         if value_type == GGUFValueType.STRING:
-            return self.string(what)
+            if build:
+                return self.string(what)
+            size = self.scalar("Q", what)
+            self.need(size, what)
+            self.offset += size
+            return None
         if value_type in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[value_type], what)
         if value_type != GGUFValueType.ARRAY:
@@ -203,9 +186,10 @@ class _HeaderParser:
             self.need(count * dtype.itemsize, f"{what} ({count} values)")
             items = np.frombuffer(self.data, dtype, count, self.offset)
             self.offset += items.nbytes
-            return items.tolist()
+            return items.tolist() if build else None
         self.need(count * 8, f"{what} ({count} values)")  # a string or an array takes 8 bytes or more
-        return [self.value(item_type, what) for _ in range(count)]
+        items = [self.value(item_type, what, build) for _ in range(count)]
+        return items if build else None
 
 
 def _read_header(path: Path, arrays: bool = True) -> tuple[_Metadata, list[_Tensor]]:
@@ -232,10 +216,10 @@ def _read_header(path: Path, arrays: bool = True) -> tuple[_Metadata, list[_Tens
             if key in values:
                 raise _Corrupt(f"the metadata key {key} appears twice")
             value_type = parser.scalar("I", f"the type of {key}")
-            if value_type == GGUFValueType.ARRAY and not arrays:
-                parser.skip_array(key)
-            else:
+            if value_type != GGUFValueType.ARRAY or arrays:
                 values[key] = parser.value(value_type, key)
+            else:
+                parser.value(value_type, key, build=False)
         parser.need(tensor_count * 32, f"the tensor list ({tensor_count} tensors)")  # 32 bytes or more per tensor
         infos = {}
         for _ in range(tensor_count):
@@ -378,8 +362,7 @@ def _hf_name(gguf_name: str, path: Path) -> str:
 
 @functools.cache
 def _can_dequantize(tensor_type: GGMLQuantizationType) -> bool:
-    """Whether dequantize_blocks reads this type: tried on one block of zeros (gguf raises NotImplementedError for
-    the types it cannot read, integer types included)."""
+    """Whether dequantize_blocks reads this type: tried on one block of zeros."""
     block_size, type_size = GGML_QUANT_SIZES[tensor_type]
     try:
         dequantize_blocks(np.zeros(type_size, dtype=np.uint8), tensor_type, (block_size,))
@@ -389,8 +372,7 @@ def _can_dequantize(tensor_type: GGMLQuantizationType) -> bool:
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """No NaN or infinity in `tensor`. Its smallest and largest values tell (NaN propagates through both), in one
-    pass that allocates nothing: many times faster than torch.isfinite(tensor).all()."""
+    """No NaN or infinity in `tensor`: its smallest and largest values tell (NaN propagates through both)."""
     low, high = torch.aminmax(tensor)
     return bool(torch.isfinite(low) & torch.isfinite(high))
 

@@ -1,13 +1,10 @@
 """``y = x W^T``: the one place the model multiplies by a weight matrix, float or weight-only quantized.
 
 ``make_linear`` picks a module per kind of weight. ``Linear`` (float): cuBLAS on CUDA; on a CPU in float32 the weight
-is pre-packed once for oneDNN, whose cost stays flat for a few rows (verifying several speculative tokens costs about
-one decode; ``NANOSPEC_ONEDNN=0`` turns it off). ``Int4Linear`` / ``Int8Linear``: on a CPU, PyTorch's weight-only
-kernels (int4 repacked once into their tiled layout); on CUDA, nanospec's Triton kernel, which dequantizes in
-registers. The CPU kernels take bfloat16 activations (float32 ones are many times slower) and give bfloat16 out:
-``input_dtype`` says so, so that the model hands them bfloat16 at once (``None``: activations as they are). Each row of
-their output depends only on that row of ``x`` (checked by the tests), so a token's logits are the same in a decode
-step, a verify step and any batch: speculation stays lossless.
+is pre-packed once for oneDNN (``NANOSPEC_ONEDNN=0`` turns it off). ``Int4Linear`` / ``Int8Linear``: on a CPU,
+PyTorch's weight-only kernels, which take and give bfloat16 (``input_dtype``; ``None``: activations as they are); on
+CUDA, nanospec's Triton kernel. Each row of their output depends only on that row of ``x`` (checked by the tests), so a
+token's logits are the same in a decode step, a verify step and any batch: speculation stays lossless.
 """
 
 from __future__ import annotations
@@ -34,11 +31,9 @@ def make_linear(weight: Weight, keep_weight: bool = True):
     return linear
 
 
-# The CPU kernels round their output to bfloat16: 8 bits, 1/8 apart at a logit of 25, where the likeliest tokens often
-# lie closer than that. So for the head, every logit within REFINE_MARGIN (of the row's largest |logit|) of its row's
-# largest is computed again in float32 from the weight itself (a few of its rows): the top of the ranking, and greedy
-# decoding with it, are float32's. The kernels' error on SmolLM2's head: at most 1% of the largest |logit| (bfloat16
-# input, scales and output), so a margin of 6% keeps every token that could be the largest.
+# The CPU kernels round their output to bfloat16, coarser than the gaps between the likeliest tokens: every logit
+# within REFINE_MARGIN (of the row's largest |logit|) of its row's largest is recomputed in float32, so greedy decoding
+# is float32's. The margin (6%) is well above the kernels' error (at most 1% on SmolLM2's head).
 REFINE_MARGIN = 2 ** -4
 
 
@@ -98,11 +93,9 @@ class PackedLinear(nn.Module):
 
 
 def pack_linears(module: nn.Module, int8: bool = False) -> nn.Module:
-    """For inference: each bias-free ``nn.Linear`` in ``module`` (a shared one once) becomes a :class:`PackedLinear`.
-    ``int8``: its weight rounded to int8 per output channel (:class:`Int8Linear`: a quarter of float32's bytes, which
-    a head's one-row draft steps read from memory each time); else where :class:`Linear` packs it (float32 on a CPU:
-    oneDNN, 2-3x faster than ``F.linear`` from a few rows on where MKL's is slow, an AMD CPU). ``module`` can no
-    longer be trained."""
+    """For inference: each bias-free ``nn.Linear`` in ``module`` (a shared one once) becomes a :class:`PackedLinear`:
+    ``int8``, its weight rounded to int8 per output channel (:class:`Int8Linear`); else where :class:`Linear` packs it
+    (float32 on a CPU). ``module`` can no longer be trained."""
     packed: dict[int, nn.Module] = {}
     for parent in list(module.modules()):
         for name, child in list(parent._modules.items()):  # (named_children lists a module shared twice once)

@@ -1,8 +1,7 @@
 """Llama, from scratch, on paged KV: RMSNorm, RoPE (theta, llama3 scaling), GQA attention, SwiGLU.
 
 One forward serves prefill, decode and speculative verify over a flat ragged
-:class:`~nanospec.model.forward_batch.ForwardBatch`: it writes the new tokens' K/V into the paged cache and attends
-over each sequence's cached context plus the new tokens its mask allows.
+:class:`~nanospec.model.forward_batch.ForwardBatch`, writing the new tokens' K/V into the paged cache.
 
     h_0 = embed(x);  for each layer:  a = h + Attn(RMSNorm(h));  h = a + MLP(RMSNorm(a))
     logits = RMSNorm(h) @ W_head^T          (W_head = embed when embeddings are tied)
@@ -62,9 +61,8 @@ class Llama:
     def __init__(self, config: LlamaConfig, tensors: dict[str, Weight], device: torch.device | str,
                  dtype: torch.dtype, max_len: int | None = None, tp: ParallelGroup | None = None):
         """``dtype``: the activations' (and float weights', norms', K/V's) dtype; quantized weights stay as they are.
-        ``max_len``: the longest sequence it will run (default: the model's context); the RoPE table covers
-        that many positions (a 10M-token context would otherwise cost gigabytes of table). ``tp``: build this
-        rank's shard of the model and run its forward with the group's collectives (None: the whole model)."""
+        ``max_len``: the longest sequence it will run, which the RoPE table covers (default: the model's context).
+        ``tp``: build this rank's shard and run its forward with the group's collectives (None: the whole model)."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype

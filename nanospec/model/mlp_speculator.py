@@ -100,22 +100,20 @@ class MLPSpeculator(nn.Module):
 
     def __init__(self, config: MLPSpeculatorConfig):
         super().__init__()
-        self.config = config
-        c = config
+        self.config = c = config
         rows_in = c.hot_vocab_size + 1 if c.hot_vocab_size else c.vocab_size
         n = c.n_predict
-        if c.tie_weights:
-            emb, head, ln = nn.Embedding(rows_in, c.inner_dim), nn.Linear(c.inner_dim, c.num_scored, bias=False), \
-                SpeculatorNorm(c.inner_dim)
+
+        def stages(make) -> nn.ModuleList:  # with tie_weights, one module shared by every stage
+            return nn.ModuleList([make()] * n if c.tie_weights else [make() for _ in range(n)])
+
+        self.emb = stages(lambda: nn.Embedding(rows_in, c.inner_dim))
+        self.head = stages(lambda: nn.Linear(c.inner_dim, c.num_scored, bias=False))
+        self.ln = stages(lambda: SpeculatorNorm(c.inner_dim))
+        if c.tie_weights:  # stages 1.. share proj_1
             proj_tied = nn.Linear(c.inner_dim, c.inner_dim, bias=False)
-            self.emb = nn.ModuleList([emb] * n)
-            self.head = nn.ModuleList([head] * n)
-            self.ln = nn.ModuleList([ln] * n)
             self.proj = nn.ModuleList([nn.Linear(c.emb_dim, c.inner_dim, bias=False)] + [proj_tied] * (n - 1))
         else:
-            self.emb = nn.ModuleList([nn.Embedding(rows_in, c.inner_dim) for _ in range(n)])
-            self.head = nn.ModuleList([nn.Linear(c.inner_dim, c.num_scored, bias=False) for _ in range(n)])
-            self.ln = nn.ModuleList([SpeculatorNorm(c.inner_dim) for _ in range(n)])
             self.proj = nn.ModuleList([nn.Linear(c.emb_dim if i == 0 else c.inner_dim, c.inner_dim, bias=False)
                                        for i in range(n)])
         self.input_norm = SpeculatorNorm(c.emb_dim, scale_and_shift=False) if c.scale_input else None

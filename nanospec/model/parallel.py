@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from nanospec.model.quantization import Weight, select_rows
+from nanospec.model.quantization import Weight, pad_rows, select_rows
 
 
 @dataclass
@@ -72,12 +72,9 @@ def kv_heads_per_rank(num_kv_heads: int, size: int) -> int:
 
 
 def head_range(num_heads: int, rank: int, size: int) -> tuple[int, int]:
-    """The heads ``[start, end)`` of rank ``rank`` (see the module)."""
-    if size <= num_heads:
-        per_rank = num_heads // size
-        return rank * per_rank, (rank + 1) * per_rank
-    head = rank * num_heads // size
-    return head, head + 1
+    """The heads ``[start, end)`` of rank ``rank`` (see the module; ``size`` divides ``num_heads`` or is a multiple)."""
+    start = rank * num_heads // size
+    return start, start + kv_heads_per_rank(num_heads, size)
 
 
 def vocab_range(vocab_size: int, rank: int, size: int) -> tuple[int, int]:
@@ -124,8 +121,7 @@ class VocabParallelEmbedding:
         every rank of the group calls it)."""
         table = self._lookup(torch.arange(self.weight.shape[0], device=self.weight.device))
         if self.tp is not None:
-            per_rank = -(-self.vocab_size // self.tp.size)
-            padded = torch.nn.functional.pad(table, (0, 0, 0, per_rank - table.shape[0]))
+            padded = pad_rows(table, -(-self.vocab_size // self.tp.size))
             table = self.tp.all_gather_last(padded.T).T[: self.vocab_size].contiguous()
         return VocabParallelEmbedding(table, self.vocab_size, None, self.dtype)
 

@@ -16,7 +16,7 @@ weight, join along the output axis (``cat_rows``) and give back the float weight
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,22 @@ INT4_GROUP_SIZES = (32, 64, 128)
 QUANTIZATIONS = ("auto", "int4", "int4-g64", "int4-g128", "int8")
 
 
+class _RowWise:
+    """A quantized weight's tensors, each with the weight's output axis first."""
+
+    def map_tensors(self, fn):
+        """The same kind of weight, ``fn`` applied to each of its tensors."""
+        return replace(self, **{name: fn(t) for name, t in vars(self).items() if isinstance(t, torch.Tensor)})
+
+    def rows(self, start: int, end: int):
+        return self.map_tensors(lambda t: t[start:end].contiguous())
+
+    def to(self, device):
+        return self.map_tensors(lambda t: t.to(device))
+
+
 @dataclass
-class Int4Weight:
+class Int4Weight(_RowWise):
     packed: torch.Tensor  # uint8 [N, K / 2]
     scale: torch.Tensor   # float32 [N, K / G]
     zero: torch.Tensor    # float32 [N, K / G]
@@ -52,10 +66,6 @@ class Int4Weight:
         q = self.unpacked().view(N, K // self.group_size, self.group_size).float() - 8
         return (q * self.scale[..., None] + self.zero[..., None]).reshape(N, K).to(dtype)
 
-    def rows(self, start: int, end: int) -> Int4Weight:
-        return Int4Weight(self.packed[start:end].contiguous(), self.scale[start:end].contiguous(),
-                          self.zero[start:end].contiguous(), self.group_size)
-
     def columns(self, start: int, end: int) -> Int4Weight:
         G = self.group_size
         if start % G or end % G:
@@ -64,12 +74,9 @@ class Int4Weight:
         return Int4Weight(self.packed[:, start // 2:end // 2].contiguous(), self.scale[:, start // G:end // G]
                           .contiguous(), self.zero[:, start // G:end // G].contiguous(), G)
 
-    def to(self, device) -> Int4Weight:
-        return Int4Weight(self.packed.to(device), self.scale.to(device), self.zero.to(device), self.group_size)
-
 
 @dataclass
-class Int8Weight:
+class Int8Weight(_RowWise):
     q: torch.Tensor      # int8 [N, K]
     scale: torch.Tensor  # float32 [N]
 
@@ -84,14 +91,8 @@ class Int8Weight:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.q.float() * self.scale[:, None]).to(dtype)
 
-    def rows(self, start: int, end: int) -> Int8Weight:
-        return Int8Weight(self.q[start:end].contiguous(), self.scale[start:end].contiguous())
-
     def columns(self, start: int, end: int) -> Int8Weight:
         return Int8Weight(self.q[:, start:end].contiguous(), self.scale)
-
-    def to(self, device) -> Int8Weight:
-        return Int8Weight(self.q.to(device), self.scale.to(device))
 
 
 QuantizedWeight = Int4Weight | Int8Weight
@@ -173,21 +174,15 @@ def cat_rows(weights: list[Weight]) -> Weight:
         return torch.cat(weights)
     if any(type(w) is not type(first) for w in weights):
         raise ValueError("cannot fuse weights of different kinds: " + ", ".join(type(w).__name__ for w in weights))
-    if isinstance(first, Int4Weight):
-        if any(w.group_size != first.group_size for w in weights):
-            raise ValueError("cannot fuse int4 weights of different group sizes")
-        return Int4Weight(torch.cat([w.packed for w in weights]), torch.cat([w.scale for w in weights]),
-                          torch.cat([w.zero for w in weights]), first.group_size)
-    return Int8Weight(torch.cat([w.q for w in weights]), torch.cat([w.scale for w in weights]))
+    if isinstance(first, Int4Weight) and any(w.group_size != first.group_size for w in weights):
+        raise ValueError("cannot fuse int4 weights of different group sizes")
+    names = [name for name, t in vars(first).items() if isinstance(t, torch.Tensor)]
+    return replace(first, **{name: torch.cat([getattr(w, name) for w in weights]) for name in names})
 
 
 def select_rows(weight: Weight, index: torch.Tensor) -> Weight:
     """The rows ``index`` of a weight, of the same kind (an embedding lookup, a permutation of rows)."""
-    if isinstance(weight, torch.Tensor):
-        return weight[index]
-    if isinstance(weight, Int4Weight):
-        return Int4Weight(weight.packed[index], weight.scale[index], weight.zero[index], weight.group_size)
-    return Int8Weight(weight.q[index], weight.scale[index])
+    return weight[index] if isinstance(weight, torch.Tensor) else weight.map_tensors(lambda t: t[index])
 
 
 def pad_rows(weight: Weight, num_rows: int) -> Weight:

@@ -70,7 +70,7 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``[R, vocab]`` float32 logits of ``batch.logits_indices`` and, when ``hidden_states``, the final hidden
         states they were computed from (after the final norm, ``[R, hidden]``; else None); ``batch`` lives on the
-        host. The hidden states come from the same forward: asking for them costs one gather on the static path."""
+        host."""
         key = None if self.enforce_eager else self._bucket(batch)
         if key is None:
             hidden, self.aux_hidden = self._forward(self._to_device(batch))
@@ -154,10 +154,8 @@ class ModelRunner:
 
     def to_device(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Host integer tensors on the device, through one pinned buffer and one asynchronous copy (as they are
-        on a CPU). The buffers are used in turn (a step's forward, then its verification), and a buffer is only
-        refilled once the copy that last read it has run; a step ends in a device read, so that has long
-        happened. Tensors already on the GPU (a draft's own batches) stay where they are. (``torch.device("cuda")``
-        is not equal to a tensor's ``cuda:0``: the test is the tensor's own.)"""
+        on a CPU); tensors already on the GPU stay (tested by ``is_cuda``: ``torch.device("cuda") != cuda:0``). The
+        buffers are used in turn, each refilled only once the copy that last read it has run."""
         host = [i for i, t in enumerate(tensors) if not t.is_cuda]
         if self.device.type != "cuda" or not host:
             return tensors
