@@ -53,8 +53,7 @@ class DriverRunner:
         return self.local.to_device(tensors)
 
     def execute(self, batch: ForwardBatch, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits ``[R, vocab]`` (and the final hidden states when asked) on the driver, after every rank ran its
-        shard."""
+        """Logits ``[R, vocab]`` (and the final hidden states when asked) on the driver, after every rank ran."""
         return self._mirrored(lambda: self.channel.send_batch(Op.EXECUTE, self.model_id, batch),
                               lambda: self.local.execute(batch, hidden_states))
 

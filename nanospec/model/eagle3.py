@@ -76,11 +76,9 @@ class Eagle3Config:
             raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of 3 layer ids, got {ids!r}")
         values = {}
         for name, default in (("draft_vocab_size", layer.vocab_size), ("target_hidden_size", layer.hidden_size)):
-            value = d.get(name)
-            value = default if value is None else value
+            values[name] = value = default if d.get(name) is None else d[name]
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
-            values[name] = value
         if values["draft_vocab_size"] > layer.vocab_size:
             raise ValueError(f"{where}: draft_vocab_size ({values['draft_vocab_size']}) exceeds vocab_size "
                              f"({layer.vocab_size})")
@@ -174,20 +172,20 @@ class Eagle3Head(nn.Module):
 
 def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device | str, dtype: torch.dtype,
                      int8: bool = False) -> tuple[Eagle3Head, tuple[int, ...]]:
-    """The head at ``path`` for ``target``, for inference (its linears packed, or with ``int8`` rounded to int8 per
-    output channel: :func:`~nanospec.model.linear.pack_linears`), and the target layers it reads. Its config and
-    every tensor's name and shape are checked against the target before any weight is read (ValueError naming the
-    field or tensor)."""
+    """The head at ``path`` for ``target``, for inference (:func:`~nanospec.model.linear.pack_linears`, ``int8``
+    or not), and the target layers it reads. Its config and every tensor's name and shape are checked against the
+    target before any weight is read (ValueError naming the field or tensor)."""
     path = Path(path)
-    config = Eagle3Config.from_dict(read_json(path / "config.json"), str(path / "config.json"))
+    where = path / "config.json"
+    config = Eagle3Config.from_dict(read_json(where), str(where))
     if config.target_hidden_size != target.hidden_size:
         field = "target_hidden_size" if config.target_hidden_size != config.layer.hidden_size else "hidden_size"
-        raise ValueError(f"{path / 'config.json'}: {field} = {config.target_hidden_size} but the target's "
-                         f"hidden_size is {target.hidden_size}")
+        raise ValueError(f"{where}: {field} = {config.target_hidden_size} but the target's hidden_size is "
+                         f"{target.hidden_size}")
     if config.layer.vocab_size != target.vocab_size:
-        raise ValueError(f"{path / 'config.json'}: vocab_size = {config.layer.vocab_size} but the target's vocab_size "
-                         f"is {target.vocab_size}")
-    aux_layers = config.aux_layers(target, str(path / "config.json"))
+        raise ValueError(f"{where}: vocab_size = {config.layer.vocab_size} but the target's vocab_size is "
+                         f"{target.vocab_size}")
+    aux_layers = config.aux_layers(target, str(where))
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path} (an EAGLE-3 head's weights; pickled .bin files are "

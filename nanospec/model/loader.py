@@ -94,11 +94,11 @@ def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_
 
 
 def _read_hf_config(directory: Path) -> LlamaConfig:
-    if not (directory / "config.json").is_file():
+    config_file = directory / "config.json"
+    if not config_file.is_file():
         gguf_files = sorted(path for path in directory.glob("*.gguf") if path.is_file())
         hint = f" (to load a GGUF, pass the file itself, e.g. {gguf_files[0]})" if gguf_files else ""
         raise FileNotFoundError(f"{directory} has no config.json{hint}")
-    config_file = directory / "config.json"
     hf_config = read_json(config_file)
     try:
         return LlamaConfig.from_hf_dict(hf_config, require=REQUIRED_HF_FIELDS)
@@ -148,9 +148,8 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str |
 
 
 def _ignored(name: str, config: LlamaConfig) -> bool:
-    """A stored tensor that is not a weight of the model, which transformers and vLLM skip too: the RoPE frequencies
-    older transformers saved (computed from config.json here), and lm_head.weight when tie_word_embeddings ties it to
-    the embedding."""
+    """A stored tensor that is not a weight of the model (transformers and vLLM skip it too): the RoPE frequencies
+    older transformers saved, and lm_head.weight when tie_word_embeddings ties it to the embedding."""
     return name.endswith(".rotary_emb.inv_freq") or (name == "lm_head.weight" and config.tie_word_embeddings)
 
 

@@ -197,15 +197,11 @@ class MLPSpeculator(nn.Module):
     def stored_tensors(self) -> dict[str, torch.Tensor]:
         """The tensors of the format, each shared one once (stage 0's, and proj.1 when tied)."""
         c = self.config
-        stages = [0] if c.tie_weights else range(c.n_predict)
-        proj_stages = [0, 1] if c.tie_weights else range(c.n_predict)
         tensors = {}
-        for i in stages:
-            tensors[f"emb.{i}.weight"] = self.emb[i].weight
-            tensors[f"head.{i}.weight"] = self.head[i].weight
-            tensors[f"ln.{i}.weight"] = self.ln[i].weight
-            tensors[f"ln.{i}.bias"] = self.ln[i].bias
-        for i in proj_stages:
+        for i in [0] if c.tie_weights else range(c.n_predict):
+            tensors |= {f"emb.{i}.weight": self.emb[i].weight, f"head.{i}.weight": self.head[i].weight,
+                        f"ln.{i}.weight": self.ln[i].weight, f"ln.{i}.bias": self.ln[i].bias}
+        for i in [0, 1] if c.tie_weights else range(c.n_predict):
             tensors[f"proj.{i}.weight"] = self.proj[i].weight
         if c.hot_vocab_size:
             tensors["hot_token_ids"] = self.hot_token_ids

@@ -40,6 +40,10 @@ class _RowWise:
     def to(self, device):
         return self.map_tensors(lambda t: t.to(device))
 
+    @property
+    def device(self) -> torch.device:
+        return self.scale.device
+
 
 @dataclass
 class Int4Weight(_RowWise):
@@ -51,10 +55,6 @@ class Int4Weight(_RowWise):
     @property
     def shape(self) -> tuple[int, int]:
         return self.packed.shape[0], self.packed.shape[1] * 2
-
-    @property
-    def device(self) -> torch.device:
-        return self.packed.device
 
     def unpacked(self) -> torch.Tensor:
         """q as uint8 ``[N, K]``, one value 0..15 per input."""
@@ -83,10 +83,6 @@ class Int8Weight(_RowWise):
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.q.shape)
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.q.float() * self.scale[:, None]).to(dtype)

@@ -68,9 +68,8 @@ class ModelRunner:
             tree_mask=zeros(rows, num_words(max_query_len)))
 
     def execute(self, batch: ForwardBatch, hidden_states: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``[R, vocab]`` float32 logits of ``batch.logits_indices`` and, when ``hidden_states``, the final hidden
-        states they were computed from (after the final norm, ``[R, hidden]``; else None); ``batch`` lives on the
-        host."""
+        """``[R, vocab]`` float32 logits of ``batch.logits_indices`` (a host batch) and, when ``hidden_states``, the
+        final hidden states they come from (``[R, hidden]``, after the final norm; else None)."""
         key = None if self.enforce_eager else self._bucket(batch)
         if key is None:
             hidden, self.aux_hidden = self._forward(self._to_device(batch))
