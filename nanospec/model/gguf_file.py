@@ -49,8 +49,6 @@ _REQUIRED_CONFIG_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layer
                            "max_position_embeddings")  # llama.cpp requires these keys too
 _CONFIG_DEFAULTS = {"rms_norm_eps": 1e-5, "rope_theta": 10000.0, "bos_token_id": None}
 _EOS_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-_ROPE_SCALING_KEYS = {"rope_scaling.rope_type": "llama.rope.scaling.type",
-                      "rope_scaling.factor": "llama.rope.scaling.factor"}
 _ROPE_FACTOR_KEYS = ("llama.rope.scaling.factor", "llama.rope.scale_linear")  # llama.cpp reads the second, older one
 
 
@@ -297,7 +295,7 @@ def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
         config = LlamaConfig(**fields, rope_scaling=_rope_scaling_from_metadata(metadata), tie_word_embeddings=tied,
                              eos_token_id=eos_ids)
     except ConfigError as error:
-        key = {**_CONFIG_KEYS, **_ROPE_SCALING_KEYS}.get(error.field)
+        key = (_CONFIG_KEYS | {"rope_scaling.rope_type": "llama.rope.scaling.type"}).get(error.field)
         if error.field == "eos_token_id":
             key = next((key for key in _EOS_KEYS if metadata.get(key) == error.value), None)
         if error.field == "rope_scaling.factor":

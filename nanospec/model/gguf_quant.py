@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 from nanospec.model.quantization import Int4Weight, cat_rows, pack_int4, quantize
 
@@ -25,10 +25,8 @@ ROWS_AT_ONCE = 4096  # rows dequantized, then rounded, at a time: a whole embedd
 def int4_from_blocks(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, int]) -> Int4Weight:
     """The Q4_0 / Q4_1 / Q4_K blocks ``data`` (a tensor's bytes) of an ``(out, in)`` weight as int4 groups of 32."""
     N, K = shape
-    if kind == Q.Q4_K:
-        q, scale, zero = _q4_k(data.reshape(-1, 144))
-    else:
-        q, scale, zero = _q4_0_or_1(data.reshape(-1, 18 if kind == Q.Q4_0 else 20), kind)
+    blocks = data.reshape(-1, GGML_QUANT_SIZES[kind][1])
+    q, scale, zero = _q4_k(blocks) if kind == Q.Q4_K else _q4_0_or_1(blocks, kind)
     q = torch.from_numpy(q.reshape(N, K))
     return Int4Weight(pack_int4(q), torch.from_numpy(scale.reshape(N, K // 32)),
                       torch.from_numpy(zero.reshape(N, K // 32)), 32)
@@ -78,6 +76,5 @@ def gguf_weight(data: np.ndarray, kind: GGMLQuantizationType, shape: tuple[int, 
         return dequantize_blocks(data, kind, shape)
     scheme = "int8" if quantization == "auto" else quantization
     rows = data.reshape(shape[0], -1)
-    return cat_rows([quantize(dequantize_blocks(rows[i:i + ROWS_AT_ONCE], kind, (len(rows[i:i + ROWS_AT_ONCE]),
-                                                                                  shape[1])), scheme, group_size)
-                     for i in range(0, shape[0], ROWS_AT_ONCE)])
+    chunks = [rows[i:i + ROWS_AT_ONCE] for i in range(0, shape[0], ROWS_AT_ONCE)]
+    return cat_rows([quantize(dequantize_blocks(c, kind, (len(c), shape[1])), scheme, group_size) for c in chunks])

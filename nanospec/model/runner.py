@@ -118,33 +118,29 @@ class ModelRunner:
         seq = torch.repeat_interleave(torch.arange(real, device=on), counts,  # the sequence of every real row
                                       output_size=batch.num_tokens)
         rows = seq * q + torch.arange(batch.num_tokens, device=on) - batch.query_start_loc[:-1].long()[seq]
-        values = {}
-        values["input_ids"] = torch.zeros(num_seqs * q, dtype=torch.int64, device=on).index_copy_(0, rows,
-                                                                                                 batch.input_ids)
         last = torch.zeros(num_seqs, dtype=torch.int64, device=on)  # padding rows: their sequence's last position
         last[:real] = batch.positions[batch.query_start_loc[1:].long() - 1]
-        values["positions"] = last.repeat_interleave(q).index_copy_(0, rows, batch.positions)
-        values["slot_mapping"] = torch.full((num_seqs * q,), -1, dtype=torch.int64,
-                                            device=on).index_copy_(0, rows, batch.slot_mapping)
         tables = torch.zeros(static.block_tables.shape, dtype=torch.int32, device=on)
         width = min(batch.block_tables.shape[1], tables.shape[1])
         tables[:real, :width] = batch.block_tables[:, :width]
-        values["block_tables"] = tables
         seq_lens = torch.full((num_seqs,), q, dtype=torch.int32, device=on)
         seq_lens[:real] = batch.seq_lens - counts.to(torch.int32) + q
-        values["seq_lens"] = seq_lens
-        values["query_start_loc"] = torch.arange(0, num_seqs * q + 1, q, dtype=torch.int32, device=on)
+        padding = lambda value: torch.full((num_seqs * q,), value, dtype=torch.int64, device=on)  # noqa: E731
+        values = {"input_ids": padding(0).index_copy_(0, rows, batch.input_ids),
+                  "positions": last.repeat_interleave(q).index_copy_(0, rows, batch.positions),
+                  "slot_mapping": padding(-1).index_copy_(0, rows, batch.slot_mapping),
+                  "block_tables": tables, "seq_lens": seq_lens,
+                  "query_start_loc": torch.arange(0, num_seqs * q + 1, q, dtype=torch.int32, device=on)}
         if static.tree_mask is not None:  # a padding row sees itself only
             own = torch.arange(num_seqs * q, device=on) % q
             mask = torch.zeros(static.tree_mask.shape, dtype=torch.int64, device=on)
             mask.scatter_(1, (own // 64)[:, None], (torch.ones_like(own) << (own % 64))[:, None])
             mask[rows, : batch.tree_mask.shape[1]] = batch.tree_mask
             values["tree_mask"] = mask
-        names = list(values)
-        device_values = self.to_device([values[n] for n in names] + [rows])
-        for name, value in zip(names, device_values):
+        *device_values, rows = self.to_device([*values.values(), rows])
+        for name, value in zip(values, device_values):
             getattr(static, name).copy_(value)
-        return device_values[-1]
+        return rows
 
     def _to_device(self, batch: ForwardBatch) -> ForwardBatch:
         names = [n for n in TENSOR_FIELDS if getattr(batch, n) is not None]
