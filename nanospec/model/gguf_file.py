@@ -155,11 +155,11 @@ class _HeaderParser:
         self.offset += size
         return value
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, build: bool = True) -> str | None:
         size = self.scalar("Q", what)
         self.need(size, what)
         try:
-            text = str(self.data[self.offset:self.offset + size], "utf-8")
+            text = str(self.data[self.offset:self.offset + size], "utf-8") if build else None
         except UnicodeDecodeError:
             raise _Corrupt(f"{what} at byte {self.offset} is not UTF-8 text") from None
         self.offset += size
@@ -168,12 +168,7 @@ class _HeaderParser:
     def value(self, value_type: int, what: str, build: bool = True):
         """The value of type ``value_type``; ``build`` False steps over an array's items unread (returns None)."""
         if value_type == GGUFValueType.STRING:
-            if build:
-                return self.string(what)
-            size = self.scalar("Q", what)
-            self.need(size, what)
-            self.offset += size
-            return None
+            return self.string(what, build)
         if value_type in _SCALAR_FORMATS:
             return self.scalar(_SCALAR_FORMATS[value_type], what)
         if value_type != GGUFValueType.ARRAY:

@@ -89,7 +89,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.linear(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1)
-        return y if y.dtype == x.dtype else y.to(x.dtype)
+        return y.to(x.dtype)
 
 
 def pack_linears(module: nn.Module, int8: bool = False) -> nn.Module:
@@ -162,4 +162,4 @@ class Int8Linear:
 
 
 def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
-    return (x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)).contiguous()
+    return x.to(torch.bfloat16).contiguous()

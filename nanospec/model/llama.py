@@ -123,9 +123,7 @@ class Llama:
                 x = rms_norm(hidden, layer.input_norm, eps, out_dtype=matmul_dtype)
             else:
                 x, residual = rms_norm(hidden, layer.input_norm, eps, residual=residual, out_dtype=matmul_dtype)
-            qkv = layer.qkv_proj(x)
-            hidden = layer.o_proj(self.attention(qkv if qkv.dtype == self.dtype else qkv.to(self.dtype), kv_cache, i,
-                                                 batch, plan))
+            hidden = layer.o_proj(self.attention(layer.qkv_proj(x).to(self.dtype), kv_cache, i, batch, plan))
             if self.tp is not None:  # row-parallel o: sum the ranks' shares (in the residual stream's dtype)
                 hidden = self.tp.all_reduce(hidden.to(self.dtype))
             x, residual = rms_norm(hidden, layer.post_attention_norm, eps, residual=residual, out_dtype=matmul_dtype)

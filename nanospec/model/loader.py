@@ -115,7 +115,7 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str |
     weight_files = _weight_files(directory)
 
     with ExitStack() as stack:
-        handles = {file: stack.enter_context(_open_safetensors(file)) for file in weight_files}
+        handles = {file: stack.enter_context(open_safetensors(file)) for file in weight_files}
         file_of = {name: file for file, handle in handles.items() for name in handle.keys()}
         expected = config.weight_shapes()
         missing = [name for name in expected if name not in file_of]
@@ -175,7 +175,8 @@ def _weight_files(directory: Path) -> list[Path]:
                             "(only safetensors weights are loaded, never pickled .bin files)")
 
 
-def _open_safetensors(file: Path):
+def open_safetensors(file: Path):
+    """``safe_open(file)``, or a ValueError naming the file (and the tensor cut short, when its header tells)."""
     try:
         return safe_open(str(file), framework="pt")
     except Exception as error:  # SafetensorError: bad header, truncated data, ...

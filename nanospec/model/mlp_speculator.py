@@ -23,12 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from nanospec.model.linear import pack_linears
-from nanospec.model.loader import read_json
+from nanospec.model.loader import open_safetensors, read_json
 
 ARCHITECTURE = "MLPSpeculatorPreTrainedModel"
 LN_EPS = 1e-6
@@ -244,10 +243,7 @@ def load_mlp_speculator(path: str | os.PathLike, emb_dim: int | None = None, voc
         raise FileNotFoundError(f"{directory} has no model.safetensors (only safetensors weights are loaded)")
     model = MLPSpeculator(config)
     expected = {name: tuple(t.shape) for name, t in model.stored_tensors().items()}
-    try:
-        handle = safe_open(str(weights), framework="pt")
-    except Exception as error:
-        raise ValueError(f"not a valid safetensors file: {weights} ({error})") from None
+    handle = open_safetensors(weights)
     stored = {name.removeprefix("speculator."): name for name in handle.keys()}
     missing = [name for name in expected if name not in stored]
     if missing:
