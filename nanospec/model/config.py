@@ -124,8 +124,7 @@ class LlamaConfig:
         rope_parameters = d.get("rope_parameters") or {}
         if not isinstance(rope_parameters, dict):
             raise ConfigError("rope_parameters", rope_parameters, "an object")
-        rope_parameters = dict(rope_parameters)
-        rope_theta = d.get("rope_theta", rope_parameters.pop("rope_theta", 10000.0))
+        rope_theta = d.get("rope_theta", rope_parameters.get("rope_theta", 10000.0))
         rope_scaling = _normalize_rope_scaling(d.get("rope_scaling") or rope_parameters or None)
 
         values = {f.name: d[f.name] for f in fields(cls) if f.name in d}

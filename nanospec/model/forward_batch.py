@@ -51,8 +51,7 @@ def build_forward_batch(token_lists: list[list[int]], start_positions: list[int]
         slots.extend(slots_of(table, block_size, range(start, start + len(tokens))))
         logits_indices.extend(qsl[-1] + r for r in logits_rows[s])
         qsl.append(qsl[-1] + len(tokens))
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    tables = torch.zeros((len(block_tables), max(max_blocks, 1)), dtype=torch.int32)
+    tables = torch.zeros((len(block_tables), max([1, *map(len, block_tables)])), dtype=torch.int32)
     for s, table in enumerate(block_tables):
         tables[s, : len(table)] = torch.tensor(table, dtype=torch.int32)
     tree_mask = None

@@ -20,6 +20,7 @@ from nanospec.kernels.kv_store import copy_kv_slots
 from nanospec.model.forward_batch import TENSOR_FIELDS, ForwardBatch
 from nanospec.model.llama import Llama
 
+
 def buckets(limit: int) -> list[int]:
     """1, 2, 4, ... below ``limit``, then ``limit``."""
     return [1 << i for i in range(limit.bit_length()) if 1 << i < limit] + [limit]
