@@ -89,7 +89,8 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
 
     tensors = {}
     for tensor in tqdm(header_tensors, desc=f"Loading {path.name}", unit="tensor", leave=False, disable=None):
-        # copied out of the memory map (gguf's dequantizers are slow on it), whose pages are then let go
+        # copied out of the memory map (gguf's dequantizers are slow on it), whose pages are then let go: else the
+        # whole file stays resident until the model is read
         blocks = np.array(tensor.data)
         if getattr(tensor.data, "_mmap", None) is not None and hasattr(mmap, "MADV_DONTNEED"):
             tensor.data._mmap.madvise(mmap.MADV_DONTNEED)
