@@ -748,17 +748,19 @@ def test_gguf_bad_old_rope_scale_key_named(tmp_path, tiny_state, monkeypatch):
 
 @pytest.mark.parametrize("metadata, named", [
     ({"llama.rope.dimension_count": 4}, "llama.rope.dimension_count must be the head dimension (8)"),
+    ({"llama.attention.value_length": 16}, "llama.attention.value_length must be the head dimension (8)"),
     ({"llama.expert_count": 8, "llama.expert_used_count": 2}, "llama.expert_count is 8"),
 ])
 def test_gguf_llama_nanospec_cannot_run_refused(tmp_path, tiny_state, monkeypatch, metadata, named):
-    """Partial rotary embeddings (llama.cpp refuses a llama whose rope.dimension_count is not its head dimension) and
-    mixtures of experts: refused before any tensor is read, rather than run as a plain Llama."""
+    """Partial rotary embeddings (llama.cpp refuses a llama whose rope.dimension_count is not its head dimension),
+    value heads of another size than key heads, and mixtures of experts: refused before any tensor is read, rather than run as a plain Llama."""
     path = tmp_path / "other.gguf"
     write_tiny_gguf(path, tiny_state, metadata=metadata)
     monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
     refused(path, path, named)
     monkeypatch.undo()
-    write_tiny_gguf(path, tiny_state, metadata={"llama.rope.dimension_count": 8})  # as llama.cpp writes it
+    # as llama.cpp writes them
+    write_tiny_gguf(path, tiny_state, metadata={"llama.rope.dimension_count": 8, "llama.attention.value_length": 8})
     assert read_gguf(path).config.head_dim == 8
 
 

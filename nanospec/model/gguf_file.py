@@ -302,6 +302,11 @@ def _config_from_metadata(metadata: _Metadata, tied: bool) -> LlamaConfig:
     if rotary != config.head_dim:  # llama.cpp refuses such a llama too ("invalid n_rot")
         raise ValueError(f"GGUF file {metadata.path}: llama.rope.dimension_count must be the head dimension "
                          f"({config.head_dim}): nanospec rotates every dimension of a head, got {short_repr(rotary)}")
+    value_length = metadata.get("llama.attention.value_length", config.head_dim)
+    if value_length != config.head_dim:
+        raise ValueError(f"GGUF file {metadata.path}: llama.attention.value_length must be the head dimension "
+                         f"({config.head_dim}): nanospec's value heads are as wide as its key heads, got "
+                         f"{short_repr(value_length)}")
     experts = metadata.get("llama.expert_count", 0)
     if experts:
         raise ValueError(f"GGUF file {metadata.path}: llama.expert_count is {short_repr(experts)}: nanospec runs "
