@@ -43,11 +43,8 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
                   shapes: list[tuple[int, int]], *, device: torch.device, batch_device: torch.device | str,
                   context: int) -> list[float]:
     """Seconds of a verify-shaped forward of each of ``shapes`` (sequences, new tokens each) after ``context`` cached
-    tokens each, best of two passes where the shape holds at most 16 tokens, so one stall does not price a point as
-    free; a larger shape, timed once, is run once untimed before (a runner's first forward of a shape captures its
-    CUDA graph and may compile kernels: start-up, not a step's cost). Only the first sequence's context is written:
-    attention over the others' costs the same whatever their K/V holds (zeros, or a finished sequence's), and writing
-    them took a prefill of ``context`` tokens each."""
+    tokens each: best of two passes up to 16 tokens; a larger shape is run once untimed first (graph capture, kernel
+    compiles). Only the first sequence's context is written: attention costs the same whatever the K/V holds."""
     bm = block_manager
     if not shapes:
         return []
@@ -60,7 +57,7 @@ def time_forwards(execute: Callable[[ForwardBatch], torch.Tensor], block_manager
                                     [range(tokens)] * num_seqs, batch_device)
         return execute(batch)
 
-    if context:  # (the first sequence's context is written, which also warms the forward up)
+    if context:
         execute(build_forward_batch([[0] * context], [0], tables[:1], bm.block_size, [[context - 1]], batch_device))
     costs: dict[tuple[int, int], float] = {}
     small = [shape for shape in reversed(shapes) if shape[0] * shape[1] <= 16]

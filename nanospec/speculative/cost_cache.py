@@ -1,9 +1,8 @@
 """The target's measured forward costs, kept between runs in ``$NANOSPEC_CACHE_DIR/forward_costs.json`` (default
 ``~/.cache/nanospec``; empty: off). An entry's key is everything a forward's time depends on (:func:`cost_key`):
 config, weight storage, device, threads, torch version, runner, block size and the context the forwards follow. It
-holds one time per forward shape (sequences x new tokens each), so engines of one target that time different shapes
-(another ``k``, another ``max_num_seqs``) share the shapes they have in common and time only the others. JSON,
-written atomically; a file that cannot be read is ignored and rewritten.
+holds one time per forward shape (sequences x new tokens each), so engines of one target share the shapes they have
+in common. JSON, written atomically; a file that cannot be read is ignored and rewritten.
 """
 
 from __future__ import annotations
@@ -53,9 +52,8 @@ def device_name(device: torch.device) -> str:
 
 
 def weights_kind(model) -> dict:
-    """How the model's weights are stored: its dtype, its ``quantization`` (None if it has none), and for every kind
-    of layer object (a linear layer, float or quantized) its class and the dtypes of the tensors it holds (a packed or
-    quantized layout shows there)."""
+    """How the model's weights are stored: its dtype, its ``quantization``, and for every kind of layer object its
+    class and the dtypes of the tensors it holds."""
     def tensors(obj) -> list:
         return sorted((name, str(v.dtype)) for name, v in vars(obj).items() if isinstance(v, torch.Tensor))
 
@@ -132,12 +130,10 @@ def store_costs(key: dict | None, costs: dict[str, float]) -> Path | None:
 def cached_forward_costs(key: Callable[[], dict | None], shapes: list[tuple[int, int]],
                          measure: Callable[[list[tuple[int, int]]], list[float]], probe: Callable[[], object],
                          device: torch.device) -> tuple[list[float], bool]:
-    """(the time of each of ``shapes``, whether any was measured now): read for ``key()`` (a key at torch's current
-    thread count, None: not cached), and the shapes it lacks ``measure``d and kept. Before measuring on a CPU,
-    ``probe()`` (one small forward) checks how long the threads wait for a core; beyond ``BUSY_WAIT`` (a busy
-    machine, where the steps run at one thread: ``nanospec.cpu_threads``) the costs are read or measured at one
-    thread. Times measured while the threads waited beyond ``BUSY_WAIT`` serve this run and are not kept. Torch's
-    thread count is the same after as before."""
+    """(the time of each of ``shapes``, whether any was measured now): read for ``key()`` (None: not cached), and the
+    shapes it lacks ``measure``d and kept. On a CPU where ``probe()`` (one small forward) finds the threads waiting for
+    a core beyond ``BUSY_WAIT`` (``nanospec.cpu_threads``), the costs are read or measured at one thread; times
+    measured while they waited beyond it are not kept. Torch's thread count is the same after as before."""
     def lacking(known: dict[str, float]) -> list[tuple[int, int]]:
         return sorted({shape for shape in shapes if shape_name(shape) not in known})
 

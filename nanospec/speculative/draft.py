@@ -3,12 +3,10 @@
 Each step's first draft forward feeds every token whose draft K/V is missing (the prompt, the token after a
 rejection, or ``[d_k, bonus]`` after a full acceptance), then k-1 one-token forwards each feed the previous guess.
 Guess ``d_j`` is the argmax of the draft's ``q_j`` when greedy, else drawn from it: with ``"acceptance":
-"rejection"`` from a seed stream of the draft's own, ``q_j`` going to the rejection sampler (highest acceptance);
-with ``"coupled"`` by the exponential race with the target's own numbers at that position, verified by matching
-(output equals plain seeded sampling's). Trees (``tree_top_k > 1``): each frontier node branches on its
-``tree_top_k`` most probable tokens and the ``tree_budget`` best children by cumulative log-probability are kept, one
-draft forward a level; verified as one-hot candidates. Under tensor parallelism the draft runs on rank 0 alone or
-sharded like the target.
+"rejection"`` from a seed stream of the draft's own, ``q_j`` going to the rejection sampler; with ``"coupled"`` by the
+exponential race with the target's own numbers at that position, verified by matching (output equals plain seeded
+sampling's). Trees (``tree_top_k > 1``): each frontier node branches on its ``tree_top_k`` most probable tokens and the
+``tree_budget`` best children by cumulative log-probability are kept, one draft forward a level; verified one-hot.
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ class DraftState:
 
 def check_draft_config(draft: LlamaConfig, target: LlamaConfig, model, max_model_len: int | None = None) -> None:
     """ValueError for the draft model `model` (config `draft`) that cannot draft for the `target`: another vocabulary
-    size, or a context shorter than the ``max_model_len`` asked for (None: the engine shortens its context to the
-    draft's)."""
+    size, or a context shorter than ``max_model_len``."""
     if draft.vocab_size != target.vocab_size:
         raise ValueError(f"the draft model {str(model)!r} has a vocabulary of {draft.vocab_size} tokens but the "
                          f"target has {target.vocab_size}: they must share one vocabulary")
@@ -117,7 +114,7 @@ class DraftProposer(Proposer):
                 proposals[i] = proposal
             return proposals
         states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
-        for i in active:  # room for the sequence and the k-1 guesses fed back
+        for i in active:
             self._reserve(seqs[i], seqs[i].num_tokens + ks[i])
         feed = {i: seqs[i].token_ids[states[i].num_cached:] for i in active}
         starts = {i: states[i].num_cached for i in active}
@@ -157,8 +154,7 @@ class DraftProposer(Proposer):
         if not seqs:
             return []
         states: list[DraftState] = [s.spec_state for s in seqs]
-        # nodes per tree: the budget, or what the context has left to feed (the speculator verifies no more): the
-        # engine's context is the shorter of the one given (max_len) and the draft's own (max_model_len)
+        # nodes per tree: the budget, or what the context (the shorter of max_len and the draft's) has left to feed
         context = min(self.max_len or self.max_model_len, self.max_model_len)
         budgets = [min(self.tree_budget, context - s.num_tokens - 1) for s in seqs]
         for seq, budget in zip(seqs, budgets):
@@ -239,12 +235,8 @@ class DraftProposer(Proposer):
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """Learn from the step's outcome; drop the draft K/V of rejected guesses (a tree's whole: the next step
-        backfills the accepted path).
-
-        A draft the policy stops is not run, so nothing new is learnt of it: after ``retry_after`` steps without
-        drafting its estimate returns to the prior and the policy weighs it afresh. ``retry_after`` doubles (up to
-        ``MAX_RETRY_AFTER``) with every drafted step that got no guess accepted and is 1 again after one that got
-        one, so a draft that never pays is tried at exponentially spaced steps."""
+        backfills the accepted path). After ``retry_after`` steps without drafting the estimate returns to the prior;
+        ``retry_after`` doubles (up to ``MAX_RETRY_AFTER``) after a drafted step with no guess accepted, else is 1."""
         st: DraftState = seq.spec_state
         if proposal.token_ids:
             st.acceptance.observe_trie(proposal, verdict)

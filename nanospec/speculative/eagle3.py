@@ -1,35 +1,21 @@
 """An EAGLE-3 head as a proposer: a chain or a tree guessed from three of the target's hidden states, with no extra
 target pass.
 
-:meth:`Eagle3Proposer.bind` tells the target's runner the head's auxiliary layers, so every step's forward keeps the
-residual stream entering them (``ModelRunner.aux_hidden``). After verification, on the device and before the step's
-one read, the head runs over exactly the rows the target ran for each sequence, at the same positions: row ``j``
-fed the fused states at ``j`` (a tree's row at depth ``d``: those of the accepted path's node at depth ``d``) and
-the token at ``j + 1`` (a prompt token, else the emitted one). Rows past the last accepted one write K/V that is
-written again before it is read. From its output there it drafts a chain (``k - 1`` one-row steps) or EAGLE-2's
-tree (:mod:`nanospec.speculative.eagle3_tree`), ``k`` deep; with the goodput policy on, one depth deeper than the
-step verified (at most ``k``): the policy rarely verifies all ``k``, and each depth drafted costs a head forward.
-Guesses are argmaxes mapped to target ids: one-hot, so the matched rule verifies them and output equals plain
-decoding's whatever the head's weights.
+:meth:`Eagle3Proposer.bind` makes the target's runner keep the residual stream entering the head's auxiliary layers
+(``ModelRunner.aux_hidden``). After verification, on the device and before the step's one read, the head runs over
+the rows the target ran for each sequence, at the same positions: row ``j`` feeds the fused states at ``j`` (a tree's
+row at depth ``d``: those of the accepted path's node at depth ``d``) and the token at ``j + 1`` (a prompt token, else
+the emitted one). Rows past the last accepted one write K/V that is written again before it is read. From its output
+there it drafts a chain (``k - 1`` one-row steps) or EAGLE-2's tree (:mod:`nanospec.speculative.eagle3_tree`), ``k``
+deep, or with the goodput policy one depth deeper than the step verified (at most ``k``). Guesses are argmaxes mapped
+to target ids: one-hot, so the matched rule verifies them and output equals plain decoding's whatever the head's
+weights. With ``prompt_lookup`` the n-gram chain joins them (:class:`~nanospec.speculative.ngram.LookupChain`).
 
-With ``prompt_lookup`` the n-gram chain joins the head's guesses (:class:`~nanospec.speculative.ngram.LookupChain`):
-one ranked tree, each node with its chance (the head's chain: ``alpha^d``; its tree: the calibrated score; the
-n-gram chain: ``a^d``; a node on both the larger), of which the goodput policy verifies the likeliest.
-
-The head runs for every speculating sequence at every step, also where the policy verified none of its guesses:
-its K/V then stays whole, and its next guesses see the whole context.
-
-The head's K/V: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
-sequence from ``base`` (where the target's forward started when the head first ran for it: a prefix-cached prompt
-gives no hidden states) to the last committed token but one. The rows the target ran always fit (the target's pool
-holds them too); where the scratch rows past them do not fit for every sequence at once, the sequences last in the
-batch draft nothing that step (their next step verifies no guesses), and no step fails. Under tensor parallelism the
-head runs on the driver alone: its shard's forward keeps the auxiliary states (every rank holds the whole residual
-stream after its all-reduces), and a head without an embedding of its own gets the target's gathered whole onto the
-driver.
-
-Without a ``model`` a target of the embedded model's shape gets the head shipped for it
-(:func:`nanospec.speculative.config.shipped_path`).
+The head runs for every speculating sequence at every step, also where none of its guesses was verified, so its K/V
+stays whole: one layer in a pool of its own (twice the target's blocks, no prefix caching), a block table per
+sequence from ``base`` (where the target's forward started when the head first ran for it) to the last committed
+token but one. Where the scratch rows past the real ones do not fit for every sequence, the last in the batch draft
+nothing that step. Under tensor parallelism the head runs on the driver alone.
 """
 
 from __future__ import annotations
@@ -75,9 +61,8 @@ class Eagle3Proposer(Proposer):
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
                  max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True,
                  prompt_lookup: NgramProposer | None = None):
-        """``adaptive``: the goodput policy chooses what to verify, so the head drafts one depth deeper than the step
-        verified of its guesses (at most ``k``), as deep as the policy may want next; else ``k`` deep, every step.
-        ``prompt_lookup``: an n-gram proposer whose chain joins the guesses."""
+        """``adaptive``: the head drafts one depth deeper than the step verified of its guesses (at most ``k``), else
+        ``k`` deep; ``prompt_lookup``: an n-gram proposer whose chain joins the guesses."""
         c = head.config.layer
         self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
@@ -106,22 +91,18 @@ class Eagle3Proposer(Proposer):
         seq.spec_state = Eagle3State(lookup=self.prompt_lookup.new_chain(seq.token_ids) if self.prompt_lookup else None)
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        """Each node's chance and, as its depth, the head forwards verifying it costs, which the policy prices as
-        drafting: after a step that verified the head's guesses ``d`` deep, the head runs over the step's rows (one
-        more each) and drafts ``d + 1`` deep, priced ``d + 1`` forwards (priced ``d``, the drafting alone, it ran
-        slower on the benchmark prompts); the n-gram chain's guesses cost nothing to make."""
+        """Each node's chance and, as its depth, the head forwards verifying it costs: the head's guesses ``d`` deep
+        cost ``d + 1`` (the run over the step's rows too; priced ``d`` it ran slower), the n-gram chain's none."""
         return [proposal.model_ranking(seq.spec_state.head_paths, depth, extra_forwards=1)
                 for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths)]
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        """The guesses drafted behind each sequence's last token, whole: the speculator cuts them to ``depths`` (and
-        when it verifies none, still checks the first guess, which a chain's estimate learns from)."""
+        """The guesses drafted behind each sequence's last token, whole: the speculator cuts them to ``depths``."""
         return [st.tree if (st := seq.spec_state).tree is not None and st.num_tokens == seq.num_tokens else Proposal()
                 for seq in seqs]
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Learn from the outcome (the chain's ``alpha`` or the tree's calibration, the n-gram chain's ``a``); rank the
-        guesses drafted behind the new last token (by read_forward) for the next step."""
+        """Learn from the outcome; rank the guesses read_forward drafted behind the new last token."""
         st: Eagle3State = seq.spec_state
         st.num_tokens = seq.num_tokens
         verified = proposal.checked_paths()
@@ -163,16 +144,16 @@ class Eagle3Proposer(Proposer):
 
     # ---------------------------------------------------------------- the head's K/V, on the device
     def _hold_rows(self, st: Eagle3State, c: int, size: int) -> None:
-        """Room in the head's pool for the ``size`` rows the target ran from position ``c`` (they fit: the target's
-        pool holds them too); its K/V starts again at ``c`` on its first run or after a step it missed."""
+        """Room in the head's pool for the ``size`` rows the target ran from position ``c``; its K/V starts again at
+        ``c`` on its first run or after a step it missed."""
         if st.base is None or st.num_cached != c:
             self.block_manager.free(st.block_table)
             st.base = c
         self.block_manager.reserve(st.block_table, c + size - st.base)
 
     def read_chunks(self, seqs: list[Sequence], first_row: int) -> None:
-        """The head over the rows of prompt chunks (no guesses): row ``j`` fed the fused states at ``j`` and the
-        prompt token at ``j + 1``, so that its K/V covers the whole prompt when the sequence starts drafting."""
+        """The head over the rows of prompt chunks: row ``j`` feeds the fused states at ``j`` and the prompt token at
+        ``j + 1``, so that its K/V covers the whole prompt when the sequence starts drafting."""
         tokens, starts, tables, positions, aux_rows = [], [], [], [], []
         row = first_row
         for seq in seqs:
@@ -228,8 +209,8 @@ class Eagle3Proposer(Proposer):
                 node_roots += [row + len(prompt)] * (size - len(prompt) - 1)
                 head_row += size
             row += sizes[b]
-        depth = min(max((self._head_depth(seqs[b], proposals[b]) for b in active), default=0) + 1, self.k) \
-            if self.adaptive else self.k
+        depth = min(max((proposals[b].model_depth(seqs[b].spec_state.head_paths) for b in active), default=0) + 1,
+                    self.k) if self.adaptive else self.k
         num_drafted = replace(self.tree, depth=depth).num_nodes if self.tree is not None else depth
         drafting = []  # (indices into active) the sequences whose scratch rows fit, first come first served
         for i, b in enumerate(active):
@@ -267,11 +248,6 @@ class Eagle3Proposer(Proposer):
         for t, value in zip(out, self._draft(tables, last, offset, state, depth)):
             t[index, :value.shape[1]] = value.to(t.dtype)
         return out
-
-    @staticmethod
-    def _head_depth(seq: Sequence, proposal: Proposal) -> int:
-        """The deepest of the head's guesses that ``proposal`` (the part of its tree the step verified) holds."""
-        return proposal.model_depth(seq.spec_state.head_paths)
 
     def _draft(self, tables: torch.Tensor, last: torch.Tensor, offset: torch.Tensor, state: torch.Tensor,
                depth: int) -> tuple[torch.Tensor, ...]:
@@ -324,8 +300,8 @@ class Eagle3Proposer(Proposer):
         return self.head.to_target(self.head.logits(state).argmax(dim=-1))
 
     def measure_cost(self) -> float:
-        """Seconds of one draft depth at batch 1 after 64 positions, or as many as the head's pool holds beside the
-        scratch rows (the real rows' forward is not counted): one chain step, or a whole tree over its depth."""
+        """Seconds of one draft depth at batch 1 after 64 positions (fewer where the pool is smaller): one chain step,
+        or a whole tree over its depth."""
         context = min(64, self.block_manager.num_free_blocks * self.block_size - 1 - self.scratch)
         if context < 0:  # no sequence's scratch rows ever fit: the head never drafts
             return 0.0

@@ -9,12 +9,9 @@ last level takes the argmaxes. A fresh window holds level 0 only (W + L - 2 prom
 grows a level a step. The pool keeps per token at most G continuations, most recent first: the window's n-grams and
 the committed text's. The output does not depend on the window: the verifier checks every guess.
 
-As the engine's proposer, lookahead's trie is ranked as an n-gram trie is
-(:func:`~nanospec.speculative.policy.trie_chances` of its acceptance ``alpha``, estimated per sequence), and the first
-node brings the window into the forward (it is fed only beside verified guesses). So the goodput policy verifies the
-part of the trie that pays for its nodes and the window, or none of it; then no window runs, the pool grows from the
-committed text alone, and the trie's first guesses are still checked against the outcome, which keeps the estimate
-current.
+The trie is ranked as an n-gram trie is (:func:`~nanospec.speculative.policy.trie_chances`), its first node bringing
+the window into the forward: where the policy verifies none of it, no window runs and the pool grows from the committed
+text alone.
 """
 
 from __future__ import annotations
@@ -37,14 +34,13 @@ WINDOW_SEED = 0  # the RNG that fills a fresh window from the prompt: the same p
 class LookaheadStep:
     """One step's tokens, root first: the verification trie, then the window level by level, each under
     ``parents[i]``."""
-
     tokens: list[int]
     parents: list[int]
     num_tree_nodes: int  # root + verification nodes (they come first)
 
     @property
     def lookahead_rows(self) -> range:
-        """Indices of the lookahead branch tokens in ``tokens``."""
+        """Indices of the window's tokens in ``tokens``."""
         return range(self.num_tree_nodes, len(self.tokens))
 
 
@@ -52,14 +48,13 @@ class LookaheadStep:
 class LookaheadState:
     """Per sequence: the window (``levels[0]`` without column 0), the n-gram pool (oldest first) and the committed tail
     ``recent``."""
-
     levels: list[list[int]]
     pool: dict[int, OrderedDict[tuple[int, ...], None]] = field(default_factory=dict)
     recent: list[int] = field(default_factory=list)
     root_in_recent: bool = False
     step: LookaheadStep | None = None  # the step proposed, until its outcome is committed
     proposal: LookaheadProposal | None = None  # its nodes (rank and propose both ask), as long
-    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the trie's alpha (the policy's)
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # the trie's alpha
 
     @property
     def width(self) -> int:

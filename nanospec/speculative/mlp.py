@@ -74,14 +74,14 @@ class MLPSpeculatorProposer(Proposer):
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
         """Each node's chance and, as its depth, the beam's depths verifying it costs: the deepest beam guess on its
-        path (the next step's beam is drafted one deeper than the deepest beam guess verified; the n-gram chain's
-        guesses cost nothing to make)."""
+        path (the n-gram chain's guesses cost nothing to make)."""
         return [proposal.model_ranking(_beam_paths(seq), depth)
                 for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths)]
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
         """Each sequence's ranked tree, made when its last outcome came (none if its state is missing or stale)."""
-        return [seq.spec_state.ranked if self._has_current_state(seq) else Proposal() for seq in seqs]
+        return [st.ranked if (st := seq.spec_state) is not None and st.ranked is not None
+                and st.num_tokens == seq.num_tokens else Proposal() for seq in seqs]
 
     def _ranked_tree(self, state: MLPState) -> Proposal:
         tokens, parents, scores = state.beam
@@ -91,11 +91,6 @@ class MLPSpeculatorProposer(Proposer):
         if state.lookup is not None:
             state.lookup.join(chance, self.prompt_lookup, self.k)
         return Proposal.ranked(chance)
-
-    @staticmethod
-    def _has_current_state(seq: Sequence) -> bool:
-        state: MLPState | None = seq.spec_state
-        return state is not None and state.ranked is not None and state.num_tokens == seq.num_tokens
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         """Calibrate the beam's ``c`` and the chain's ``a`` on the outcome; rank the beam guessed behind the new last
@@ -121,7 +116,7 @@ class MLPSpeculatorProposer(Proposer):
         def beam():
             return [t.tolist() for t in self.model.propose_tree(hidden, last_token, self.k, self.width)]
 
-        beam()  # warm-up
+        beam()
         return best_seconds(beam, self.device) / self.k
 
 

@@ -18,9 +18,8 @@ from nanospec.speculative.policy import AcceptanceEstimate, accepted_depth
 from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
-# The tree proposal looks at no more than this many earlier occurrences per wanted candidate, so a
-# pattern that recurs thousands of times with the same continuation (a long run of one token) costs
-# O(max_candidates) per call, not O(sequence length).
+# Earlier occurrences the tree looks at per wanted candidate: a long run of one token costs O(max_candidates), not
+# O(sequence length).
 OCCURRENCES_SCANNED_PER_CANDIDATE = 8
 
 
@@ -87,9 +86,8 @@ class LookupChain:
 
 
 class NgramProposer(Proposer):
-    """Prompt lookup from one incremental index per sequence, ranked by its acceptance estimate: a chain's depth
-    ``j`` with ``alpha^j``, a trie's nodes by :func:`~nanospec.speculative.policy.trie_chances` (siblings in the
-    trie's order: the most recent occurrence's continuation first)."""
+    """Prompt lookup from one incremental index per sequence, its chain or trie ranked by
+    :func:`~nanospec.speculative.policy.trie_chances` of its acceptance (a chain's depth ``j``: ``alpha^j``)."""
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  max_candidates: int = 1, tree_budget: int | None = None):
@@ -146,8 +144,6 @@ class NgramProposer(Proposer):
         seq.spec_state = NgramState(self.new_index(seq.token_ids))
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        """The chain, or the trie, ranked by its nodes' chances (:func:`~nanospec.speculative.policy.trie_chances`
-        of the sequence's ``alpha``)."""
         proposals = []
         for seq in seqs:
             st: NgramState = seq.spec_state

@@ -48,9 +48,8 @@ class Speculator:
 
     def _calibrated_policy(self, block_manager: BlockManager, max_num_seqs: int,
                            max_num_batched_tokens: int) -> GoodputPolicy:
-        """The goodput policy over measured costs: the target over 1..k+1 tokens and the batch sizes this engine can run
-        (the shapes the cache lacks timed, :mod:`nanospec.speculative.cost_cache`), and one depth of guessing, timed
-        again after the target when any shape was measured (keeping the faster)."""
+        """The goodput policy over measured costs (:mod:`nanospec.speculative.cost_cache`): the target over 1..k+1
+        tokens and the batch sizes this engine can run, and one depth of guessing (the faster of two timings)."""
         k = self.max_tokens_per_step
         # every count of a few tokens; above DENSE_COUNTS, every fourth (and k + 1) with the policy interpolating
         dense = min(k + 1, DENSE_COUNTS)
@@ -94,13 +93,9 @@ class Speculator:
 
     def num_lookahead_slots(self, seq: Sequence) -> int:
         """KV slots a sequence needs this step beyond its own tokens: room for a proposal when it is in decode, no
-        more than the context has left (:meth:`propose` feeds no more than that), so a sequence never holds a slot
-        past ``max_model_len``.
-
-        A sequence is in decode from its first output token on (a one-token prompt at once), not before: a prompt
-        whose blocks the prefix cache holds but for its last token is computed in a step without guesses, as it is
-        with the cache off, so that the steps a sequence guesses at, and seeded tokens that depend on the guesses (a
-        draft chain's rejection sampling), do not depend on the cache."""
+        more than the context has left. A sequence is in decode from its first output token on (a one-token prompt
+        at once), so that the steps it guesses at, and seeded tokens that depend on the guesses, do not depend on the
+        prefix cache."""
         in_decode = seq.num_tokens - seq.num_cached_tokens == 1 and (seq.num_output_tokens > 0 or seq.num_tokens == 1)
         if not (in_decode and self.speculates(seq)):
             return 0
@@ -123,8 +118,8 @@ class Speculator:
 
     # ---------------------------------------------------------------- the step
     def propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        """One proposal per sequence (empty where it does not guess), cut to what pays, what the context holds and what
-        max_tokens can still emit."""
+        """One proposal per sequence (empty where it does not guess), cut to what pays, what the context holds and
+        what max_tokens can still emit."""
         proposals = [Proposal() for _ in seqs]
         guessing = [i for i, s in enumerate(seqs) if self.num_lookahead_slots(s) > 0]
         if not guessing:
@@ -161,8 +156,7 @@ class Speculator:
     def verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor,
                hidden: torch.Tensor | None = None) -> list[Verdict]:
         """Each sequence's verdict, with what the proposer read from the forward (``Verdict.ahead``), from one device
-        read; then the accepted paths' K/V moves next to their roots: node i's K/V sits at root + 1 + i, the accepted
-        path's moves to root + 1 .. root + depth."""
+        read; then the accepted path's K/V moves from root + 1 + node to root + 1 .. root + depth."""
         outcome = verify(seqs, proposals, logits, self.runner.to_device)
         ahead = self.proposer.read_forward(proposals, logits, hidden, outcome) if self.proposer is not None else []
         verdicts = outcome.read(ahead)  # the step's one device read
@@ -177,12 +171,11 @@ class Speculator:
         return verdicts
 
     def read_chunks(self, seqs: list[Sequence], first_row: int) -> None:
-        """After a forward in which ``seqs`` ran a chunk of their prompts, from row ``first_row`` on: tell the
-        proposer."""
+        """After a forward in which ``seqs`` ran a chunk of their prompts, from row ``first_row`` on."""
         if self.proposer is not None:
             self.proposer.read_chunks(seqs, first_row)
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """After ``seq`` grew by ``verdict.emitted`` (and did not finish): tell the proposer."""
+        """After ``seq`` grew by ``verdict.emitted`` (and did not finish)."""
         if self.speculates(seq):
             self.proposer.commit(seq, proposal, verdict)
