@@ -1,9 +1,8 @@
-"""What the speculator asks of a proposer: a ranked token tree per sequence (a chain is a tree). It tells the goodput
-policy each node's chance (:meth:`Proposer.rank`) before ``propose`` is asked for the depths that pay.
-``bind`` hands it the target's runner once; per sequence: ``start``, ``rank`` / ``propose`` each decode step,
-``read_forward`` on the device after verification (its values come back as ``Verdict.ahead``), ``read_chunks`` after a
-step that ran a chunk of its prompt, ``commit`` after the sequence grew, ``preempt`` when its KV is dropped, ``free``
-when it ends.
+"""What the speculator asks of a proposer: a ranked token tree per sequence (a chain is a tree).
+``bind`` hands it the target's runner once; per sequence: ``start``, ``rank`` (each node's chance, for the goodput
+policy) then ``propose`` each decode step, ``read_forward`` on the device after verification (its values come back as
+``Verdict.ahead``), ``read_chunks`` after a step that ran a chunk of its prompt, ``commit`` after the sequence grew,
+``preempt`` when its KV is dropped, ``free`` when it ends.
 """
 
 from __future__ import annotations
@@ -22,10 +21,9 @@ class Proposer(abc.ABC):
     needs_hidden_states = False  # the step's forward returns the target's final hidden states, for read_forward
 
     def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first: by
-        default its proposal's ``chances`` and each node's depth. The depth is what the policy prices as guessing
-        (``depth * D``); a third value, where given, is the tokens the node feeds (lookahead's first node: itself and
-        the window)."""
+        """Per sequence, (chance, depth) of each node it would propose at most ``depths[i]`` deep, best first. The
+        depth is what the policy prices as guessing (``depth * D``); a third value, where given, is the tokens the
+        node feeds (1 otherwise)."""
         return [p.ranking(depth) for p, depth in zip(self.propose(seqs, depths), depths)]
 
     @abc.abstractmethod
@@ -38,8 +36,8 @@ class Proposer(abc.ABC):
         return []
 
     def read_chunks(self, seqs: list[Sequence], first_row: int) -> None:
-        """After the forward: ``seqs`` ran a chunk of their prompts (``num_new_tokens`` rows each, in order from row
-        ``first_row`` of the batch), drawing nothing. For a proposer with K/V of its own over the prompt."""
+        """After a forward in which ``seqs`` ran a chunk of their prompts (``num_new_tokens`` rows each, in order from
+        row ``first_row``), drawing nothing."""
 
     def bind(self, runner) -> None:
         """Before the first step: the target's runner."""

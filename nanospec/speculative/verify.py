@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -79,9 +80,7 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     """Each sequence's outcome, on the device. ``logits``: per sequence its root's row, then one per fed node (the bans
     and penalties are applied in place). ``to_device`` moves host tensors in one copy."""
     device = logits.device
-    first_rows = [0]
-    for p in proposals:
-        first_rows.append(first_rows[-1] + 1 + len(p.fed()[0]))
+    first_rows = list(accumulate((1 + len(p.fed()[0]) for p in proposals), initial=0))
     sizes = [1 + len(p.token_ids) for p in proposals]  # the root and the tree's nodes
     paths = [[[]] + p.paths() for p in proposals]  # the guessed tokens above each row
     depths = [[len(path) for path in seq_paths] for seq_paths in paths]
@@ -89,8 +88,7 @@ def verify(seqs: list[Sequence], proposals: list[Proposal], logits: torch.Tensor
     n_max = max(sizes)
     first = [sum(sizes[:b]) for b in range(len(seqs))]  # where each sequence's rows start in rows_t
 
-    # the step's metadata, built on the host and moved in one copy: the rows of the roots and nodes, and each tree's
-    # nodes (padded to the largest)
+    # built on the host and moved in one copy: the rows of the roots and nodes, and each tree's nodes (padded)
     host = [torch.tensor([r for rows in seq_rows for r in rows], dtype=torch.int64),
             torch.tensor([[f + min(j, n - 1) for j in range(n_max)] for f, n in zip(first, sizes)], dtype=torch.int64),
             torch.tensor([[0] + p.token_ids + [0] * (n_max - n) for p, n in zip(proposals, sizes)], dtype=torch.int64),
