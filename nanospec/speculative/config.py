@@ -6,10 +6,8 @@
     {"method": "draft", "model": PATH, "acceptance": "coupled"}     # outputs equal plain seeded sampling
     {"method": "lookahead", "window_size": 5, "ngram_size": 4, "guess_set_size": 5}
     {"method": "mlp_speculator", "model": PATH, "tree_top_k": 4, "prompt_lookup": True}
-    {"method": "eagle3", "model": PATH, "num_speculative_tokens": 4}   # an EAGLE-3 head (vLLM / SGLang format)
-    {"method": "eagle3"}   # the head shipped for the embedded model
-    {"method": "eagle3", "model": PATH, "tree_top_k": 4, "tree_budget": 24}   # its EAGLE-2 dynamic tree
-    {"method": "eagle3", "prompt_lookup": True}   # the n-gram chain joins the head's guesses
+    {"method": "eagle3", "model": PATH, "tree_top_k": 4, "tree_budget": 24}   # an EAGLE-3 head (vLLM / SGLang format)
+    {"method": "eagle3", "prompt_lookup": True}   # the head shipped for the embedded model, and the n-gram chain
 
 ``"adaptive": True`` (the default) verifies only the guesses that pay (:mod:`nanospec.speculative.policy`). The
 keys of each method and their meaning: ``docs/speculative-decoding.md``.
@@ -224,8 +222,8 @@ def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel
     return size
 
 
-# The embedded model's shape (SmolLM2-135M-Instruct): a target of this shape (the embedded GGUF, an HF or converted
-# copy) gets the speculator shipped for it when speculative_config names no model.
+# A target of the embedded model's shape (SmolLM2-135M-Instruct) gets the speculator shipped for it when
+# speculative_config names no model.
 EMBEDDED_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                   "num_attention_heads": 9, "num_key_value_heads": 3}
 # method -> (the directory shipped for the embedded model, what it holds, its files and width, how to train one)
@@ -259,10 +257,9 @@ def shipped_path(method: str, model: str | None, target_config) -> Path:
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
                   dtype, max_model_len: int | None = None, draft_tp: ParallelGroup | None = None,
                   enable_prefix_caching: bool = True, matmul_dtype: torch.dtype | None = None) -> Proposer:
-    """The proposer the speculator drives, in ``config.dtype`` or the target's ``dtype`` (an MLP speculator over a
-    target whose matmuls read ``matmul_dtype``, on a CPU with native bfloat16: that dtype; an EAGLE-3 head over such a
-    target keeps its matrices in int8); ``draft_tp``: a draft model's group under tensor parallelism (None: whole on
-    this process)."""
+    """The proposer the speculator drives, in ``config.dtype`` or the target's ``dtype`` (over a target whose matmuls
+    read ``matmul_dtype``: an MLP speculator on a CPU with native bfloat16 in that dtype, an EAGLE-3 head in int8);
+    ``draft_tp``: a draft model's group under tensor parallelism (None: whole on this process)."""
     weight_only = matmul_dtype not in (None, dtype)  # the target's matmuls are a CPU's weight-only kernels
     if config.dtype is not None:
         dtype = resolve_dtype(config.dtype, device)

@@ -195,11 +195,10 @@ class LookaheadProposal(Proposal):
             nodes[0] = (*nodes[0], 1 + len(self.window_tokens))
         return nodes
 
-    def truncated(self, max_depth: int, max_nodes: int, room: int | None = None) -> Proposal:
-        """The trie cut as any tree is; the window stays where ``max_nodes`` > 0 and it fits in ``room`` (None:
-        ``max_nodes``) beside the trie."""
+    def truncated(self, max_depth: int, max_nodes: int, room: int) -> Proposal:
+        """The trie cut as any tree is; the window stays where ``max_nodes`` > 0 and it fits in ``room`` beside the
+        trie."""
         tree = Proposal.truncated(self, max_depth, max_nodes, room)
-        room = max_nodes if room is None else room
         if max_nodes == 0 or len(tree.token_ids) + len(self.window_tokens) > room:
             return Proposal(tree.token_ids, tree.parents)
         shift = len(tree.token_ids) - len(self.token_ids)  # window nodes hang under the root or one another
@@ -208,8 +207,6 @@ class LookaheadProposal(Proposal):
 
 
 class LookaheadProposer(Proposer):
-    """Each step's proposal is the trie, ranked as the n-gram proposer's, then the window."""
-
     def __init__(self, window_size: int, ngram_size: int, guess_set_size: int):
         self.decoder = LookaheadDecoder(window_size, ngram_size, guess_set_size)
         self.max_tokens_per_step = self.decoder.max_step_tokens - 1

@@ -5,7 +5,8 @@ of nodes of ``S`` sequences yields ``S + sum c`` tokens in expectation and costs
 target's forward over ``m`` tokens (``M`` fed without guesses, ``n`` nodes), ``D`` one depth of guessing, ``d`` the
 most depths of guessing a node taken costs (its depth, unless its proposer's ranking says otherwise); ``n`` counts
 every token a node brings (lookahead's first node: the window too). :meth:`GoodputPolicy.choose_nodes` takes nodes in
-order of chance and keeps the prefix that maximises the ratio. ``alpha`` per request: ``(S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)`` over decayed counts of accepted and tried
+order of chance and keeps the prefix that maximises the ratio.
+``alpha`` per request: ``(S + PRIOR_WEIGHT * prior) / (N + PRIOR_WEIGHT)`` over decayed counts of accepted and tried
 guesses. Outputs are unaffected: only how many candidates are checked changes.
 """
 

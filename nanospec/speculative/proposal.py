@@ -127,12 +127,11 @@ class Proposal:
         """The paths verified, or when none was, the first guesses checked against the outcome."""
         return [tuple(path) for path in self.paths()] or [(t,) for t in self.unverified_guesses]
 
-    def truncated(self, max_depth: int, max_nodes: int, room: int | None = None) -> Proposal:
+    def truncated(self, max_depth: int, max_nodes: int, room: int) -> Proposal:
         """This proposal with only the nodes at depth <= ``max_depth``, at most ``max_nodes`` of them (the first
-        ones, so still a tree: a parent comes before its children), feeding at most ``room`` tokens (None: any)."""
+        ones, so still a tree: a parent comes before its children), feeding at most ``room`` tokens."""
         depths = self.depths
-        max_nodes = max_nodes if room is None else min(max_nodes, room)
-        keep = [i for i in range(len(self.token_ids)) if depths[i] <= max_depth][:max_nodes]
+        keep = [i for i in range(len(self.token_ids)) if depths[i] <= max_depth][:min(max_nodes, room)]
         if len(keep) == len(self.token_ids):
             return self
         new_index = {old: new for new, old in enumerate(keep)}
