@@ -144,8 +144,7 @@ def parse_speculative_config(config: dict | None) -> SpeculativeConfig | None:
         model = None if model is None else _local(model, "the EAGLE-3 head")
         if model is not None and not Path(model).is_dir():
             raise FileNotFoundError(f"speculative_config['model']: the EAGLE-3 head must be a directory, got {model}")
-        # the head directory's speculative_config.json (if any) gives the tree's shape where none of its keys is set,
-        # and prompt_lookup where it is not set
+        # its directory's speculative_config.json: the tree's shape where no shape key is set, prompt_lookup where unset
         shape = {"num_speculative_tokens", "tree_top_k", "tree_budget"}
         directory = Path(model) if model is not None else SHIPPED_EAGLE3
         served = _served(directory / "speculative_config.json", shape | {"prompt_lookup"})
@@ -222,8 +221,7 @@ def draft_tensor_parallel_size(config: SpeculativeConfig | None, tensor_parallel
     return size
 
 
-# A target of the embedded model's shape (SmolLM2-135M-Instruct) gets the speculator shipped for it when
-# speculative_config names no model.
+# A target of the embedded model's shape (SmolLM2-135M-Instruct) gets its shipped speculator when none is named.
 EMBEDDED_SHAPE = {"vocab_size": 49152, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                   "num_attention_heads": 9, "num_key_value_heads": 3}
 # method -> (the directory shipped for the embedded model, what it holds, its files and width, how to train one)

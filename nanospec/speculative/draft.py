@@ -256,9 +256,5 @@ class DraftProposer(Proposer):
         self.block_manager.free(st.block_table)
         st.num_cached = 0
 
-    def free(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.spec_state.block_table)
-        seq.spec_state = None
-
     def reset_prefix_cache(self) -> bool:
         return self.block_manager.reset_prefix_cache()

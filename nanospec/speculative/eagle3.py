@@ -138,10 +138,6 @@ class Eagle3Proposer(Proposer):
         self.block_manager.free(st.block_table)
         st.base, st.num_cached, st.tree, st.head_paths = None, 0, None, frozenset()
 
-    def free(self, seq: Sequence) -> None:
-        self.block_manager.free(seq.spec_state.block_table)
-        seq.spec_state = None
-
     # ---------------------------------------------------------------- the head's K/V, on the device
     def _hold_rows(self, st: Eagle3State, c: int, size: int) -> None:
         """Room in the head's pool for the ``size`` rows the target ran from position ``c``; its K/V starts again at

@@ -215,7 +215,6 @@ class LookaheadProposer(Proposer):
         seq.spec_state = self.decoder.new_state(seq.token_ids)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        proposals = []
         for seq in seqs:
             st: LookaheadState = seq.spec_state
             if st.proposal is None:
@@ -225,8 +224,7 @@ class LookaheadProposer(Proposer):
                 trie = Proposal(tokens[:n], parents[:n]).ranked_as_trie(st.acceptance.alpha())  # (the window's
                 st.proposal = LookaheadProposal(trie.token_ids, trie.parents, trie.chances,  # parents are the root
                                                 window_tokens=tokens[n:], window_parents=parents[n:])  # or its rows)
-            proposals.append(st.proposal)
-        return proposals
+        return [seq.spec_state.proposal for seq in seqs]
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:

@@ -18,8 +18,7 @@ from nanospec.speculative.policy import AcceptanceEstimate, accepted_depth
 from nanospec.speculative.proposal import Proposal, TokenTrie, Verdict
 from nanospec.speculative.proposer import Proposer
 
-# Earlier occurrences the tree looks at per wanted candidate: a long run of one token costs O(max_candidates), not
-# O(sequence length).
+# Earlier occurrences scanned per wanted candidate: a run of one token costs O(max_candidates), not O(length).
 OCCURRENCES_SCANNED_PER_CANDIDATE = 8
 
 
@@ -144,15 +143,13 @@ class NgramProposer(Proposer):
         seq.spec_state = NgramState(self.new_index(seq.token_ids))
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        proposals = []
         for seq in seqs:
             st: NgramState = seq.spec_state
             if st.proposal is None:
                 tree = (Proposal.chain(self.chain(st.index)) if self.max_candidates == 1
                         else Proposal(*self.tree(st.index, self.tree_budget)))
                 st.proposal = tree.ranked_as_trie(st.acceptance.alpha())
-            proposals.append(st.proposal)
-        return proposals
+        return [seq.spec_state.proposal for seq in seqs]
 
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
         st: NgramState = seq.spec_state

@@ -56,6 +56,7 @@ class Proposer(abc.ABC):
         pass
 
     def free(self, seq: Sequence) -> None:
+        self.preempt(seq)
         seq.spec_state = None
 
     def reset_prefix_cache(self) -> bool:
