@@ -109,10 +109,8 @@ class DraftProposer(Proposer):
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Proposal]:
         active = [i for i, k in enumerate(ks) if k > 0]
         if self.tree_top_k > 1:
-            proposals = [Proposal() for _ in seqs]
-            for i, proposal in zip(active, self._propose_trees([seqs[i] for i in active], [ks[i] for i in active])):
-                proposals[i] = proposal
-            return proposals
+            trees = iter(self._propose_trees([seqs[i] for i in active], [ks[i] for i in active]))
+            return [next(trees) if k > 0 else Proposal() for k in ks]
         states: dict[int, DraftState] = {i: seqs[i].spec_state for i in active}
         for i in active:
             self._reserve(seqs[i], seqs[i].num_tokens + ks[i])
@@ -172,9 +170,7 @@ class DraftProposer(Proposer):
         frontier = [[(-1, 0.0, logprobs[i])] for i in range(len(seqs))]
         for depth in range(1, self.k + 1):
             grown = []
-            for i in range(len(seqs)):
-                if depth > max_depths[i]:
-                    frontier[i] = []
+            frontier = [nodes if depth <= max_depths[i] else [] for i, nodes in enumerate(frontier)]
             # the top tokens after every frontier node of every tree: one topk, one read for the level
             entries = [(i, node, score) for i in range(len(seqs)) for node, score, _ in frontier[i]]
             top = torch.topk(torch.stack([row for i in range(len(seqs)) for _, _, row in frontier[i]]), self.tree_top_k)
@@ -186,8 +182,7 @@ class DraftProposer(Proposer):
             for i in range(len(seqs)):
                 if not frontier[i]:
                     continue
-                children = children_of[i]
-                children.sort(key=lambda c: -c[0])
+                children = sorted(children_of[i], key=lambda c: -c[0])
                 frontier[i] = []
                 for score, node, token in children[: budgets[i] - len(tokens[i])]:
                     tokens[i].append(token)
