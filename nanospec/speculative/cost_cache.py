@@ -1,6 +1,5 @@
 """The target's measured forward costs, kept between runs in ``$NANOSPEC_CACHE_DIR/forward_costs.json`` (default
-``~/.cache/nanospec``; empty: off). An entry's key is everything a forward's time depends on (:func:`cost_key`):
-config, weight storage, device, threads, torch version, runner, block size and the context the forwards follow. It
+``~/.cache/nanospec``; empty: off). An entry's key is everything a forward's time depends on (:func:`cost_key`); it
 holds one time per forward shape (sequences x new tokens each), so engines of one target share the shapes they have
 in common. JSON, written atomically; a file that cannot be read is ignored and rewritten.
 """
@@ -106,9 +105,8 @@ def load_costs(key: dict | None) -> dict[str, float]:
 
 
 def store_costs(key: dict | None, costs: dict[str, float]) -> Path | None:
-    """Keep ``costs`` (shape name -> seconds, every shape known for ``key``) as ``key``'s entry (the oldest entries go
-    beyond ``MAX_ENTRIES``); the file's path, or None if there is no key, no cache, or it cannot be written (a
-    warning says why)."""
+    """Keep ``costs`` (shape name -> seconds) as ``key``'s entry, the newest ``MAX_ENTRIES`` in all; the file's path,
+    or None if there is no key, no cache, or it cannot be written (a warning says why)."""
     path = cache_path()
     if path is None or key is None:
         return None

@@ -44,8 +44,7 @@ Feed = Callable[[torch.Tensor, torch.Tensor, list[int], torch.Tensor], torch.Ten
 def grow_tree(head, root_state: torch.Tensor, shape: TreeShape, feed: Feed
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The ranked tree of each of ``A`` sequences from the head's prenorm output at its last accepted row
-    (``root_state [A, H]``). Returns ``(token_ids, parents, scores)``, each ``[A, num_nodes]``, best first: target
-    token ids, each node's parent's index in the list (-1: the root), scores (float32)."""
+    (``root_state [A, H]``): ``(target token ids, parents (-1: the root), float32 scores)``, ``[A, num_nodes]`` each."""
     w, A, H = shape.width, root_state.shape[0], root_state.shape[-1]
     device = root_state.device
     scores, ids = head.logits(root_state).log_softmax(-1).topk(w, dim=-1)  # [A, w]

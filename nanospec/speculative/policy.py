@@ -40,8 +40,7 @@ class AcceptanceEstimate:
 
     def observe_trie(self, proposal, verdict) -> None:
         """After a step of a chain or a trie ranked by :func:`trie_chances`: each sibling tried in rank order on the
-        way down the accepted path is a trial, each depth accepted a success (a chain: the depths tried). A proposal
-        left out of verification is its first guesses, checked against the outcome."""
+        way down the accepted path is a trial, each depth accepted a success; unverified, its first guesses."""
         if proposal.token_ids:
             self.observe_expected(sibling_trials(proposal.parents, verdict.path), verdict.num_accepted)
         elif proposal.unverified_guesses:
