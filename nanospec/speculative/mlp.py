@@ -5,7 +5,8 @@ run from ``(h, t_0)``: ``t_0`` the sequence's last emitted token, ``h`` the targ
 whose logits drew it. The guesses come back in ``Verdict.ahead`` and are one-hot, so verification is the matched rule.
 With ``tree_top_k`` w > 1 a beam keeps the w most probable paths per depth; with ``prompt_lookup`` the n-gram chain
 joins the tree. A beam node's chance is its :class:`~nanospec.speculative.policy.TreeCalibration`'s, the chain's depth
-``d`` token's ``a^d`` (``a`` its acceptance), a node on both the larger.
+``d`` token's ``a^d`` (``a`` its acceptance), a node on both the larger. A child is never more likely than its parent,
+so sorting by chance (shorter paths first on ties) keeps every prefix a tree.
 """
 
 from __future__ import annotations
