@@ -961,6 +961,14 @@ def test_a_head_that_does_not_fit_is_refused_naming_the_field(target, device, tm
         eagle_llm(target, directory, device)
 
 
+def test_a_truncated_head_file_is_refused_naming_it(target, device, tmp_path):
+    head = write_head(tmp_path / "head", random_tensors(head_config(), seed=0, embedding=False), head_config())
+    file = next(head.glob("*.safetensors"))
+    file.write_bytes(file.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"not a valid safetensors file: .*\.safetensors \(tensor .* is cut short"):
+        eagle_llm(target, head, device)
+
+
 def test_default_aux_layers_out_of_range_name_the_field(tmp_path, device):
     path = tmp_path / "two_layers"
     make_tiny_llama(path, seed=1, layers=2, hidden=HIDDEN, vocab=VOCAB)

@@ -25,12 +25,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
 from torch import nn
 
 from nanospec.model.config import LLAMA_ARCHITECTURE, REQUIRED_HF_FIELDS, LlamaConfig
 from nanospec.model.linear import pack_linears
-from nanospec.model.loader import read_json
+from nanospec.model.loader import open_safetensors, read_json
 
 ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 LAYER_NAMES = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
@@ -192,7 +191,7 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
                                 f"never loaded)")
     handles = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             for name in f.keys():
                 handles[canonical_name(name)] = (file, name, tuple(f.get_slice(name).get_shape()))
     has_embedding = "embed_tokens.weight" in handles
@@ -213,7 +212,7 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
     tensors = {}
     for name in expected:
         file, stored, _ = handles[name]
-        with safe_open(str(file), framework="pt") as f:
+        with open_safetensors(file) as f:
             tensors[name] = f.get_tensor(stored)
     if "d2t" in tensors:
         ids = torch.arange(config.draft_vocab_size) + tensors["d2t"].long()
