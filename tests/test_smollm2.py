@@ -89,12 +89,18 @@ def test_logits_match_transformers(llm, transformers_smollm2, prompts):
 
 
 def test_greedy_chat_matches_transformers(llm, transformers_smollm2, prompts, plain_outputs):
+    """transformers' greedy decoding of each prompt gives our tokens: its argmax after the prompt and each prefix of
+    our answer is our next token (so, by induction, its greedy path is our answer), and it stops where we do: at an
+    eos, or after NEW_TOKENS. One transformers forward over prompt + answer per prompt."""
     assert len(prompts) >= 10
+    eos = llm.tokenizer.eos_token_ids
     for ids, out in zip(prompts, plain_outputs):
+        tokens = out.outputs[0].token_ids
+        assert tokens and not any(t in eos for t in tokens[:-1])
+        assert len(tokens) == NEW_TOKENS or tokens[-1] in eos
         with torch.no_grad():
-            ref = transformers_smollm2.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              eos_token_id=llm.tokenizer.eos_token_ids, pad_token_id=2)[0, len(ids):].tolist()
-        assert out.outputs[0].token_ids == ref, f"prompt {llm.tokenizer.decode(ids)!r}"
+            logits = transformers_smollm2(torch.tensor([ids + tokens[:-1]])).logits[0, len(ids) - 1:]
+        assert logits.argmax(-1).tolist() == tokens, f"prompt {llm.tokenizer.decode(ids)!r}"
     assert "Paris" in plain_outputs[0].outputs[0].text
 
 
