@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -452,11 +453,12 @@ def test_tensor_parallel_answers_as_one_process(tiny_path):
     """``-tp 2``: the model split over this process and a spawned worker answers what one process answers
     (greedy); a size the model's heads do not split into is one error line."""
     args = ["--model", str(tiny_path), "--device", "cpu", "--greedy", "--max-tokens", "6"]  # one GPU is not two
-    one = run_chat(args, stdin=b"hello there\n")
-    two = run_chat([*args, "--tensor-parallel-size", "2"], stdin=b"hello there\n")
+    runs = [(args, b"hello there\n"), ([*args, "--tensor-parallel-size", "2"], b"hello there\n"),
+            ([*args, "-tp", "3"], b"")]
+    with ThreadPoolExecutor(len(runs)) as pool:  # greedy, no speculation: nothing is timed, side by side is fine
+        one, two, bad = pool.map(lambda run: run_chat(*run), runs)
     assert one.returncode == two.returncode == 0, (one.stderr, two.stderr)
     assert one.stdout.strip() and two.stdout == one.stdout
-    bad = run_chat([*args, "-tp", "3"], stdin=b"")
     assert bad.returncode == 2 and "tensor_parallel_size=3" in bad.stderr.strip().splitlines()[-1]
 
 
