@@ -938,16 +938,17 @@ BAD_HEADS = {
     "target_hidden_size": (_bad({"target_hidden_size": 48}), r"target_hidden_size = 48 but the target's hidden_size"),
     "vocab_size": (_bad({"vocab_size": 400}), r"vocab_size = 400 but the target's vocab_size is 320"),
     "d2t_length": (_bad(tensor_changes={"d2t": torch.zeros(90, dtype=torch.int64)}),
-                   r"'d2t' has shape \[90\], expected \[100\] \(d2t length vs draft_vocab_size"),
-    "d2t_missing": (_bad({"draft_vocab_size": 100}, {"d2t": None}), r"missing tensor 'd2t'"),
+                   r"tensor d2t has shape \(90,\), but config.json \(.*draft_vocab_size 100.*\) implies \(100,\)"),
+    "d2t_missing": (_bad({"draft_vocab_size": 100}, {"d2t": None}),
+                    r"missing tensors that config.json \(.*draft_vocab_size 100, vocab_size 320\) implies: d2t"),
     "d2t_range": (_bad(tensor_changes={"d2t": torch.full((100,), 300, dtype=torch.int64)}),
                   r"d2t maps a draft id outside the target's vocabulary \[0, 320\)"),
     "aux_ids": (_bad({"eagle_aux_hidden_state_layer_ids": [0, 1, 3]}),
                 r"eagle_aux_hidden_state_layer_ids = \[0, 1, 3\]: each must be a distinct layer id in \[0, 3\)"),
     "aux_ids_in_eagle_config": (_bad({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 5, 1]}}),
                                 r"eagle_aux_hidden_state_layer_ids = \[0, 5, 1\]"),
-    "head_dim": (_bad({"head_dim": 32}), r"'midlayer.self_attn.q_proj.weight' has shape \[64, 128\], expected "
-                                         r"\[128, 128\].*head_dim 32"),
+    "head_dim": (_bad({"head_dim": 32}), r"tensor midlayer.self_attn.q_proj.weight has shape \(64, 128\), but "
+                                         r"config.json \(.*head_dim 32.*\) implies \(128, 128\)"),
     "layers": (_bad({"num_hidden_layers": 2}), r"num_hidden_layers must be 1"),
     "architectures": (_bad({"architectures": ["LlamaForCausalLM"]}), r"architectures must be one of"),
 }

@@ -1,4 +1,5 @@
-"""The hyper-parameters of a Llama model, from and to Hugging Face's config.json, checked when made (see LIMITS)."""
+"""The hyper-parameters of a Llama model, from and to Hugging Face's config.json, checked when made (see LIMITS); and
+the check of a checkpoint's tensor names and shapes against those its config implies (:func:`check_tensors`)."""
 
 from __future__ import annotations
 
@@ -165,6 +166,28 @@ def token_ids(name: str, value, vocab_size: int) -> list[int]:
     """`value` (an id, a list, or None) as a list, each id inside the vocabulary (ConfigError naming `name`)."""
     ids = [] if value is None else value if isinstance(value, (list, tuple)) else [value]
     return [_checked_id(name, i, vocab_size) for i in ids]
+
+
+def check_tensors(where, expected: dict[str, tuple[int, ...]], found: dict[str, tuple[int, ...]], source: str,
+                  strict: bool = True) -> None:
+    """Check a checkpoint's tensors from its header alone: `found` (name -> stored shape) must hold every tensor of
+    `expected` (name -> the shape `source`, e.g. "config.json", implies) with that shape and, when `strict`, no other.
+    ValueError naming `where` (the file or directory), the tensors and, for a shape, both shapes."""
+    missing = [name for name in expected if name not in found]
+    if missing:
+        raise ValueError(f"{where}: missing tensors that {source} implies: {short_list(missing)}")
+    unexpected = [name for name in found if name not in expected] if strict else []
+    if unexpected:  # a bias, a layer beyond the config's, ...: running without it would run another model
+        raise ValueError(f"{where}: unexpected tensors, which {source} has no place for: {short_list(unexpected)}")
+    for name, shape in expected.items():
+        if tuple(found[name]) != tuple(shape):
+            raise ValueError(f"{where}: tensor {name} has shape {tuple(found[name])}, but {source} implies "
+                             f"{tuple(shape)}")
+
+
+def short_list(items: list[str], limit: int = 8) -> str:
+    """The first `limit` items, comma-separated, and how many there are in all when there are more."""
+    return ", ".join(items[:limit]) + (f", ... ({len(items)} in all)" if len(items) > limit else "")
 
 
 def short_repr(value, limit: int = 60) -> str:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanospec.model.config import LLAMA_ARCHITECTURE, REQUIRED_HF_FIELDS, LlamaConfig
+from nanospec.model.config import LLAMA_ARCHITECTURE, REQUIRED_HF_FIELDS, LlamaConfig, check_tensors
 from nanospec.model.linear import pack_linears
 from nanospec.model.loader import open_safetensors, read_json
 
@@ -199,16 +199,9 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
         raise ValueError(f"{path}: hidden_size = {config.layer.hidden_size} differs from the target's "
                          f"({target.hidden_size}) and the head has no embed_tokens.weight of its own")
     expected = config.shapes(has_embedding)
-    missing = [name for name in expected if name not in handles]
-    if missing:
-        raise ValueError(f"{path}: missing tensor {missing[0]!r} (draft_vocab_size {config.draft_vocab_size}, "
-                         f"vocab_size {config.layer.vocab_size})")
-    for name, shape in expected.items():
-        if handles[name][2] != shape:
-            field = "d2t length vs draft_vocab_size" if name == "d2t" else "shape"
-            raise ValueError(f"{path}: tensor {name!r} has shape {list(handles[name][2])}, expected {list(shape)} "
-                             f"({field}; hidden_size {config.layer.hidden_size}, head_dim {config.layer.head_dim}, "
-                             f"draft_vocab_size {config.draft_vocab_size})")
+    check_tensors(path, expected, {name: shape for name, (_, _, shape) in handles.items()},
+                  f"config.json (hidden_size {config.layer.hidden_size}, head_dim {config.layer.head_dim}, "
+                  f"draft_vocab_size {config.draft_vocab_size}, vocab_size {config.layer.vocab_size})", strict=False)
     tensors = {}
     for name in expected:
         file, stored, _ = handles[name]

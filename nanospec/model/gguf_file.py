@@ -22,7 +22,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 from tqdm import tqdm
 
-from nanospec.model.config import ConfigError, LlamaConfig, short_repr
+from nanospec.model.config import ConfigError, LlamaConfig, check_tensors, short_repr
 from nanospec.model.gguf_quant import dequantize_blocks, gguf_weight
 from nanospec.model.gguf_tokenizer import STRINGS, tokenizer_from_metadata
 from nanospec.model.quantization import Weight, check_int4_shape, select_rows
@@ -328,35 +328,19 @@ def _rope_scaling_from_metadata(metadata: _Metadata) -> dict | None:
 def _check_tensors(tensors: list[_Tensor], config: LlamaConfig, path: Path) -> dict[str, str]:
     """Check, from the header alone, that the file holds every tensor the config needs and no other, each with the
     shape the config implies and a type we can dequantize. Returns the HF name of each GGUF tensor."""
-    hf_names = {tensor.name: _hf_name(tensor.name, path) for tensor in tensors}
-    expected_shapes = config.weight_shapes()
-    missing = sorted(set(expected_shapes) - set(hf_names.values()))
-    if missing:
-        raise ValueError(f"GGUF file {path} lacks tensors for {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    if any(tensor.name == "rope_freqs.weight" for tensor in tensors):
+        raise ValueError(f"GGUF file {path} uses Llama 3.1-style RoPE frequency factors (rope_freqs), which nanospec "
+                         "cannot read from GGUF: load the model's Hugging Face directory instead")
+    gguf_names = {hf: gguf for gguf, hf in _GLOBAL_NAMES.items()}
+    for i in range(config.num_hidden_layers):
+        gguf_names |= {f"model.layers.{i}.{hf}.weight": f"blk.{i}.{gguf}.weight" for gguf, hf in _LAYER_NAMES.items()}
+    check_tensors(path, {gguf_names[name]: shape for name, shape in config.weight_shapes().items()},
+                  {tensor.name: tensor.shape for tensor in tensors}, "the metadata")
     for tensor in tensors:
-        expected = expected_shapes.get(hf_names[tensor.name])
-        if expected is None:
-            raise ValueError(f"unexpected tensor {tensor.name!r} in GGUF file {path} (the config has "
-                             f"{config.num_hidden_layers} layers)")
-        if tensor.shape != expected:
-            raise ValueError(f"tensor {tensor.name} in {path} has shape {tensor.shape}, but its metadata implies "
-                             f"{expected}")
         if not _can_dequantize(tensor.type):
             raise ValueError(f"tensor {tensor.name} in {path} has type {tensor.type.name}, which nanospec cannot "
                              "dequantize")
-    return hf_names
-
-
-def _hf_name(gguf_name: str, path: Path) -> str:
-    if gguf_name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[gguf_name]
-    parts = gguf_name.split(".")  # blk.<i>.<name>.weight
-    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] == "weight":
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
-    if gguf_name == "rope_freqs.weight":
-        raise ValueError(f"GGUF file {path} uses Llama 3.1-style RoPE frequency factors (rope_freqs), which nanospec "
-                         "cannot read from GGUF: load the model's Hugging Face directory instead")
-    raise ValueError(f"unexpected tensor {gguf_name!r} in GGUF file {path}")
+    return {gguf: hf for hf, gguf in gguf_names.items()}
 
 
 @functools.cache

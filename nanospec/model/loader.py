@@ -17,7 +17,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from nanospec.model.config import REQUIRED_HF_FIELDS, LlamaConfig, short_repr, token_ids
+from nanospec.model.config import REQUIRED_HF_FIELDS, LlamaConfig, check_tensors, short_list, short_repr, token_ids
 from nanospec.model.embedded import embedded_model_path
 from nanospec.model.gguf_file import all_finite, read_gguf, read_gguf_config
 from nanospec.model.quantization import Weight, check_int4_shape, parse_quantization, quantize
@@ -117,21 +117,13 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str |
     with ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in weight_files}
         file_of = {name: file for file, handle in handles.items() for name in handle.keys()}
+        stored = {name: handles[file].get_slice(name) for name, file in file_of.items() if not _ignored(name, config)}
         expected = config.weight_shapes()
-        missing = [name for name in expected if name not in file_of]
-        if missing:
-            raise ValueError(f"checkpoint {directory} lacks tensors: {_short_list(missing)}")
-        unused = [name for name in file_of if name not in expected and not _ignored(name, config)]
-        if unused:  # a bias, a layer beyond num_hidden_layers, ...: running without it would run another model
-            raise ValueError(f"checkpoint {directory} holds tensors its config.json has no place for: "
-                             f"{_short_list(unused)}")
+        check_tensors(weight_files[0] if len(weight_files) == 1 else directory, expected,
+                      {name: tuple(stored[name].get_shape()) for name in stored}, "config.json")
         for name, shape in expected.items():
-            stored = handles[file_of[name]].get_slice(name)
-            if tuple(stored.get_shape()) != shape:
-                raise ValueError(f"tensor {name} in {file_of[name]} has shape {tuple(stored.get_shape())}, "
-                                 f"but config.json implies {shape}")
-            if stored.get_dtype() not in FLOAT_DTYPES:
-                raise ValueError(f"tensor {name} in {file_of[name]} has dtype {stored.get_dtype()}, but weights "
+            if stored[name].get_dtype() not in FLOAT_DTYPES:
+                raise ValueError(f"tensor {name} in {file_of[name]} has dtype {stored[name].get_dtype()}, but weights "
                                  f"must be floating point ({', '.join(FLOAT_DTYPES)})")
             if scheme == "int4" and len(shape) == 2:
                 check_int4_shape(shape[1], group_size)
@@ -166,7 +158,7 @@ def _weight_files(directory: Path) -> list[Path]:
             raise ValueError(f"shard index {index} has an empty weight_map")
         missing = [shard for shard in shards if not (directory / shard).is_file()]
         if missing:
-            raise ValueError(f"shard index {index} names files that are missing: {_short_list(missing)}")
+            raise ValueError(f"shard index {index} names files that are missing: {short_list(missing)}")
         return [directory / shard for shard in shards]
     single = directory / "model.safetensors"
     if single.is_file():
@@ -247,6 +239,3 @@ def _starts_with_gguf(path: Path) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == b"GGUF"
 
-
-def _short_list(items: list[str], limit: int = 8) -> str:
-    return ", ".join(items[:limit]) + (f", ... ({len(items)} in all)" if len(items) > limit else "")

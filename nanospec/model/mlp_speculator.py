@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
+from nanospec.model.config import check_tensors
 from nanospec.model.linear import pack_linears
 from nanospec.model.loader import open_safetensors, read_json
 
@@ -245,18 +246,14 @@ def load_mlp_speculator(path: str | os.PathLike, emb_dim: int | None = None, voc
     expected = {name: tuple(t.shape) for name, t in model.stored_tensors().items()}
     handle = open_safetensors(weights)
     stored = {name.removeprefix("speculator."): name for name in handle.keys()}
-    missing = [name for name in expected if name not in stored]
-    if missing:
-        raise ValueError(f"{weights} lacks tensors: {', '.join(missing[:8])}")
+    check_tensors(weights, expected, {name: handle.get_slice(stored[name]).get_shape() for name in stored},
+                  "config.json", strict=False)
     tensors = {}
-    for name, shape in expected.items():
+    for name in expected:
         try:
             tensor = handle.get_tensor(stored[name])
         except Exception as error:
             raise ValueError(f"cannot read tensor {stored[name]} of {weights} ({error})") from None
-        if tuple(tensor.shape) != shape:
-            raise ValueError(f"tensor {stored[name]} in {weights} has shape {tuple(tensor.shape)}, but config.json "
-                             f"implies {shape}")
         if tensor.is_floating_point() and not torch.isfinite(tensor).all():
             raise ValueError(f"tensor {stored[name]} in {weights} holds NaN or infinite values")
         tensors[name] = tensor
