@@ -185,6 +185,15 @@ def check_tensors(where, expected: dict[str, tuple[int, ...]], found: dict[str, 
                              f"{tuple(shape)}")
 
 
+def checked_field(where: str, name: str, value, minimum: int | None = None):
+    """`value`, that of the field `name` of a config: an integer >= `minimum`, or true or false when `minimum` is None.
+    ValueError naming `where`, the field and the value otherwise."""
+    if not (isinstance(value, bool) if minimum is None else _is_int(value) and value >= minimum):
+        kind = "true or false" if minimum is None else f"an integer >= {minimum}"
+        raise ValueError(f"{where}: {name} must be {kind}, got {short_repr(value)}")
+    return value
+
+
 def short_list(items: list[str], limit: int = 8) -> str:
     """The first `limit` items, comma-separated, and how many there are in all when there are more."""
     return ", ".join(items[:limit]) + (f", ... ({len(items)} in all)" if len(items) > limit else "")

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanospec.model.config import LLAMA_ARCHITECTURE, REQUIRED_HF_FIELDS, LlamaConfig, check_tensors
+from nanospec.model.config import LLAMA_ARCHITECTURE, REQUIRED_HF_FIELDS, LlamaConfig, check_tensors, checked_field
 from nanospec.model.linear import pack_linears
 from nanospec.model.loader import open_safetensors, read_json
 
@@ -73,17 +73,13 @@ class Eagle3Config:
         if ids is not None and (not isinstance(ids, list) or len(ids) != 3
                                 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
             raise ValueError(f"{where}: eagle_aux_hidden_state_layer_ids must be a list of 3 layer ids, got {ids!r}")
-        values = {}
-        for name, default in (("draft_vocab_size", layer.vocab_size), ("target_hidden_size", layer.hidden_size)):
-            values[name] = value = default if d.get(name) is None else d[name]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{where}: {name} must be a positive integer, got {value!r}")
+        defaults = {"draft_vocab_size": layer.vocab_size, "target_hidden_size": layer.hidden_size}
+        values = {name: checked_field(where, name, default if d.get(name) is None else d[name], minimum=1)
+                  for name, default in defaults.items()}
         if values["draft_vocab_size"] > layer.vocab_size:
             raise ValueError(f"{where}: draft_vocab_size ({values['draft_vocab_size']}) exceeds vocab_size "
                              f"({layer.vocab_size})")
-        norm_before_residual = d.get("norm_before_residual", False)
-        if not isinstance(norm_before_residual, bool):
-            raise ValueError(f"{where}: norm_before_residual must be true or false, got {norm_before_residual!r}")
+        norm_before_residual = checked_field(where, "norm_before_residual", d.get("norm_before_residual", False))
         return cls(layer, values["draft_vocab_size"], values["target_hidden_size"],
                    tuple(ids) if ids is not None else None, norm_before_residual)
 

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from nanospec.model.config import check_tensors
+from nanospec.model.config import check_tensors, checked_field
 from nanospec.model.linear import pack_linears
 from nanospec.model.loader import open_safetensors, read_json
 
@@ -49,19 +49,11 @@ class MLPSpeculatorConfig:
         archs = config.get("architectures")
         if archs != [ARCHITECTURE]:
             raise ValueError(f"{where}: architectures must be [{ARCHITECTURE!r}] for an MLP speculator, got {archs!r}")
-        values = {}
-        for name in ("emb_dim", "inner_dim", "n_predict", "vocab_size", "hot_vocab_size"):
-            optional = name in ("inner_dim", "hot_vocab_size")
-            value = config.get(name, 0 if optional else None)
-            if not isinstance(value, int) or isinstance(value, bool) or value < (0 if optional else 1):
-                kind = "an integer >= 0 (0: the default)" if optional else "a positive integer"
-                raise ValueError(f"{where}: {name} must be {kind}, got {value!r}")
-            values[name] = value
-        for name in ("tie_weights", "scale_input"):
-            value = config.get(name, False)
-            if not isinstance(value, bool):
-                raise ValueError(f"{where}: {name} must be true or false, got {value!r}")
-            values[name] = value
+        # name: (default when absent, minimum; None: true or false)
+        fields = {"emb_dim": (None, 1), "inner_dim": (0, 0), "n_predict": (None, 1), "vocab_size": (None, 1),
+                  "hot_vocab_size": (0, 0), "tie_weights": (False, None), "scale_input": (False, None)}
+        values = {name: checked_field(where, name, config.get(name, default), minimum)
+                  for name, (default, minimum) in fields.items()}
         values["inner_dim"] = values["inner_dim"] or values["emb_dim"]
         if values["tie_weights"] and values["n_predict"] < 2:
             raise ValueError(f"{where}: tie_weights needs n_predict >= 2, got {values['n_predict']}")
