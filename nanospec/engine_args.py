@@ -7,7 +7,6 @@ decode and verify from static buffers (CUDA graphs on CUDA). The rest: ``docs/``
 
 from __future__ import annotations
 
-import functools
 import os
 import time
 from dataclasses import dataclass, replace
@@ -22,12 +21,13 @@ from nanospec.model.commands import DRAFT, TARGET
 from nanospec.model.config import LlamaConfig
 from nanospec.model.embedded import EMBEDDED_MODEL_FILE
 from nanospec.model.hub import resolve_model_path
-from nanospec.model.loader import Checkpoint, load_checkpoint, read_config, round_checkpoint
+from nanospec.model.loader import Checkpoint, OpenCheckpoint, load_checkpoint, open_checkpoint, round_checkpoint
 from nanospec.model.parallel import check_shardable, kv_heads_per_rank
 from nanospec.model.quantization import int4_group_size, parse_quantization
 from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_parallel_size, make_proposer,
                                          parse_speculative_config)
-from nanospec.speculative.draft import check_draft_config, check_draft_shardable
+from nanospec.speculative.draft import check_draft_config, check_draft_shardable, check_draft_tokenizer
+from nanospec.tokenizer import Tokenizer
 from nanospec.worker import ModelSpec, TensorParallel, build_model, build_runner, serve_as_worker
 from nanospec.worker import start as start_tensor_parallel
 
@@ -96,13 +96,15 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
     """The engine over the model (this rank's shard) and the tensor-parallel group (None at T = 1), which the caller
     shuts down. Under torchrun a rank > 0 serves as a worker, then exits."""
     start = time.perf_counter()
+    fits = _Fits(args)
     if isinstance(args.model, Checkpoint):
-        _check_fits(args, args.model.config)
+        fits.config(args.model.config)
+        fits.tokenizer(args.model.tokenizer)
         checkpoint = round_checkpoint(args.model, args.quantization)
     else:
         logger.info("loading %s ...", args.model if args.model is not None else f"{EMBEDDED_MODEL_FILE} (embedded)")
-        checkpoint = load_checkpoint(args.model, args.dtype, args.quantization,
-                                     check_config=functools.partial(_check_fits, args))
+        checkpoint = load_checkpoint(args.model, args.dtype, args.quantization, check_config=fits.config,
+                                     check_tokenizer=fits.tokenizer)
     parallel = None
     if args.tensor_parallel_size > 1:  # again, with the int4 groups the weights came in
         check_shardable(checkpoint.config, args.tensor_parallel_size, group_size=int4_group_size(checkpoint.tensors))
@@ -111,7 +113,8 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
             del checkpoint
             serve_as_worker(parallel)  # exits the process
     try:
-        engine = _build(args, checkpoint, parallel, parallel.device if parallel is not None else args.device)
+        engine = _build(args, checkpoint, parallel, parallel.device if parallel is not None else args.device,
+                        fits.draft)
     except BaseException:
         if parallel is not None:
             parallel.shutdown()
@@ -120,26 +123,39 @@ def build_engine(args: EngineArgs) -> tuple[Engine, TensorParallel | None]:
     return engine, parallel
 
 
-def _check_fits(args: EngineArgs, config: LlamaConfig) -> None:
-    """ValueError for an engine argument the model's config rules out, before its weights are read: ``max_model_len``
-    beyond its context, a ``tensor_parallel_size`` that does not split its heads, a ``kv_cache_memory`` that holds no
-    block of its K/V; and a draft model that cannot draft for it (its config alone read)."""
-    context = config.max_position_embeddings
-    if args.max_model_len is not None and not 1 < args.max_model_len <= context:
-        raise ValueError(f"max_model_len must be in (1, {context}], got {args.max_model_len}")
-    check_shardable(config, args.tensor_parallel_size)
-    if args.speculative is not None and args.speculative.method == "draft":
-        draft = read_config(args.speculative.model)
-        check_draft_config(draft, config, args.speculative.model, args.max_model_len)
-        check_draft_shardable(draft, args.speculative.model, args.draft_tensor_parallel_size)
-    if args.num_blocks is None and args.kv_cache_memory is not None:
-        kv_heads = kv_heads_per_rank(config.num_key_value_heads, args.tensor_parallel_size)
-        check_holds_a_block(args.kv_cache_memory, kv_bytes_per_block(config.num_hidden_layers, args.block_size,
-                                                                      kv_heads, config.head_dim, args.dtype))
+class _Fits:
+    """What the target's config and tokenizer must fit, each checked as soon as it is read, before any weight (the
+    target's or the draft's): ValueError for ``max_model_len`` beyond its context, a ``tensor_parallel_size`` that
+    does not split its heads, a ``kv_cache_memory`` that holds no block of its K/V, and a draft model that cannot
+    draft for it (its config and tokenizer alone read). ``draft``: that draft model, opened (None: no draft model)."""
+
+    def __init__(self, args: EngineArgs):
+        self.args = args
+        self.draft: OpenCheckpoint | None = None
+
+    def config(self, config: LlamaConfig) -> None:
+        args = self.args
+        context = config.max_position_embeddings
+        if args.max_model_len is not None and not 1 < args.max_model_len <= context:
+            raise ValueError(f"max_model_len must be in (1, {context}], got {args.max_model_len}")
+        check_shardable(config, args.tensor_parallel_size)
+        if args.speculative is not None and args.speculative.method == "draft":
+            path = args.speculative.model
+            self.draft = draft = open_checkpoint(path)  # a GGUF's header: parsed here, once
+            check_draft_config(draft.config, config, path, args.max_model_len)
+            check_draft_shardable(draft.config, path, args.draft_tensor_parallel_size)
+        if args.num_blocks is None and args.kv_cache_memory is not None:
+            kv_heads = kv_heads_per_rank(config.num_key_value_heads, args.tensor_parallel_size)
+            check_holds_a_block(args.kv_cache_memory, kv_bytes_per_block(config.num_hidden_layers, args.block_size,
+                                                                          kv_heads, config.head_dim, args.dtype))
+
+    def tokenizer(self, tokenizer: Tokenizer) -> None:
+        if self.draft is not None:
+            check_draft_tokenizer(self.draft.tokenizer(), tokenizer, self.args.speculative.model)
 
 
-def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | None, device: torch.device
-           ) -> Engine:
+def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | None, device: torch.device,
+           draft: OpenCheckpoint | None) -> Engine:
     config, tokenizer = checkpoint.config, checkpoint.tokenizer
     max_model_len = target_max_len = args.max_model_len or config.max_position_embeddings
     source = args.model if not isinstance(args.model, Checkpoint) else checkpoint
@@ -160,9 +176,9 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
                     f" with {args.speculative.model}" if args.speculative.model is not None else "")
         proposer = make_proposer(args.speculative, config, tokenizer, num_blocks, args.block_size, device,
                                  args.dtype, max_model_len, parallel.draft if parallel is not None else None,
-                                 args.enable_prefix_caching, model.matmul_dtype)
+                                 args.enable_prefix_caching, model.matmul_dtype, draft)
         if proposer.max_model_len is not None and proposer.max_model_len < max_model_len:
-            max_model_len = proposer.max_model_len  # the draft guesses only within its own context (_check_fits)
+            max_model_len = proposer.max_model_len  # the draft guesses only within its own context (_Fits)
     enforce_eager = args.enforce_eager if args.enforce_eager is not None else device.type != "cuda"
     max_query_len = 1 + (proposer.max_tokens_per_step if proposer is not None else 0)  # a root and its guesses
     target = ModelSpec(source, args.dtype, target_max_len, num_blocks, args.block_size, args.max_num_seqs,

@@ -280,6 +280,23 @@ def test_read_config_reads_no_tensor(tmp_path, tiny_state, monkeypatch):
         loader.read_config(tmp_path / "nope")
 
 
+def test_gguf_draft_header_is_parsed_once(tmp_path, tiny_state, monkeypatch, device):
+    """A GGUF draft's header is parsed once: the engine's checks open it (config, tokenizer) and the draft proposer
+    reads the tensors of that same parse."""
+    from nanospec import LLM
+
+    write_tiny_gguf(tmp_path / "target.gguf", tiny_state)
+    shutil.copy(tmp_path / "target.gguf", tmp_path / "draft.gguf")
+    parses = []
+    read_header = gguf_file._read_header
+    monkeypatch.setattr(gguf_file, "_read_header", lambda path, *args, **kwargs: parses.append(path.name) or
+                        read_header(path, *args, **kwargs))
+    llm = LLM(str(tmp_path / "target.gguf"), device=device, dtype="float32", num_blocks=32,
+              speculative_config={"method": "draft", "model": str(tmp_path / "draft.gguf"), "adaptive": False})
+    assert parses.count("draft.gguf") == 1
+    assert llm.engine.speculator.proposer.model.config == llm.config
+
+
 def test_gguf_errors_name_the_problem(tmp_path, tiny_state):
     write_tiny_gguf(tmp_path / "qwen.gguf", tiny_state, architecture="qwen2")
     with pytest.raises(ValueError, match="'qwen2'"):

@@ -308,3 +308,62 @@ def test_draft_that_cannot_draft_is_refused_before_any_weight_is_read(target_pat
     monkeypatch.setattr(loader, "safe_open", forbidden)
     with pytest.raises(ValueError, match=match):
         spec_llm(target_path, device, {"method": "draft", "model": str(tmp_path)}, **kwargs)
+
+
+def write_gguf_draft_with_its_own_vocabulary(path, vocab: int = 320) -> None:
+    """A GGUF file whose metadata is a small llama's of ``vocab`` tokens, with a byte-level vocabulary ordered otherwise
+    than tiny.py's (its bytes in reverse), and no tensor: whatever reads its weights fails."""
+    import gguf
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    from tiny import SPECIALS
+
+    tokens = SPECIALS + sorted(ByteLevel.alphabet(), reverse=True) + ["ab"]
+    tokens += [f"<extra_{i}>" for i in range(vocab - len(tokens))]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in {"llama.block_count": 1, "llama.context_length": 256, "llama.embedding_length": 32,
+                       "llama.feed_forward_length": 64, "llama.attention.head_count": 2,
+                       "llama.attention.head_count_kv": 1, "llama.vocab_size": vocab}.items():
+        writer.add_uint32(key, value)
+    writer.add_string("tokenizer.ggml.model", "gpt2")
+    writer.add_array("tokenizer.ggml.tokens", tokens)
+    writer.add_array("tokenizer.ggml.token_type", [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS)))
+    writer.add_array("tokenizer.ggml.merges", ["a b"])
+    writer.add_uint32("tokenizer.ggml.eos_token_id", 2)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("kind", ["hf", "gguf"])
+def test_draft_with_another_tokenizer_is_refused_before_any_weight_is_read(target_path, device, tmp_path,
+                                                                          monkeypatch, kind):
+    """A draft of the target's vocabulary size whose tokenizer maps text to other ids: refused from its tokenizer,
+    before the target's weights or the draft's are read (an HF draft's weights file is truncated besides, a GGUF
+    draft holds no tensor)."""
+    from tokenizers import Tokenizer, models
+
+    if kind == "hf":
+        make_tiny_llama(tmp_path, layers=1, max_pos=256)
+        backend = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+        vocab = backend.get_vocab()
+        order = sorted(vocab, key=vocab.get)
+        bytes_ = order[3:]  # the specials first, then the 256 bytes: the bytes in reverse
+        backend.model = models.BPE(vocab={**{t: vocab[t] for t in order[:3]},
+                                          **{t: 3 + i for i, t in enumerate(reversed(bytes_))}}, merges=[])
+        backend.save(str(tmp_path / "tokenizer.json"))
+        weights = tmp_path / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[:100])
+        draft = tmp_path
+    else:
+        draft = tmp_path / "draft.gguf"
+        write_gguf_draft_with_its_own_vocabulary(draft)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(loader, "safe_open", forbidden)
+    monkeypatch.setattr("nanospec.model.gguf_file.gguf_weight", forbidden)
+    with pytest.raises(ValueError, match=r"the draft model .* tokenizes text differently from the target"):
+        spec_llm(target_path, device, {"method": "draft", "model": str(draft)})

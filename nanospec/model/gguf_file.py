@@ -76,11 +76,40 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
     ``quantization`` (None, "auto", "int4", "int8"; ``nanospec.model.gguf_quant.gguf_weight``): which weights stay
     or become quantized; None dequantizes every tensor to float32. ``check_config`` is called with the config as soon
     as it is read, before the tokenizer or any tensor: what it raises ends the read."""
-    path = Path(path)
-    metadata, header_tensors, config = _read_header_and_config(path)
+    header = read_gguf_header(path)
     if check_config is not None:
-        check_config(config)
-    tokenizer_json, tokenizer_config = tokenizer_from_metadata(metadata, config.vocab_size)
+        check_config(header.config)
+    tokenizer_json, tokenizer_config = header.tokenizer()
+    return GGUFModel(header.config, read_gguf_tensors(header, quantization, group_size), tokenizer_json,
+                     tokenizer_config)
+
+
+@dataclass
+class GGUFHeader:
+    """A GGUF file's header, parsed once (:func:`read_gguf_header`): its metadata, its config and its tensors, whose
+    data (views of the file's memory map) :func:`read_gguf_tensors` reads."""
+    path: Path
+    metadata: _Metadata
+    tensors: list[_Tensor]
+    config: LlamaConfig
+
+    def tokenizer(self) -> tuple[str, dict]:
+        """The tokenizer.json text and tokenizer_config of its ``tokenizer.ggml.*`` metadata (no tensor read)."""
+        return tokenizer_from_metadata(self.metadata, self.config.vocab_size)
+
+
+def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """The header of a GGUF file of a Llama model, and its config (read_gguf's errors for the header), no tensor
+    read."""
+    path = Path(path)
+    metadata, tensors, config = _read_header_and_config(path)
+    return GGUFHeader(path, metadata, tensors, config)
+
+
+def read_gguf_tensors(header: GGUFHeader, quantization: str | None = None, group_size: int = 32
+                      ) -> dict[str, Weight]:
+    """The tensors of the file of `header` under HF names (read_gguf's tensor checks first, then the data)."""
+    path, config, header_tensors = header.path, header.config, header.tensors
     hf_names = _check_tensors(header_tensors, config, path)
     if quantization in ("int4", "auto") and group_size != 32:
         for tensor in header_tensors:
@@ -102,12 +131,7 @@ def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_si
         elif tensor.name.endswith("attn_k.weight"):
             weight = _unpermute_rotary_rows(weight, config.num_key_value_heads)
         tensors[hf_names[tensor.name]] = weight
-    return GGUFModel(config, tensors, tokenizer_json, tokenizer_config)
-
-
-def read_gguf_config(path: str | os.PathLike) -> LlamaConfig:
-    """The config of a GGUF file of a Llama model, from its header alone (read_gguf's errors for the header)."""
-    return _read_header_and_config(Path(path))[2]
+    return tensors
 
 
 def read_gguf_metadata(path: str | os.PathLike) -> dict:

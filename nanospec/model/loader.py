@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from nanospec.model.config import REQUIRED_HF_FIELDS, LlamaConfig, check_tensors, short_list, short_repr, token_ids
 from nanospec.model.embedded import embedded_model_path
-from nanospec.model.gguf_file import all_finite, read_gguf, read_gguf_config
+from nanospec.model.gguf_file import GGUFHeader, all_finite, read_gguf_header, read_gguf_tensors
 from nanospec.model.quantization import Weight, check_int4_shape, parse_quantization, quantize
 from nanospec.tokenizer import Tokenizer
 
@@ -35,23 +35,69 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None, quantization: str | None = None,
-                    check_config: Callable[[LlamaConfig], None] | None = None) -> Checkpoint:
+                    check_config: Callable[[LlamaConfig], None] | None = None,
+                    check_tokenizer: Callable[[Tokenizer], None] | None = None) -> Checkpoint:
     """Load `path` (None: the embedded SmolLM2), float tensors cast to `dtype` (None: as stored). `quantization`: None
     loads float weights; "auto" keeps a GGUF's 4-bit blocks and an HF checkpoint as stored; "int4" / "int8" round an HF
     checkpoint's matrices on load. `check_config` is called with the config as soon as it is read, before the tokenizer
-    or any tensor: what it raises ends the load."""
-    scheme, group_size = parse_quantization(quantization)
-    path = _model_path(path)
-    if path.is_dir():
-        return _load_hf_directory(path, dtype, scheme, group_size, check_config)
-    return _load_gguf(path, dtype, scheme, group_size, check_config)
+    or any tensor; `check_tokenizer` with the tokenizer, before any tensor: what either raises ends the load."""
+    parse_quantization(quantization)
+    return open_checkpoint(path, check_config).load(dtype, quantization, check_tokenizer)
 
 
 def read_config(path: str | os.PathLike | None) -> LlamaConfig:
     """The config of the checkpoint :func:`load_checkpoint` would load from `path`, with its errors, read alone:
     config.json or a GGUF file's header, no tokenizer, no tensor."""
+    return open_checkpoint(path).config
+
+
+def open_checkpoint(path: str | os.PathLike | None,
+                    check_config: Callable[[LlamaConfig], None] | None = None) -> OpenCheckpoint:
+    """`path` (None: the embedded SmolLM2) opened for :meth:`OpenCheckpoint.load`: its config read (config.json, or a
+    GGUF file's header, parsed here once) and passed to `check_config`; no tokenizer built, no tensor read."""
     path = _model_path(path)
-    return _read_hf_config(path) if path.is_dir() else read_gguf_config(path)
+    if path.is_dir():
+        checkpoint = OpenCheckpoint(path, _read_hf_config(path))
+    else:
+        header = read_gguf_header(path)
+        checkpoint = OpenCheckpoint(path, header.config, header)
+    if check_config is not None:
+        check_config(checkpoint.config)
+    return checkpoint
+
+
+@dataclass
+class OpenCheckpoint:
+    """A checkpoint whose config is read (:func:`open_checkpoint`) and whose tensors are not yet."""
+    path: Path
+    config: LlamaConfig
+    gguf: GGUFHeader | None = None  # a GGUF file's parsed header (None: a Hugging Face directory)
+    _tokenizer: Tokenizer | None = None
+
+    def tokenizer(self) -> Tokenizer:
+        """Its tokenizer (built once), no tensor read."""
+        if self._tokenizer is None:
+            self._tokenizer = (_load_tokenizer(self.path, self.config) if self.gguf is None
+                               else _gguf_tokenizer(self.gguf))
+        return self._tokenizer
+
+    def load(self, dtype: torch.dtype | None, quantization: str | None = None,
+             check_tokenizer: Callable[[Tokenizer], None] | None = None) -> Checkpoint:
+        """The checkpoint (:func:`load_checkpoint`'s `dtype` and `quantization`); `check_tokenizer` is called with
+        the tokenizer before any tensor is read."""
+        scheme, group_size = parse_quantization(quantization)
+        tokenizer = self.tokenizer()
+        if check_tokenizer is not None:
+            check_tokenizer(tokenizer)
+        if self.gguf is None:
+            tensors = _read_hf_tensors(self.path, self.config, dtype, scheme, group_size)
+        else:
+            tensors = read_gguf_tensors(self.gguf, scheme, group_size)
+            if dtype is not None:
+                for name in list(tensors):  # one tensor at a time, so the fp32 copy of the model is freed as we go
+                    if isinstance(tensors[name], torch.Tensor):
+                        tensors[name] = tensors.pop(name).to(dtype)
+        return Checkpoint(self.config, tensors, tokenizer, self.path)
 
 
 def _model_path(path: str | os.PathLike | None) -> Path:
@@ -78,19 +124,12 @@ def round_checkpoint(checkpoint: Checkpoint, quantization: str | None) -> Checkp
     return replace(checkpoint, tensors=rounded)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int,
-               check_config: Callable[[LlamaConfig], None] | None) -> Checkpoint:
-    model = read_gguf(path, scheme, group_size, check_config)
+def _gguf_tokenizer(header: GGUFHeader) -> Tokenizer:
+    tokenizer_json, tokenizer_config = header.tokenizer()
     try:
-        tokenizer = Tokenizer.from_json_str(model.tokenizer_json, model.tokenizer_config, model.config.eos_token_id)
+        return Tokenizer.from_json_str(tokenizer_json, tokenizer_config, header.config.eos_token_id)
     except Exception as error:  # tokenizers' and jinja's own errors
-        raise ValueError(f"cannot build the tokenizer of GGUF file {path} ({error})") from None
-    tensors = model.tensors
-    if dtype is not None:
-        for name in list(tensors):  # one tensor at a time, so the fp32 copy of the model is freed as we go
-            if isinstance(tensors[name], torch.Tensor):
-                tensors[name] = tensors.pop(name).to(dtype)
-    return Checkpoint(model.config, tensors, tokenizer, path)
+        raise ValueError(f"cannot build the tokenizer of GGUF file {header.path} ({error})") from None
 
 
 def _read_hf_config(directory: Path) -> LlamaConfig:
@@ -106,12 +145,8 @@ def _read_hf_config(directory: Path) -> LlamaConfig:
         raise ValueError(f"{config_file}: {error}") from None
 
 
-def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str | None, group_size: int,
-                       check_config: Callable[[LlamaConfig], None] | None) -> Checkpoint:
-    config = _read_hf_config(directory)
-    if check_config is not None:
-        check_config(config)
-    tokenizer = _load_tokenizer(directory, config)
+def _read_hf_tensors(directory: Path, config: LlamaConfig, dtype: torch.dtype | None, scheme: str | None,
+                     group_size: int) -> dict[str, Weight]:
     weight_files = _weight_files(directory)
 
     with ExitStack() as stack:
@@ -136,7 +171,7 @@ def _load_hf_directory(directory: Path, dtype: torch.dtype | None, scheme: str |
                 tensors[name] = quantize(tensor, scheme, group_size)
             else:
                 tensors[name] = tensor.to(dtype) if dtype is not None else tensor
-    return Checkpoint(config, tensors, tokenizer, directory)
+    return tensors
 
 
 def _ignored(name: str, config: LlamaConfig) -> bool:

@@ -25,6 +25,7 @@ import torch
 from nanospec.device import cpu_has_fast_bfloat16, resolve_dtype
 from nanospec.model.eagle3 import load_eagle3_head
 from nanospec.model.hub import resolve_model_path
+from nanospec.model.loader import OpenCheckpoint
 from nanospec.model.mlp_speculator import load_mlp_speculator
 from nanospec.model.parallel import ParallelGroup
 from nanospec.model.quantization import parse_quantization
@@ -254,10 +255,12 @@ def shipped_path(method: str, model: str | None, target_config) -> Path:
 
 def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_blocks: int, block_size: int, device,
                   dtype, max_model_len: int | None = None, draft_tp: ParallelGroup | None = None,
-                  enable_prefix_caching: bool = True, matmul_dtype: torch.dtype | None = None) -> Proposer:
+                  enable_prefix_caching: bool = True, matmul_dtype: torch.dtype | None = None,
+                  draft: OpenCheckpoint | None = None) -> Proposer:
     """The proposer the speculator drives, in ``config.dtype`` or the target's ``dtype`` (over a target whose matmuls
     read ``matmul_dtype``: an MLP speculator on a CPU with native bfloat16 in that dtype, an EAGLE-3 head in int8);
-    ``draft_tp``: a draft model's group under tensor parallelism (None: whole on this process)."""
+    ``draft_tp``: a draft model's group under tensor parallelism (None: whole on this process); ``draft``: the draft
+    model already opened (None: opened here)."""
     weight_only = matmul_dtype not in (None, dtype)  # the target's matmuls are a CPU's weight-only kernels
     if config.dtype is not None:
         dtype = resolve_dtype(config.dtype, device)
@@ -283,7 +286,7 @@ def make_proposer(config: SpeculativeConfig, target_config, tokenizer, num_block
                               config.tree_budget, config.adaptive,
                               _prompt_lookup(config, config.num_speculative_tokens))
     return DraftProposer(config, target_config, tokenizer, num_blocks, block_size, device, dtype, max_model_len,
-                         draft_tp, enable_prefix_caching)
+                         draft_tp, enable_prefix_caching, draft)
 
 
 def _prompt_lookup(config: SpeculativeConfig, k: int) -> NgramProposer | None:

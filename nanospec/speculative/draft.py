@@ -21,7 +21,7 @@ from nanospec.kernels.sampling import sample_from_probs
 from nanospec.model.forward_batch import build_forward_batch
 from nanospec.model.config import LlamaConfig
 from nanospec.model.llama import Llama
-from nanospec.model.loader import load_checkpoint
+from nanospec.model.loader import OpenCheckpoint, open_checkpoint
 from nanospec.model.parallel import ParallelGroup, check_shardable
 from nanospec.model.quantization import int4_group_size
 from nanospec.model.runner import ModelRunner
@@ -31,6 +31,7 @@ from nanospec.speculative.cost import time_forwards, timing_context
 from nanospec.speculative.policy import AcceptanceEstimate, chain_ranking
 from nanospec.speculative.proposal import Proposal, Verdict, tree_depths, tree_mask
 from nanospec.speculative.proposer import Proposer
+from nanospec.tokenizer import Tokenizer
 
 DRAFT_SEED_SALT = 0x5EED_D4AF7  # the draft's random stream differs from the target's for the same request
 MAX_RETRY_AFTER = 64  # the most steps a stopped draft waits before the policy weighs it again
@@ -57,6 +58,14 @@ def check_draft_config(draft: LlamaConfig, target: LlamaConfig, model, max_model
                          f"({draft.max_position_embeddings} tokens)")
 
 
+def check_draft_tokenizer(draft: Tokenizer, target: Tokenizer, model) -> None:
+    """ValueError for the draft model `model` whose tokenizer `draft` splits text otherwise than the `target`'s."""
+    probe = "Hello, world! 123 ünïcödé <|im_start|>"
+    if draft.encode(probe) != target.encode(probe):
+        raise ValueError(f"the draft model {str(model)!r} tokenizes text differently from the target: "
+                         f"they must share one vocabulary")
+
+
 def check_draft_shardable(draft: LlamaConfig, model, tp_size: int, group_size: int | None = None) -> None:
     """ValueError, naming the draft model `model`, when ``draft_tensor_parallel_size`` `tp_size` does not split its
     heads (or, given its int4 `group_size`, its groups)."""
@@ -70,16 +79,18 @@ def check_draft_shardable(draft: LlamaConfig, model, tp_size: int, group_size: i
 class DraftProposer(Proposer):
     def __init__(self, config, target_config, target_tokenizer, num_blocks: int, block_size: int,
                  device: torch.device, dtype: torch.dtype, max_model_len: int | None = None,
-                 tp: ParallelGroup | None = None, enable_prefix_caching: bool = True):
+                 tp: ParallelGroup | None = None, enable_prefix_caching: bool = True,
+                 draft: OpenCheckpoint | None = None):
+        """``draft``: the draft model ``config.model`` already opened (its config read, no weight); None opens it."""
         self.tree_top_k = config.tree_top_k
         self.tree_budget = config.tree_budget
         self.coupled = config.acceptance == "coupled"
-        checkpoint = load_checkpoint(config.model, dtype, config.quantization,
-                                     check_config=lambda draft: check_draft_config(draft, target_config, config.model))
-        probe = "Hello, world! 123 ünïcödé <|im_start|>"
-        if checkpoint.tokenizer.encode(probe) != target_tokenizer.encode(probe):
-            raise ValueError(f"the draft model {config.model!r} tokenizes text differently from the target: "
-                             f"they must share one vocabulary")
+        if draft is None:
+            draft = open_checkpoint(config.model)
+        check_draft_config(draft.config, target_config, config.model)
+        # its tokenizer is compared with the target's before any of its weights is read
+        checkpoint = draft.load(dtype, config.quantization,
+                                check_tokenizer=lambda t: check_draft_tokenizer(t, target_tokenizer, config.model))
         if tp is not None:  # (the heads were checked from the config alone; the int4 groups need the tensors)
             check_draft_shardable(checkpoint.config, config.model, tp.size, int4_group_size(checkpoint.tensors))
         self.dtype = dtype
