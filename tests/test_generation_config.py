@@ -79,3 +79,36 @@ def test_bad_values_name_the_file(tmp_path, config, message):
     (model / "generation_config.json").write_text("{nope")
     with pytest.raises(ValueError, match="generation_config.json"):
         default_sampling(str(model))
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"max_new_tokens": "many"}, r"\.json: max_new_tokens: max_tokens must be an integer >= 1 .*'many'"),
+    ({"temperature": "hot"}, r"generation_config\.json: temperature must be a number .*'hot'"),
+    ({"do_sample": "no"}, r"generation_config\.json: do_sample must be true or false, got 'no'"),
+    ({"top_k": False}, r"generation_config\.json: top_k must be .* got False"),
+    ("a directory", r"cannot read .*generation_config\.json \(Is a directory\)"),
+])
+def test_a_bad_generation_config_is_refused_naming_the_file_and_key_before_any_weight(tmp_path, monkeypatch, device,
+                                                                                       content, message):
+    """Through LLM too: a ValueError naming the file and its key (a file that cannot be read: the file), before the
+    model's weights are read; never a library's error or a file silently skipped."""
+    from nanospec import LLM
+    from nanospec.model import loader
+    from tiny import make_tiny_llama
+
+    make_tiny_llama(tmp_path, layers=1)
+    file = tmp_path / "generation_config.json"
+    file.unlink()
+    if content == "a directory":
+        file.mkdir()
+    else:
+        file.write_text(json.dumps(content))
+    with pytest.raises(ValueError, match=message):
+        default_sampling(str(tmp_path))
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("a weight was read")
+
+    monkeypatch.setattr(loader, "safe_open", forbidden)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path), device=device, dtype="float32", num_blocks=16)

@@ -31,7 +31,7 @@ def default_sampling(model: str | None, generation_config: str = "auto") -> tupl
         return {}, "the API's defaults (--generation-config vllm)"
     if generation_config != "auto":
         directory = Path(generation_config)
-        if not (directory / FILE_NAME).is_file():
+        if not (directory / FILE_NAME).exists():  # (one that is there but not a readable file: read_json's error)
             raise ValueError(f"--generation-config {generation_config}: no {FILE_NAME} in that directory "
                              f"(give 'auto', 'vllm' or a directory that holds one)")
         return read_generation_config(directory / FILE_NAME)
@@ -40,7 +40,7 @@ def default_sampling(model: str | None, generation_config: str = "auto") -> tupl
     path = Path(model)
     if not path.is_dir():
         return read_gguf_sampling(path)
-    if (path / FILE_NAME).is_file():
+    if (path / FILE_NAME).exists():
         return read_generation_config(path / FILE_NAME)
     return {}, f"the API's defaults ({path} has no {FILE_NAME})"
 
@@ -50,28 +50,44 @@ def read_gguf_sampling(file: Path) -> tuple[dict, str]:
     fields = {ours: metadata[theirs] for theirs, ours in GGUF_KEYS.items() if theirs in metadata}
     if not fields:
         return {}, f"the API's defaults ({file} has no general.sampling keys)"
-    if isinstance(fields.get("top_k"), int) and fields["top_k"] <= 0:  # llama.cpp's "no top-k"
+    if _is_int(fields.get("top_k")) and fields["top_k"] <= 0:  # llama.cpp's "no top-k"
         fields["top_k"] = -1
-    return _checked(fields, f"{file} (general.sampling)"), f"{file} (general.sampling)"
+    source = f"{file} (general.sampling)"
+    return _checked(fields, source), source
 
 
 def read_generation_config(file: Path) -> tuple[dict, str]:
+    """The SamplingParams fields of a generation_config.json; ValueError naming the file and the key otherwise."""
     config = read_json(file)
     fields = {ours: config[theirs] for theirs, ours in KEYS.items() if config.get(theirs) is not None}
-    if config.get("do_sample") is False:
+    do_sample = config.get("do_sample")
+    if do_sample is not None and not isinstance(do_sample, bool):
+        raise ValueError(f"{file}: do_sample must be true or false, got {do_sample!r}")
+    if do_sample is False:
         fields["temperature"] = 0.0
-    if fields.get("top_k") == 0:  # transformers' "no top-k"
+    if _is_int(fields.get("top_k")) and fields["top_k"] == 0:  # transformers' "no top-k"
         fields["top_k"] = -1
-    return _checked(fields, file), str(file)
+    return _checked(fields, file, {ours: theirs for theirs, ours in KEYS.items()}), str(file)
 
 
-def _checked(fields: dict, source) -> dict:
-    """`fields`, which SamplingParams takes; ValueError naming `source` and the field otherwise."""
+def _checked(fields: dict, source, names: dict[str, str] | None = None) -> dict:
+    """`fields`, which SamplingParams takes; ValueError naming `source` and the key (its name there, `names`: field ->
+    key) otherwise."""
+    for field, value in fields.items():  # one at a time, so that the error names the key
+        try:
+            SamplingParams(**{field: value})
+        except ValueError as e:
+            key = (names or {}).get(field, field)
+            raise ValueError(f"{source}: {e}" if key == field else f"{source}: {key}: {e}") from None
     try:
         SamplingParams(**fields)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
     return fields
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def describe(fields: dict) -> str:

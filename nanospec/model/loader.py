@@ -243,7 +243,7 @@ def _load_tokenizer(directory: Path, config: LlamaConfig) -> Tokenizer:
         config_source = template_file if not config_file.is_file() else f"{config_file} with {template_file.name}"
     eos_ids = list(config.eos_token_id)
     generation_file = directory / "generation_config.json"
-    if generation_file.is_file():
+    if generation_file.exists():  # (one that is not a readable file: read_json's error)
         generation_eos = read_json(generation_file).get("eos_token_id")
         try:
             eos_ids += token_ids("eos_token_id", generation_eos, config.vocab_size)
@@ -263,6 +263,10 @@ def read_json(path: Path) -> dict:
     """A JSON file that holds an object; ValueError naming the file otherwise."""
     try:
         value = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise
+    except OSError as error:  # there but not a readable file: a directory of that name, no permission to read, ...
+        raise ValueError(f"cannot read {path} ({error.strerror or error})") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as error:
         raise ValueError(f"not a valid JSON file: {path} ({error})") from None
     if not isinstance(value, dict):
