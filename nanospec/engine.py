@@ -131,10 +131,7 @@ class Engine:
                 if t >= vocab:
                     raise ValueError(f"{name}: token id {t} is out of the vocabulary [0, {vocab})")
         bad_words = bad_words_token_ids(params.bad_words or [], self.tokenizer, vocab)  # a token outside: ValueError
-        if params.allowed_token_ids and params.min_tokens > 0 \
-                and set(params.allowed_token_ids) <= set(self._stop_token_ids(params)):
-            raise ValueError(f"allowed_token_ids: {params.allowed_token_ids} are all stop tokens, which min_tokens="
-                             f"{params.min_tokens} holds off: no token could be drawn")
+        self._check_a_token_can_be_drawn(params, bad_words)
         max_len = self.max_model_len
         if len(prompt_token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "
@@ -148,6 +145,25 @@ class Engine:
                              f"{self.block_manager.block_size} tokens ({lifetime} tokens) but the pool has "
                              f"{self.block_manager.num_blocks}; raise num_blocks / kv_cache_memory or lower max_tokens")
         return bad_words
+
+    def _check_a_token_can_be_drawn(self, params: SamplingParams, bad_words: list[list[int]]) -> None:
+        """ValueError where the first token could be no token at all: every token (every one of
+        ``allowed_token_ids``) banned as a one-token bad word or, under ``min_tokens``, a stop token held off."""
+        allowed = params.allowed_token_ids
+        held = set(self._stop_token_ids(params)) if params.min_tokens > 0 else set()
+        if allowed and set(allowed) <= held:
+            raise ValueError(f"allowed_token_ids: {allowed} are all stop tokens, which min_tokens="
+                             f"{params.min_tokens} holds off: no token could be drawn")
+        banned = {word[0] for word in bad_words if len(word) == 1}  # banned after any output
+        if not banned:
+            return
+        held_off = f" or stop tokens that min_tokens={params.min_tokens} holds off" if held else ""
+        if allowed and set(allowed) <= banned | held:
+            raise ValueError(f"allowed_token_ids: {allowed} are all banned by bad_words {params.bad_words}"
+                             f"{held_off}: no token could be drawn")
+        if not allowed and len(banned | held) >= self.vocab_size:
+            raise ValueError(f"bad_words ban every token of the vocabulary ({self.vocab_size}){held_off}: no token "
+                             f"could be drawn")
 
     def _stop_token_ids(self, params: SamplingParams) -> list[int]:
         """The tokens that end a request: eos (unless ignored), then its stop_token_ids."""

@@ -139,6 +139,36 @@ def test_allowed_token_ids(target, plain):
     assert_no_leak(llm)
 
 
+def test_params_that_leave_no_token_to_draw_are_refused(target, monkeypatch):
+    """Where bad_words ban every allowed token (or every token), alone or with the stop tokens min_tokens holds off,
+    nothing could be drawn: a ValueError when the request is added, not a token drawn from all -inf logits."""
+    llm = LLM(target, num_blocks=64, block_size=4, dtype="float32")
+    tokenizer = llm.engine.tokenizer
+    a, b = tokenizer.encode("a"), tokenizer.encode("b")  # one token each
+    assert len(a) == len(b) == 1
+    for params, match in [
+        (dict(allowed_token_ids=a, bad_words=["a"]), r"allowed_token_ids: \[\d+\] are all banned by bad_words \['a'\]"),
+        (dict(allowed_token_ids=a + b, bad_words=["a", "b"], temperature=0), "are all banned by bad_words"),
+        (dict(allowed_token_ids=a + [2], bad_words=["a"], min_tokens=2),
+         "are all banned by bad_words .* or stop tokens that min_tokens=2 holds off"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, **params))
+    # every token of a vocabulary banned (the tiny one's words cannot name all 320 ids: here its 3 special tokens)
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert [tokenizer.encode(w) for w in specials] == [[0], [1], [2]]
+    monkeypatch.setattr(llm.engine, "vocab_size", 3)
+    with pytest.raises(ValueError, match=r"bad_words ban every token of the vocabulary \(3\)"):
+        llm.engine.validate_prompt([1, 2], SamplingParams(max_tokens=4, bad_words=specials))
+    monkeypatch.undo()
+    # one allowed token left (or a stop token, without min_tokens): generated as before
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True,
+                                                   allowed_token_ids=a + b, bad_words=["a"]))
+    assert out[0].outputs[0].token_ids == b * 3
+    assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=3, allowed_token_ids=a + [2], bad_words=["a"]))
+    assert_no_leak(llm)
+
+
 def test_each_tree_node_bans_the_bad_words_its_own_path_would_complete():
     """A bad word's last token is banned in a row whose output and path end with the rest of the word (a word that
     ends on the path itself counts), and nowhere else; a one-token word is banned in every row."""
