@@ -310,7 +310,7 @@ def test_first_guesses_follow_the_formula(target, device, tmp_path, style, embed
         seq_id = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
         engine.step()  # the prefill: the head runs over the prompt and drafts
         state = engine.sequences[seq_id].spec_state
-        assert state.tree.token_ids == reference_guesses(tensors, config, model, prompt, [0, 1, 2], 3)
+        assert state.ranked.token_ids == reference_guesses(tensors, config, model, prompt, [0, 1, 2], 3)
         checked += 1
         while engine.has_unfinished():
             engine.step()
@@ -373,7 +373,7 @@ def test_the_head_runs_over_every_chunk_of_a_prompt(target, weighted_successor_h
         slots = torch.tensor(slots_of(st.block_table, proposer.block_size, range(st.num_cached - st.base)))
         k_cache, v_cache = proposer.kv_cache.layer_slots(0)
         seen[budget] = (steps, st.base, st.num_cached, k_cache[slots].clone(), v_cache[slots].clone(),
-                        st.tree.token_ids, st.tree.parents)
+                        st.ranked.token_ids, st.ranked.parents)
         while engine.has_unfinished():
             engine.step()
         assert_head_blocks_returned(llm)
@@ -481,7 +481,7 @@ def record_trees(llm) -> list[tuple]:
 
     def recording(seq, proposal, verdict):
         commit(seq, proposal, verdict)
-        steps.append((proposal, verdict, seq.spec_state.tree))
+        steps.append((proposal, verdict, seq.spec_state.ranked))
 
     proposer.commit = recording
     return steps
@@ -594,7 +594,7 @@ def test_first_tree_follows_eagle2(target, device, tmp_path):
         engine.step()  # the prefill: the head runs over the prompt and drafts its tree
         state = engine.sequences[seq_id].spec_state
         reference = reference_tree(tensors, config, model, prompt, [0, 1, 2], 3, 3, 14)
-        paths = [tuple(path) for path in state.tree.paths()]
+        paths = [tuple(path) for path in state.ranked.paths()]
         assert paths == [path for _, path in reference]
         assert max(len(path) for path in paths) == 3
         got = [math.log(state.calibration.paths[path]) for path in paths]
@@ -676,7 +676,7 @@ def test_prompt_lookup_joins_a_random_heads_guesses_and_equals_plain(target, exp
             paths = [tuple(path) for path in p.paths()]
             assert all(path[:-1] in paths[:i] for i, path in enumerate(paths) if len(path) > 1), paths
             assert p.chances is None or p.chances == sorted(p.chances, reverse=True)
-            seen.append(len(set(paths) - seq.spec_state.head_paths))
+            seen.append(len(set(paths) - seq.spec_state.drafted_paths))
         return proposals
 
     proposer.propose = recording
@@ -698,7 +698,7 @@ def test_the_policy_prices_only_the_heads_guesses_as_drafting():
     head = {(1,): 0.9, (1, 2): 0.5, (1, 2, 3): 0.2}
     chain = {(1,): 0.8, (1, 4): 0.64, (1, 4, 5): 0.51, (6,): 0.3}  # (the n-gram chain's, merged as join does)
     tree = Proposal.ranked({path: max(head.get(path, 0.0), chain.get(path, 0.0)) for path in {**head, **chain}})
-    seq.spec_state = Eagle3State(num_tokens=10, tree=tree, head_paths=frozenset(head))
+    seq.spec_state = Eagle3State(num_tokens=10, ranked=tree, drafted_paths=frozenset(head))
     depth = {(1,): 2, (1, 2): 3, (1, 2, 3): 4, (1, 4): 2, (1, 4, 5): 2, (6,): 0}
     want = [(c, depth[tuple(path)]) for c, path in zip(tree.chances, tree.paths())]
     assert proposer.rank([seq], [3]) == [want]

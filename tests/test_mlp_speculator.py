@@ -32,7 +32,8 @@ from nanospec import LLM, SamplingParams
 from nanospec.model.linear import Linear, PackedLinear
 from nanospec.model.mlp_speculator import load_mlp_speculator, save_mlp_speculator
 from nanospec.speculative.config import parse_speculative_config, with_served_defaults
-from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer, MLPState
+from nanospec.speculative.head import HeadState
+from nanospec.speculative.mlp import SHIPPED_FOR_EMBEDDED, MLPSpeculatorProposer
 from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.policy import AcceptanceEstimate
 from nanospec.speculative.proposal import Proposal, Verdict
@@ -409,15 +410,16 @@ def test_trees_and_prompt_lookup_equal_plain(target, speculator, expected, devic
 
 def sequence_as_if_prefilled(llm, device):
     """A request ``[5, 9, 33, 70, 71, 72, 5, 9]`` whose proposer state is what its prefill would leave: the beam
-    guessed after token 9 from a hidden state (zeros), and the ranked tree from it. Returns (request id, sequence)."""
+    guessed after token 9 from a hidden state (zeros), and the ranked tree from it. Returns (request id, sequence,
+    beam)."""
     seq_id = llm.engine.add_request([5, 9, 33, 70, 71, 72, 5, 9], GREEDY)
     seq = llm.engine.sequences[seq_id]
     state, proposer = seq.spec_state, llm.engine.speculator.proposer
     hidden, last = torch.zeros(1, llm.config.hidden_size, device=device), torch.tensor([9], device=device)
     state.num_tokens = seq.num_tokens
-    state.beam = [t[0].tolist() for t in proposer.model.propose_tree(hidden, last, 3, proposer.width)]
-    state.ranked = proposer._ranked_tree(state)
-    return seq_id, seq
+    beam = [t[0].tolist() for t in proposer.model.propose_tree(hidden, last, 3, proposer.width)]
+    proposer._rank_drafted(state, beam)
+    return seq_id, seq, beam
 
 
 def test_prompt_lookup_guesses_what_the_prompt_repeats(target, speculator, device):
@@ -425,7 +427,7 @@ def test_prompt_lookup_guesses_what_the_prompt_repeats(target, speculator, devic
     occurred earlier has that occurrence's continuation among its candidates, first."""
     llm = mlp_llm(target, speculator, device, prompt_lookup=True)
     proposer = llm.engine.speculator.proposer
-    seq_id, seq = sequence_as_if_prefilled(llm, device)
+    seq_id, seq, beam = sequence_as_if_prefilled(llm, device)
     proposal = proposer.propose([seq], [3])[0]
     assert [[33], [33, 70], [33, 70, 71]] == [p for p in proposal.paths() if p == [33, 70, 71][:len(p)]]
     llm.abort(seq_id)
@@ -437,13 +439,13 @@ def test_proposals_are_ranked_by_calibrated_chance(target, speculator, device):
     where both hold it; nodes come best first, each after its parent (module docstring of speculative/mlp.py)."""
     llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True)
     proposer = llm.engine.speculator.proposer
-    seq_id, seq = sequence_as_if_prefilled(llm, device)
+    seq_id, seq, beam = sequence_as_if_prefilled(llm, device)
     state = seq.spec_state
     state.calibration.c = AcceptanceEstimate(successes=1.0, trials=4.0)      # c = (1 + 2 * 0.7) / (4 + 2) = 0.4
     state.lookup.acceptance = AcceptanceEstimate(successes=3.0, trials=3.0)  # a = (3 + 2 * 0.6) / (3 + 2) = 0.84
-    state.ranked = proposer._ranked_tree(state)  # as the next outcome would rank it
+    proposer._rank_drafted(state, beam)  # as the next outcome would rank it
     want, paths = {}, []
-    for token, parent, score in zip(*state.beam):
+    for token, parent, score in zip(*beam):
         paths.append((paths[parent] if parent >= 0 else ()) + (token,))
         want[paths[-1]] = 0.4 * math.exp(score)
     for d in (1, 2, 3):
@@ -461,12 +463,12 @@ def test_a_stopped_sequence_has_its_whole_first_depth_checked(target, speculator
     checked against the outcome, as depth 1 would have been verified: a hit if the target's token is any of them."""
     llm = mlp_llm(target, speculator, device, tree_top_k=2, prompt_lookup=True, adaptive=True)
     spec = llm.engine.speculator
-    seq_id, seq = sequence_as_if_prefilled(llm, device)
+    seq_id, seq, beam = sequence_as_if_prefilled(llm, device)
     seq.num_cached_tokens, seq.num_prompt_tokens = seq.num_tokens - 1, seq.num_tokens - 1  # in decode: 9 was output
     monkeypatch.setattr(spec.policy, "choose_nodes", lambda chances, *_: [0] * len(chances))
     proposal = spec.propose([seq])[0]
     assert not proposal.token_ids
-    tokens, parents, scores = seq.spec_state.beam
+    tokens, parents, scores = beam
     first = {t: math.exp(s) for t, p, s in zip(tokens, parents, scores) if p == -1}
     assert len(first) == 2 and set(proposal.unverified_guesses) == {33, *first}  # the n-gram guess: 33
     miss = next(t for t in range(300) if t not in (33, *first))
@@ -525,7 +527,7 @@ def test_guesses_go_one_depth_past_what_the_step_verified(target, speculator, de
         monkeypatch.setattr(policy, "choose_nodes",
                             lambda chances, *_, every=verify_all: [len(c) if every else 0 for c in chances])
         llm.engine.step()
-        depths.append(len(seq.spec_state.beam[0]) // 2)
+        depths.append(max(map(len, seq.spec_state.drafted_paths)))
     assert depths == [1, 2, 3, 3, 1, 2]
     llm.abort(seq_id)
     assert_no_leak(llm)
@@ -541,7 +543,7 @@ def test_the_policy_prices_only_the_beams_guesses_as_drafting():
     chain = {(1,): 0.8, (1, 4): 0.64, (1, 4, 5): 0.51, (6,): 0.3}  # (the n-gram chain's, merged as join does)
     tree = Proposal.ranked({path: max(beam.get(path, 0.0), chain.get(path, 0.0)) for path in {**beam, **chain}})
     seq = type("Seq", (), {"num_tokens": 10})()
-    seq.spec_state = MLPState(num_tokens=10, ranked=tree, beam_paths=frozenset(beam))
+    seq.spec_state = HeadState(num_tokens=10, ranked=tree, drafted_paths=frozenset(beam))
     depth = {(1,): 1, (1, 2): 2, (1, 2, 3): 3, (1, 4): 1, (1, 4, 5): 1, (6,): 0}
     want = [(c, depth[tuple(path)]) for c, path in zip(tree.chances, tree.paths())]
     assert proposer.rank([seq], [3]) == [want]

@@ -82,7 +82,7 @@ def test_the_unroll_drafts_what_the_proposer_drafts(trained, target, device):
     for prompt in ([5, 9, 33, 5, 9, 33, 5], list(range(40, 60))):
         seq_id = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
         llm.engine.step()
-        guesses = llm.engine.sequences[seq_id].spec_state.tree.token_ids
+        guesses = llm.engine.sequences[seq_id].spec_state.ranked.token_ids
         with torch.no_grad():
             states = model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
             first = int(model(torch.tensor([prompt])).logits[0, -1].argmax())

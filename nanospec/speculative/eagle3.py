@@ -35,29 +35,27 @@ from nanospec.model.forward_batch import ForwardBatch, build_forward_batch
 from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
 from nanospec.speculative.eagle3_tree import TreeShape, grow_tree
-from nanospec.speculative.ngram import LookupChain, NgramProposer
-from nanospec.speculative.policy import AcceptanceEstimate, TreeCalibration, accepted_depth
+from nanospec.speculative.head import HeadProposer, HeadState
+from nanospec.speculative.ngram import NgramProposer
+from nanospec.speculative.policy import AcceptanceEstimate, accepted_depth
 from nanospec.speculative.proposal import Proposal, Verdict
-from nanospec.speculative.proposer import Proposer
 
 SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct-eagle3"
 
 
 @dataclass
-class Eagle3State:
+class Eagle3State(HeadState):
     block_table: list[int] = field(default_factory=list)
     base: int | None = None   # the first position the head holds K/V for (None: none yet)
     num_cached: int = 0       # the head's K/V is exact for positions base .. num_cached - 1
-    num_tokens: int = 0       # the sequence's length when its guesses were made
-    tree: Proposal | None = None  # the guesses then, ranked with each node's chance (the n-gram chain's too)
-    head_paths: frozenset = frozenset()  # the paths of that tree the head drafted
-    lookup: LookupChain | None = None  # the sequence's n-gram chain, with prompt lookup
     drafted: int = 0          # nodes the last step drafted for it (0: none, its scratch rows did not fit the pool)
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)  # a chain's alpha
-    calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a tree's chances
 
 
-class Eagle3Proposer(Proposer):
+class Eagle3Proposer(HeadProposer):
+    extra_forwards = 1  # the head's run over the step's rows (priced as a depth it ran slower)
+    state_class = Eagle3State
+
     def __init__(self, head: Eagle3Head, aux_layers: tuple[int, ...], k: int, num_blocks: int, block_size: int,
                  max_model_len: int, tree_top_k: int = 1, tree_budget: int | None = None, adaptive: bool = True,
                  prompt_lookup: NgramProposer | None = None):
@@ -87,43 +85,25 @@ class Eagle3Proposer(Proposer):
             self.embed = runner.model.embed if runner.model.tp is None else runner.whole_embedding()
 
     # ---------------------------------------------------------------- a sequence's life
-    def start(self, seq: Sequence) -> None:
-        seq.spec_state = Eagle3State(lookup=self.prompt_lookup.new_chain(seq.token_ids) if self.prompt_lookup else None)
-
-    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        """Each node's chance and, as its depth, the head forwards verifying it costs: the head's guesses ``d`` deep
-        cost ``d + 1`` (the run over the step's rows too; priced ``d`` it ran slower), the n-gram chain's none."""
-        return [proposal.model_ranking(seq.spec_state.head_paths, depth, extra_forwards=1)
-                for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths)]
-
-    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        """The guesses drafted behind each sequence's last token, whole: the speculator cuts them to ``depths``."""
-        return [st.tree if (st := seq.spec_state).tree is not None and st.num_tokens == seq.num_tokens else Proposal()
-                for seq in seqs]
-
     def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Learn from the outcome; rank the guesses read_forward drafted behind the new last token."""
+        """Learn from the outcome; rank the guesses read_forward drafted behind the new last token; the head's K/V
+        then covers every token but the last."""
+        super().commit(seq, proposal, verdict)
         st: Eagle3State = seq.spec_state
-        st.num_tokens = seq.num_tokens
-        verified = proposal.checked_paths()
-        if self.tree is None:
-            head = [p for p in verified if p in st.head_paths]
-            if head:
-                st.acceptance.observe(len(head), accepted_depth(head, verdict.emitted))
-        else:
-            st.calibration.observe(verified, verdict.emitted)
-        chance = self._drafted_chances(st, verdict.ahead)
-        st.head_paths = frozenset(chance)
-        if st.lookup is not None:
-            st.lookup.observe(verified, verdict.emitted)
-            st.lookup.join(chance, self.prompt_lookup, self.k)
-        st.tree = Proposal.ranked(chance) if chance else None
         if st.base is not None:  # (None: the head has not run for it)
             st.num_cached = seq.num_tokens - 1
             self.block_manager.truncate(st.block_table, st.num_cached - st.base)
 
+    def _observe(self, st: Eagle3State, verified: list[tuple[int, ...]], emitted: list[int]) -> None:
+        if self.tree is not None:
+            return super()._observe(st, verified, emitted)
+        head = [p for p in verified if p in st.drafted_paths]
+        if head:
+            st.acceptance.observe(len(head), accepted_depth(head, emitted))
+
     def _drafted_chances(self, st: Eagle3State, ahead: list) -> dict[tuple[int, ...], float]:
-        """Each path the head drafted this step (read_forward's ``ahead``), with its chance."""
+        """The paths the head drafted this step, with their chances: a chain's depth ``d`` ``alpha^d``, a tree's
+        calibrated."""
         if not st.drafted:
             return {}
         if self.tree is None:
@@ -136,7 +116,8 @@ class Eagle3Proposer(Proposer):
     def preempt(self, seq: Sequence) -> None:
         st: Eagle3State = seq.spec_state
         self.block_manager.free(st.block_table)
-        st.base, st.num_cached, st.tree, st.head_paths = None, 0, None, frozenset()
+        st.base, st.num_cached = None, 0
+        super().preempt(seq)
 
     # ---------------------------------------------------------------- the head's K/V, on the device
     def _hold_rows(self, st: Eagle3State, c: int, size: int) -> None:
@@ -205,8 +186,7 @@ class Eagle3Proposer(Proposer):
                 node_roots += [row + len(prompt)] * (size - len(prompt) - 1)
                 head_row += size
             row += sizes[b]
-        depth = min(max((proposals[b].model_depth(seqs[b].spec_state.head_paths) for b in active), default=0) + 1,
-                    self.k) if self.adaptive else self.k
+        depth = self.draft_depth(seqs, proposals)
         num_drafted = replace(self.tree, depth=depth).num_nodes if self.tree is not None else depth
         drafting = []  # (indices into active) the sequences whose scratch rows fit, first come first served
         for i, b in enumerate(active):

@@ -11,33 +11,20 @@ so sorting by chance (shorter paths first on ties) keeps every prefix a tree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from nanospec.model.mlp_speculator import MLPSpeculator
-from nanospec.sequence import Sequence
 from nanospec.speculative.cost import best_seconds
-from nanospec.speculative.ngram import LookupChain, NgramProposer
-from nanospec.speculative.policy import TreeCalibration
-from nanospec.speculative.proposal import Proposal, Verdict
-from nanospec.speculative.proposer import Proposer
+from nanospec.speculative.head import HeadProposer, HeadState
+from nanospec.speculative.ngram import NgramProposer
+from nanospec.speculative.proposal import Proposal
 
 SHIPPED_FOR_EMBEDDED = Path(__file__).resolve().parents[1] / "speculators" / "smollm2-135m-instruct"
 
 
-@dataclass
-class MLPState:
-    num_tokens: int = 0                 # the sequence's length at its last outcome (its last token is t_0)
-    beam: list[list] | None = None      # guessed then, during verification: [token ids, parents, scores]
-    beam_paths: frozenset = frozenset()  # the paths of the ranked tree the beam drafted
-    ranked: Proposal | None = None      # the beam and the n-gram chain, ranked: the next proposal
-    lookup: LookupChain | None = None   # the sequence's n-gram chain, with prompt lookup
-    calibration: TreeCalibration = field(default_factory=TreeCalibration)  # the beam's
-
-
-class MLPSpeculatorProposer(Proposer):
+class MLPSpeculatorProposer(HeadProposer):
     needs_hidden_states = True
 
     def __init__(self, speculator: MLPSpeculator, num_speculative_tokens: int | None = None, tree_top_k: int = 1,
@@ -54,58 +41,22 @@ class MLPSpeculatorProposer(Proposer):
                              f"{speculator.config.num_scored}] (the tokens this speculator scores)")
         self.model = speculator
         self.device = speculator.proj[0].weight.device
-        self.k = k
-        self.width = tree_top_k
-        self.prompt_lookup = prompt_lookup
-        self.adaptive = adaptive
+        self.k, self.width, self.prompt_lookup, self.adaptive = k, tree_top_k, prompt_lookup, adaptive
         self.max_tokens_per_step = k * (tree_top_k + (prompt_lookup is not None))
-
-    def start(self, seq: Sequence) -> None:
-        seq.spec_state = MLPState(lookup=self.prompt_lookup.new_chain(seq.token_ids) if self.prompt_lookup else None)
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
         """On the device: the beam behind each sequence's last emitted token, ``k`` deep, or with the policy one depth
         deeper than the deepest beam guess this step verified (at most ``k``)."""
         rows, last_tokens = verification.last_emitted()
-        depth = max((p.model_depth(_beam_paths(s)) for s, p in zip(verification.seqs, proposals)), default=0) + 1 \
-            if self.adaptive else self.k
-        return list(self.model.propose_tree(hidden[rows], last_tokens, min(depth, self.k), self.width))
+        depth = self.draft_depth(verification.seqs, proposals)
+        return list(self.model.propose_tree(hidden[rows], last_tokens, depth, self.width))
 
-    def rank(self, seqs: list[Sequence], depths: list[int]) -> list[list[tuple[float, int]]]:
-        """Each node's chance and, as its depth, the beam's depths verifying it costs: the deepest beam guess on its
-        path (the n-gram chain's guesses cost nothing to make)."""
-        return [proposal.model_ranking(_beam_paths(seq), depth)
-                for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths)]
-
-    def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        """Each sequence's ranked tree, made when its last outcome came (none if its state is missing or stale)."""
-        return [st.ranked if (st := seq.spec_state) is not None and st.ranked is not None
-                and st.num_tokens == seq.num_tokens else Proposal() for seq in seqs]
-
-    def _ranked_tree(self, state: MLPState) -> Proposal:
-        tokens, parents, scores = state.beam
+    def _drafted_chances(self, state: HeadState, beam: list) -> dict[tuple[int, ...], float]:
+        """The beam's paths (``beam``: token ids, parents, scores), each with its calibrated chance."""
+        tokens, parents, scores = beam
         paths = [tuple(path) for path in Proposal(tokens, parents).paths()]
-        chance = dict(zip(paths, state.calibration.chances(paths, scores)))
-        state.beam_paths = frozenset(paths)
-        if state.lookup is not None:
-            state.lookup.join(chance, self.prompt_lookup, self.k)
-        return Proposal.ranked(chance)
-
-    def commit(self, seq: Sequence, proposal: Proposal, verdict: Verdict) -> None:
-        """Calibrate the beam's ``c`` and the chain's ``a`` on the outcome; rank the beam guessed behind the new last
-        token for the next step."""
-        state: MLPState = seq.spec_state
-        verified = proposal.checked_paths()
-        state.calibration.observe(verified, verdict.emitted)
-        if state.lookup is not None:
-            state.lookup.observe(verified, verdict.emitted)
-        state.beam, state.num_tokens = verdict.ahead, seq.num_tokens
-        state.ranked = self._ranked_tree(state) if state.beam is not None else None
-
-    def preempt(self, seq: Sequence) -> None:
-        seq.spec_state.beam = seq.spec_state.ranked = None
-        seq.spec_state.beam_paths = frozenset()
+        return dict(zip(paths, state.calibration.chances(paths, scores)))
 
     def measure_cost(self) -> float:
         """Seconds per depth of a batch-1 beam ``k`` deep, read back as in a step."""
@@ -119,6 +70,3 @@ class MLPSpeculatorProposer(Proposer):
         beam()
         return best_seconds(beam, self.device) / self.k
 
-
-def _beam_paths(seq: Sequence) -> frozenset:
-    return seq.spec_state.beam_paths if seq.spec_state is not None else frozenset()
