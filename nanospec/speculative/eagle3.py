@@ -63,9 +63,9 @@ class Eagle3Proposer(HeadProposer):
         ``k`` deep; ``prompt_lookup``: an n-gram proposer whose chain joins the guesses."""
         c = head.config.layer
         self.head, self.aux_layers, self.k, self.adaptive = head, aux_layers, k, adaptive
+        self.prompt_lookup = prompt_lookup
         self.device, self.dtype = head.fc.weight.device, head.fc.weight.dtype
         self.tree = _tree_shape(k, tree_top_k, tree_budget, head.config.draft_vocab_size)
-        self.prompt_lookup = prompt_lookup
         self.max_tokens_per_step = (self.tree.num_nodes if self.tree else k) + (k if prompt_lookup else 0)
         self.scratch = self.tree.max_rows if self.tree else k  # head K/V rows past the last accepted one
         self.block_size = block_size
@@ -109,9 +109,7 @@ class Eagle3Proposer(HeadProposer):
         if self.tree is None:
             alpha, chain = st.acceptance.alpha(), [int(t) for t in ahead[0][:st.drafted]]
             return {tuple(chain[:d]): alpha ** d for d in range(1, len(chain) + 1)}
-        token_ids, parents, scores = (row[:st.drafted] for row in ahead)
-        paths = [tuple(p) for p in Proposal([int(v) for v in token_ids], [int(v) for v in parents]).paths()]
-        return dict(zip(paths, st.calibration.chances(paths, scores)))
+        return super()._drafted_chances(st, [row[:st.drafted] for row in ahead])
 
     def preempt(self, seq: Sequence) -> None:
         st: Eagle3State = seq.spec_state

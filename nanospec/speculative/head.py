@@ -1,15 +1,12 @@
-"""A proposer whose model drafts on the device after verification (``read_forward``, no extra target pass): at
-``commit`` the paths it drafted, with the prompt-lookup chain joined where there is one, are ranked by chance into the
-next step's proposal. The MLP speculator and EAGLE-3 head proposers differ only in how they draft and score.
-"""
+"""Proposers whose model drafts on the device after verification (``read_forward``): at ``commit`` the paths drafted,
+with any prompt-lookup chain joined, are ranked by chance into the next proposal (the MLP speculator, EAGLE-3)."""
 
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass, field
 
 from nanospec.sequence import Sequence
-from nanospec.speculative.ngram import LookupChain, NgramProposer
+from nanospec.speculative.ngram import LookupChain
 from nanospec.speculative.policy import TreeCalibration
 from nanospec.speculative.proposal import Proposal, Verdict
 from nanospec.speculative.proposer import Proposer
@@ -23,16 +20,10 @@ class HeadState:
     lookup: LookupChain | None = None    # the sequence's n-gram chain, with prompt lookup
     calibration: TreeCalibration = field(default_factory=TreeCalibration)  # a scored tree's chances
 
-    def forget(self) -> None:
-        self.ranked, self.drafted_paths = None, frozenset()
-
 
 class HeadProposer(Proposer):
-    """Subclasses set ``k`` (the deepest guess), ``adaptive``, ``prompt_lookup`` and implement
-    :meth:`_drafted_chances`; ``extra_forwards``: model forwards a drafted guess costs beyond its depth."""
-    k: int
-    adaptive: bool
-    prompt_lookup: NgramProposer | None
+    """Subclasses set ``k`` (the deepest guess), ``adaptive``, ``prompt_lookup``, and draft in ``read_forward``;
+    ``extra_forwards``: the model forwards a drafted guess costs beyond its depth."""
     extra_forwards = 0
     state_class = HeadState
 
@@ -41,8 +32,7 @@ class HeadProposer(Proposer):
             lookup=self.prompt_lookup.new_chain(seq.token_ids) if self.prompt_lookup else None)
 
     def propose(self, seqs: list[Sequence], depths: list[int]) -> list[Proposal]:
-        """Each sequence's ranked tree, whole, made when its last outcome came (none if its state is missing or
-        stale): the speculator cuts it to ``depths``."""
+        """Each sequence's ranked tree made at its last outcome, whole (none if its state is missing or stale)."""
         return [st.ranked if (st := seq.spec_state) is not None and st.ranked is not None
                 and st.num_tokens == seq.num_tokens else Proposal() for seq in seqs]
 
@@ -53,8 +43,7 @@ class HeadProposer(Proposer):
                 for seq, proposal, depth in zip(seqs, self.propose(seqs, depths), depths)]
 
     def draft_depth(self, seqs: list[Sequence], proposals: list[Proposal]) -> int:
-        """How deep to draft after this step: ``k``, or when adaptive one depth deeper than the deepest drafted guess
-        the step verified (at most ``k``)."""
+        """``k``, or when adaptive one past the deepest drafted guess the step verified (at most ``k``)."""
         if not self.adaptive:
             return self.k
         return min(max((p.model_depth(_drafted_paths(s)) for s, p in zip(seqs, proposals)), default=0) + 1, self.k)
@@ -74,22 +63,21 @@ class HeadProposer(Proposer):
         st.calibration.observe(verified, emitted)
 
     def _rank_drafted(self, st: HeadState, ahead: list | None) -> None:
-        """The next proposal: the paths drafted in ``ahead`` (read_forward's; None: no proposal) with the n-gram
-        chain's, ranked."""
-        if ahead is None:
-            return st.forget()
-        chance = self._drafted_chances(st, ahead)
+        """Rank the paths drafted in ``ahead`` (None: no proposal) with the n-gram chain's: the next proposal."""
+        chance = self._drafted_chances(st, ahead) if ahead is not None else {}
         st.drafted_paths = frozenset(chance)
-        if st.lookup is not None:
+        if st.lookup is not None and ahead is not None:
             st.lookup.join(chance, self.prompt_lookup, self.k)
         st.ranked = Proposal.ranked(chance) if chance else None
 
-    @abc.abstractmethod
     def _drafted_chances(self, st: HeadState, ahead: list) -> dict[tuple[int, ...], float]:
-        """Each path drafted in ``ahead`` (read_forward's values for the sequence), with its chance."""
+        """The paths drafted in ``ahead`` (here a scored tree: token ids, parents, scores), each with its chance."""
+        token_ids, parents, scores = ahead
+        paths = [tuple(path) for path in Proposal(token_ids, parents).paths()]
+        return dict(zip(paths, st.calibration.chances(paths, scores)))
 
     def preempt(self, seq: Sequence) -> None:
-        seq.spec_state.forget()
+        seq.spec_state.ranked, seq.spec_state.drafted_paths = None, frozenset()
 
 
 def _drafted_paths(seq: Sequence) -> frozenset:

@@ -17,7 +17,7 @@ import torch
 
 from nanospec.model.mlp_speculator import MLPSpeculator
 from nanospec.speculative.cost import best_seconds
-from nanospec.speculative.head import HeadProposer, HeadState
+from nanospec.speculative.head import HeadProposer
 from nanospec.speculative.ngram import NgramProposer
 from nanospec.speculative.proposal import Proposal
 
@@ -46,17 +46,11 @@ class MLPSpeculatorProposer(HeadProposer):
 
     def read_forward(self, proposals: list[Proposal], logits: torch.Tensor, hidden: torch.Tensor | None,
                      verification) -> list[torch.Tensor]:
-        """On the device: the beam behind each sequence's last emitted token, ``k`` deep, or with the policy one depth
-        deeper than the deepest beam guess this step verified (at most ``k``)."""
+        """On the device: the beam behind each sequence's last emitted token, :meth:`draft_depth` deep (token ids,
+        parents, scores)."""
         rows, last_tokens = verification.last_emitted()
         depth = self.draft_depth(verification.seqs, proposals)
         return list(self.model.propose_tree(hidden[rows], last_tokens, depth, self.width))
-
-    def _drafted_chances(self, state: HeadState, beam: list) -> dict[tuple[int, ...], float]:
-        """The beam's paths (``beam``: token ids, parents, scores), each with its calibrated chance."""
-        tokens, parents, scores = beam
-        paths = [tuple(path) for path in Proposal(tokens, parents).paths()]
-        return dict(zip(paths, state.calibration.chances(paths, scores)))
 
     def measure_cost(self) -> float:
         """Seconds per depth of a batch-1 beam ``k`` deep, read back as in a step."""
