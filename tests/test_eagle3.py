@@ -579,6 +579,15 @@ def test_a_small_pool_with_the_policy_on_equals_plain(target, weighted_successor
     assert_head_blocks_returned(llm)
 
 
+@pytest.mark.parametrize("tree", [None, TREE], ids=["chain", "tree"])
+def test_a_short_context_with_the_policy_on_equals_plain(target, weighted_successor_head, expected, device, tree):
+    """max_model_len 32, under the 64 positions the policy's measurement of a draft step follows: it measures within
+    the context the head's RoPE covers, and the output is plain decoding's."""
+    llm = eagle_llm(target, weighted_successor_head, device, adaptive=True, tree=tree, max_model_len=32)
+    assert llm.generate([PROMPTS[4]], GREEDY)[0].outputs[0].token_ids == expected[0][4]
+    assert_head_blocks_returned(llm)
+
+
 def test_first_tree_follows_eagle2(target, device, tmp_path):
     """After a prompt the engine's tree (tokens, shape, order, scores) is EAGLE-2's search written out node by
     node in float64 (each node fed its own path): depth 3 needs each node to attend to its ancestors only."""

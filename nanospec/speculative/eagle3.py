@@ -68,7 +68,7 @@ class Eagle3Proposer(HeadProposer):
         self.tree = _tree_shape(k, tree_top_k, tree_budget, head.config.draft_vocab_size)
         self.max_tokens_per_step = (self.tree.num_nodes if self.tree else k) + (k if prompt_lookup else 0)
         self.scratch = self.tree.max_rows if self.tree else k  # head K/V rows past the last accepted one
-        self.block_size = block_size
+        self.block_size, self.max_model_len = block_size, max_model_len
         self.block_manager = BlockManager(2 * num_blocks, block_size)
         self.kv_cache = KVCache(1, 2 * num_blocks, block_size, c.num_key_value_heads, c.head_dim, self.dtype,
                                 self.device)
@@ -274,9 +274,10 @@ class Eagle3Proposer(HeadProposer):
         return self.head.to_target(self.head.logits(state).argmax(dim=-1))
 
     def measure_cost(self) -> float:
-        """Seconds of one draft depth at batch 1 after 64 positions (fewer where the pool is smaller): one chain step,
-        or a whole tree over its depth."""
-        context = min(64, self.block_manager.num_free_blocks * self.block_size - 1 - self.scratch)
+        """Seconds of one draft depth at batch 1 after 64 positions (fewer where the pool or the context is smaller):
+        one chain step, or a whole tree over its depth."""
+        room = self.block_manager.num_free_blocks * self.block_size - 1 - self.scratch
+        context = min(64, self.max_model_len - 1, room)
         if context < 0:  # no sequence's scratch rows ever fit: the head never drafts
             return 0.0
         table: list[int] = []
