@@ -136,6 +136,9 @@ class Engine:
         if len(prompt_token_ids) >= max_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens but the context holds {max_len} "
                              f"(prompt + at least one generated token)")
+        if params.max_tokens is None and params.min_tokens > max_len - len(prompt_token_ids):
+            raise ValueError(f"min_tokens={params.min_tokens} exceeds the {max_len - len(prompt_token_ids)} tokens "
+                             f"the context ({max_len}) leaves after the prompt ({len(prompt_token_ids)} tokens)")
         # the most slots a step holds for it: its tokens and a proposal, within the context
         lifetime = min(len(prompt_token_ids) + (params.max_tokens or max_len) + self.speculator.max_tokens_per_step,
                        max_len)

@@ -188,6 +188,10 @@ def test_max_tokens_none_runs_to_the_context_end(tiny_path, device):
     out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0].outputs[0]
     assert (len(out.token_ids), out.finish_reason) == (24 - 3, "length")
     assert SamplingParams(max_tokens=None, min_tokens=100).min_tokens == 100
+    with pytest.raises(ValueError, match=r"min_tokens=22 exceeds the 21 tokens the context \(24\) leaves"):
+        llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, min_tokens=22))
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None, min_tokens=21))[0].outputs[0]
+    assert len(out.token_ids) == 21
     assert_no_leak(llm)
 
 
