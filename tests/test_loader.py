@@ -268,16 +268,16 @@ def test_load_checkpoint_reads_gguf_and_casts(tmp_path, tiny_state):
     assert checkpoint.tokenizer.bos_token_id == 1 and checkpoint.tokenizer.eos_token_ids == [2]
 
 
-def test_read_config_reads_no_tensor(tmp_path, tiny_state, monkeypatch):
+def test_open_checkpoint_reads_no_tensor(tmp_path, tiny_state, monkeypatch):
     write_tiny_gguf(tmp_path / "tiny.gguf", tiny_state)
     save_tiny_llama(tmp_path / "hf")
     expected = {path: load_checkpoint(path, None).config for path in (tmp_path / "tiny.gguf", tmp_path / "hf")}
     monkeypatch.setattr(loader, "safe_open", forbidden("open the weights of"))
     monkeypatch.setattr(gguf_file, "gguf_weight", forbidden("dequantize"))
     for path, config in expected.items():
-        assert loader.read_config(path) == config
+        assert loader.open_checkpoint(path).config == config
     with pytest.raises(FileNotFoundError, match="model path does not exist"):
-        loader.read_config(tmp_path / "nope")
+        loader.open_checkpoint(tmp_path / "nope")
 
 
 def test_gguf_draft_header_is_parsed_once(tmp_path, tiny_state, monkeypatch, device):

@@ -13,7 +13,6 @@ import math
 import mmap
 import os
 import struct
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,17 +67,14 @@ class _Tensor:
     data: np.ndarray  # its bytes (uint8), a view of the file's memory map
 
 
-def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_size: int = 32,
-              check_config: Callable[[LlamaConfig], None] | None = None) -> GGUFModel:
+def read_gguf(path: str | os.PathLike, quantization: str | None = None, group_size: int = 32) -> GGUFModel:
     """Read a GGUF file of a Llama model. Raises FileNotFoundError, or ValueError naming the file and the key or tensor
     at fault: a corrupt or truncated header, bad metadata (LlamaConfig's checks), a tensor whose name, shape or type
     does not fit the metadata (all before any tensor is dequantized), or NaN or infinite values.
     ``quantization`` (None, "auto", "int4", "int8"; ``nanospec.model.gguf_quant.gguf_weight``): which weights stay
-    or become quantized; None dequantizes every tensor to float32. ``check_config`` is called with the config as soon
-    as it is read, before the tokenizer or any tensor: what it raises ends the read."""
+    or become quantized; None dequantizes every tensor to float32. (:func:`read_gguf_header` and
+    :func:`read_gguf_tensors` are its two halves, for a caller that checks the config before any tensor is read.)"""
     header = read_gguf_header(path)
-    if check_config is not None:
-        check_config(header.config)
     tokenizer_json, tokenizer_config = header.tokenizer()
     return GGUFModel(header.config, read_gguf_tensors(header, quantization, group_size), tokenizer_json,
                      tokenizer_config)

@@ -45,12 +45,6 @@ def load_checkpoint(path: str | os.PathLike | None, dtype: torch.dtype | None, q
     return open_checkpoint(path, check_config).load(dtype, quantization, check_tokenizer)
 
 
-def read_config(path: str | os.PathLike | None) -> LlamaConfig:
-    """The config of the checkpoint :func:`load_checkpoint` would load from `path`, with its errors, read alone:
-    config.json or a GGUF file's header, no tokenizer, no tensor."""
-    return open_checkpoint(path).config
-
-
 def open_checkpoint(path: str | os.PathLike | None,
                     check_config: Callable[[LlamaConfig], None] | None = None) -> OpenCheckpoint:
     """`path` (None: the embedded SmolLM2) opened for :meth:`OpenCheckpoint.load`: its config read (config.json, or a
