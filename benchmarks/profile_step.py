@@ -1,16 +1,24 @@
-"""Where a batch-1 decode step's time goes: the engine's step, by part, under torch's profiler.
+"""Where a batch-1 decode step's time goes: the engine's step, by part, in wall-clock milliseconds.
 
     python benchmarks/profile_step.py                         # embedded SmolLM2, its 4-bit weights
     python benchmarks/profile_step.py --quantization none     # the same model in float32
     python benchmarks/profile_step.py --context 2000          # after a 2,000-token prompt
+    python benchmarks/profile_step.py --table                 # also torch's profiler table of ops
 
 Greedy decode of one prompt (``--context N``: the benchmark prompts' texts joined, N tokens); after a warm-up,
-``--steps`` steps are profiled. Parts, in ms a step: the matmuls of the layers and of the head (torch ops that read
-weights), attention (the CPU backend's ops), norms, RoPE and the K/V write, dtype casts, sampling, the other torch
-ops, and Python (the step's wall time less every op's own time: the engine, the scheduler, the model's Python). Each
-op's own time is taken under the profiler, and the step's wall time from as many steps of the same request just
-before, without it; the profiler adds a little to every op, so the ops' shares are a little high and Python's a
-little low.
+``--steps`` steps are timed as they run, then as many again with each part's functions timed. A part's time is the
+wall time inside its functions, Python included, less the parts called within them:
+
+    matmuls      the layers' weight matmuls (``Int4Linear`` / ``Int8Linear`` / ``Linear``), their input casts included
+    head         the logits: the head's matmul and the re-computation of the logits near the top
+    attention    softmax(q K^T) V over the paged cache (``PagedAttentionPlan.attend``)
+    RoPE, K/V    the rest of a layer's attention: RoPE and the K/V write
+    norms        the RMSNorms (residual adds and output casts included)
+    SiLU-mul     the MLP's activation
+    model, rest  the forward's own Python and ops: the embedding, the per-forward attention plan, the qkv cast
+    engine       the step outside the forward and the logits: scheduler, batch, verification, sampling, bookkeeping
+
+The timers add a little to each call (the difference between the two step times, printed).
 """
 
 from __future__ import annotations
@@ -30,24 +38,47 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_chunked_prefill import prompts  # noqa: E402
 
+import nanospec.engine  # noqa: E402
+import nanospec.kernels.cpu_attention as cpu_attention  # noqa: E402
+import nanospec.model.linear as linear  # noqa: E402
+import nanospec.model.llama as llama  # noqa: E402
 from nanospec import LLM, SamplingParams  # noqa: E402
 
-PARTS = {  # a torch op's name -> the part of the step it belongs to (first match)
-    "matmul, int8 (head)": ("_weight_int8pack_mm",),
-    "matmul": ("_weight_int4pack_mm", "aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn"),
-    "attention": ("bmm", "softmax", "masked_fill", "baddbmm", "scaled_dot_product", "flash_attention"),
-    "norms": ("rsqrt", "aten::pow", "aten::mean", "rms_norm"),
-    "rope, K/V write": ("index_copy", "index_put", "aten::neg", "aten::cos", "aten::sin"),
-    "casts": ("aten::to", "aten::_to_copy", "aten::copy_"),
-    "sampling": ("argmax", "topk", "sort", "multinomial", "exponential", "cumsum"),
-}
+
+class PartTimer:
+    """Wall time by part, each call's time less that of the timed calls within it."""
+
+    def __init__(self):
+        self.ms = defaultdict(float)
+        self.stack: list[list] = []  # [part, the time of timed calls within it so far]
+
+    def wrap(self, part: str, function):
+        def timed(*args, **kwargs):
+            name = "head" if part == "matmuls" and self.stack and self.stack[-1][0] == "head" else part
+            self.stack.append([name, 0.0])
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                _, inner = self.stack.pop()
+                self.ms[name] += (elapsed - inner) * 1e3
+                if self.stack:
+                    self.stack[-1][1] += elapsed
+        return timed
 
 
-def part_of(name: str) -> str:
-    for part, keys in PARTS.items():
-        if any(key in name for key in keys):
-            return part
-    return "other torch ops"
+def time_parts(timer: PartTimer) -> None:
+    """Wraps the step's functions (for the rest of the process) so that ``timer`` times them by part."""
+    for cls in (linear.Int4Linear, linear.Int8Linear, linear.Linear):
+        cls.__call__ = timer.wrap("matmuls", cls.__call__)
+    llama.logits = timer.wrap("head", llama.logits)
+    cpu_attention.PagedAttentionPlan.attend = timer.wrap("attention", cpu_attention.PagedAttentionPlan.attend)
+    cpu_attention.CpuAttention.__call__ = timer.wrap("RoPE, K/V", cpu_attention.CpuAttention.__call__)
+    llama.rms_norm = timer.wrap("norms", llama.rms_norm)
+    llama.silu_and_mul = timer.wrap("SiLU-mul", llama.silu_and_mul)
+    llama.Llama.forward = timer.wrap("model, rest", llama.Llama.forward)
+    nanospec.engine.Engine.step = timer.wrap("engine", nanospec.engine.Engine.step)
 
 
 def main() -> None:
@@ -61,13 +92,13 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     llm = LLM(quantization=None if args.quantization == "none" else args.quantization, dtype="float32",
-              device="cpu", max_num_seqs=1, max_model_len=max(2048, (args.context or 0) + 2 * args.steps + 16))
+              device="cpu", max_num_seqs=1, max_model_len=max(2048, (args.context or 0) + 3 * args.steps + 16))
     prompt = "Write a short story about a lighthouse keeper who finds a message in a bottle."
     if args.context:
         prompt = prompts(llm.tokenizer, args.context)[1]
     engine = llm.engine
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))  # warm-up
-    request = engine.add_request(llm._encode(prompt, True), SamplingParams(temperature=0, max_tokens=2 * args.steps + 8,
+    request = engine.add_request(llm._encode(prompt, True), SamplingParams(temperature=0, max_tokens=3 * args.steps + 8,
                                                                      ignore_eos=True))
     while engine.sequences[request].num_output_tokens < 4:  # the prefill (a chunk a step) and the first decodes
         engine.step()
@@ -75,21 +106,24 @@ def main() -> None:
     for _ in range(args.steps):
         engine.step()
     wall = (time.perf_counter() - wall) / args.steps * 1e3
-    with profile(activities=[ProfilerActivity.CPU]) as prof:  # the same request's next steps
-        for _ in range(args.steps):
-            engine.step()
+    timer = PartTimer()
+    time_parts(timer)
+    timed_wall = time.perf_counter()
+    for _ in range(args.steps):  # the same request's next steps
+        engine.step()
+    timed_wall = (time.perf_counter() - timed_wall) / args.steps * 1e3
+    print(f"quantization={llm.model.quantization}, {torch.get_num_threads()} threads: {wall:.2f} ms a decode step "
+          f"({timed_wall:.2f} with the parts timed)")
+    for part, value in sorted(timer.ms.items(), key=lambda kv: -kv[1]):
+        value /= args.steps
+        print(f"  {part:12s} {value:6.2f} ms  {100 * value / timed_wall:4.0f}%")
+    if args.table:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(args.steps):
+                engine.step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     while engine.has_unfinished():
         engine.step()
-    ms = defaultdict(float)
-    for event in prof.key_averages():
-        ms[part_of(event.key)] += event.self_cpu_time_total / 1e3 / args.steps
-    ms["Python"] = max(wall - sum(ms.values()), 0.0)
-    print(f"quantization={llm.model.quantization}, {torch.get_num_threads()} threads: {wall:.2f} ms a decode step")
-    for part, value in sorted(ms.items(), key=lambda kv: -kv[1]):
-        print(f"  {part:18s} {value:6.2f} ms  {100 * value / wall:4.0f}%")
-    if args.table:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-
 
 if __name__ == "__main__":
     main()
