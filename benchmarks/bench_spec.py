@@ -1,6 +1,7 @@
 """Speculative decoding on a prompt set: nanospec plain / n-gram / draft model / MLP speculator vs transformers, greedy.
 
-    python benchmarks/bench_spec.py                        # embedded SmolLM2, fp32 on CPU, every prompt
+    python benchmarks/bench_spec.py                        # embedded SmolLM2 (its 4-bit weights) on CPU, every prompt
+    python benchmarks/bench_spec.py --quantization none    # the same with float32 weights
     python benchmarks/bench_spec.py --limit 1 --max-tokens 16 --categories summarization   # a quick look
     python benchmarks/bench_spec.py --device cuda --dtype bfloat16 --draft path/to/small-llama --json spec.json
     python benchmarks/bench_spec.py --batch 16 --methods plain ngram   # 16 requests at a time
@@ -337,6 +338,7 @@ def main():
     p.add_argument("--no-adaptive", action="store_true",
                    help="nanospec verifies every guess (default: only as many as pay off on this machine)")
     p.add_argument("--dtype", default=None)
+    p.add_argument("--quantization", default="auto", help="the target's weights: auto (a GGUF's own), int4, int8 or none")
     p.add_argument("--device", default=None)
     p.add_argument("--no-transformers", action="store_true")
     p.add_argument("--enforce-eager", action="store_true",
@@ -367,7 +369,7 @@ def main():
           f"threads {torch.get_num_threads()}, dtype {dtype}, batch {args.batch}, "
           f"{'greedy' if args.temperature == 0 else f'temperature {args.temperature} top_p {args.top_p}'}, "
           f"max {args.max_tokens} new tokens, {len(prompts)} prompts")
-    print(f"target {model_path.name}; ngram k={args.k['ngram']} n-gram<={args.prompt_lookup_max}"
+    print(f"target {model_path.name} (quantization: {args.quantization}); ngram k={args.k['ngram']} n-gram<={args.prompt_lookup_max}"
           + (f"; draft {draft} k={args.k['draft']}" if draft else "")
           + (f"; mlp speculator {args.mlp_speculator or '(shipped)'} k={args.k['mlp_speculator']}"
              if set(MLP_METHODS) & set(args.methods) else "")
@@ -380,6 +382,7 @@ def main():
     for method in args.methods:
         print(f"nanospec {method}: loading ...", flush=True)
         llm = LLM(args.model, dtype=dtype, device=device, max_num_seqs=args.batch,
+                  quantization=None if args.quantization == "none" else args.quantization,
                   enforce_eager=args.enforce_eager or None,
                   speculative_config=speculative_config(method, args, draft))
         if prompt_ids is None:
