@@ -763,6 +763,23 @@ def test_command_line_checks_every_argument_before_loading(model_path, tmp_path,
         run.stderr
 
 
+@pytest.mark.parametrize("key", ["", " ", "k3y ", "k\u00e9y", "k3y\n"])
+def test_an_api_key_no_client_can_send_is_refused_at_start(model_path, monkeypatch, capsys, key):
+    """An HTTP header cannot carry an empty key, one ending in a space (the server reads the header without it) or
+    one that is not printable ASCII: served, every client would get 401. From the flag or the environment, it is
+    one 'error:' line (without the key) and exit 2, before any model is read."""
+    monkeypatch.setattr(serve_main, "_serve", lambda args, sock: pytest.fail("a key no client can send got through"))
+    for argv, env in ((["--api-key", key], None), ([], key)):
+        if env is None:
+            monkeypatch.delenv("NANOSPEC_API_KEY", raising=False)
+        else:
+            monkeypatch.setenv("NANOSPEC_API_KEY", env)
+        assert serve_main.main(["--model", model_path, "--port", "0", *argv]) == 2, (argv, env)
+        stderr = capsys.readouterr().err
+        assert stderr.startswith("error: the API key") and stderr.count("\n") == 1, stderr
+        assert not key.strip() or key.strip() not in stderr
+
+
 def test_engine_flags_reach_the_engine_arguments(model_path):
     args = serve_main.parse_args(["--model", model_path, "--no-enable-chunked-prefill", "--no-enable-prefix-caching",
                                   "--max-num-batched-tokens", "64"])

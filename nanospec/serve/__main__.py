@@ -84,8 +84,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _check(args: argparse.Namespace) -> None:
-    """What argparse cannot see: ranges, the model path, the engine's arguments (``args.engine``, an
-    :class:`~nanospec.engine_args.EngineArgs`), the default sampling, the host."""
+    """What argparse cannot see: ranges, an API key a client can send, the model path, the engine's arguments
+    (``args.engine``, an :class:`~nanospec.engine_args.EngineArgs`), the default sampling, the host."""
     from nanospec.engine_args import EngineArgs
     from nanospec.model.generation_config import default_sampling
     from nanospec.model.quantization import quantization_from_cli
@@ -96,6 +96,11 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-queue-len {args.max_queue_len}: must be >= 0")
     if args.max_request_bytes < 1:
         raise UsageError(f"--max-request-bytes {args.max_request_bytes}: must be >= 1")
+    key = args.api_key
+    if key is not None and not (key.strip() and key.isascii() and key.isprintable() and not key.endswith(" ")):
+        raise UsageError("the API key (--api-key or NANOSPEC_API_KEY) must be printable ASCII, not empty and not "
+                         "ending in a space: clients send it in an HTTP header, which carries nothing else (unset "
+                         "both to serve without a key)")
     try:
         args.engine = EngineArgs(args.model, args.dtype, args.device, speculative_config=args.speculative_config,
                                  num_blocks=args.num_blocks, block_size=args.block_size,
