@@ -557,6 +557,24 @@ def test_a_prompt_too_long_for_the_context_names_the_prompt(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def test_a_kv_pool_smaller_than_the_context_names_the_field_at_fault(model_path):
+    """A pool of 64 tokens under a context of 256: a short prompt with more max_tokens than the pool holds is a 400
+    naming the max_tokens field it gave (as for the context), a prompt the pool cannot hold one naming the prompt."""
+    llm = LLM(model_path, num_blocks=16, block_size=4)
+    with serving(llm) as url:
+        for path, body, param in (("completions", {"prompt": "hi", "max_tokens": 100}, "max_tokens"),
+                                  ("completions", {"prompt": ["hi", "yo"], "max_tokens": 100}, "max_tokens"),
+                                  ("chat/completions", {"messages": MESSAGES, "max_completion_tokens": 100},
+                                   "max_completion_tokens"),
+                                  ("completions", {"prompt": "ab" * 40, "max_tokens": 2}, "prompt"),
+                                  ("chat/completions", {"messages": [{"role": "user", "content": "ab" * 40}],
+                                                        "max_tokens": 2}, "messages")):
+            r = httpx.post(f"{url}/v1/{path}", json=body)
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            assert "KV pool" in r.json()["error"]["message"] and param in r.json()["error"]["message"], r.text
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 40}).status_code == 200
+
+
 def test_a_chat_over_the_context_names_the_max_tokens_field_it_gave(server):
     """OpenAI's newer max_completion_tokens: a value the context cannot hold is a 400 naming that field."""
     url, _ = server

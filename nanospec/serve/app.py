@@ -156,7 +156,7 @@ class Server:
         the request's, else the model's default, else ``default_max_tokens`` (None: what the context leaves), each
         default cut to what the context leaves; a prompt that leaves no room is the prompt's fault (``param`` is
         ``prompt_field``), one that leaves too little for the max_tokens the request asked for is the field it gave
-        (chat: max_completion_tokens, where given)."""
+        (chat: max_completion_tokens, where given); the same for the KV pool, which may hold less than the context."""
         room = self.max_model_len - max(len(ids) for ids in prompts)
         asked_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         asked = getattr(body, asked_field)
@@ -181,8 +181,14 @@ class Server:
                 self.engine.validate_prompt(ids, params.for_choice(0))
             except ValueError as e:  # a token id outside the vocabulary, a KV pool too small, a bad stop token id
                 field = _field_named(e, body)
-                prefix = where or ("prompt: " if field is None else "")
-                raise APIError(400, f"{prefix}{e}", field or prompt_field) from None
+                if field is not None:
+                    raise APIError(400, f"{where}{e}", field) from None
+                try:  # the prompt's fault, unless it passes with one token to generate (a KV pool too small for more)
+                    self.engine.validate_prompt(ids, replace(params.for_choice(0), max_tokens=1, min_tokens=0))
+                    field = asked_field
+                except ValueError:
+                    field = prompt_field
+                raise APIError(400, f"{where}{field}: {e}", field) from None
         return params
 
     @staticmethod
