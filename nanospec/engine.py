@@ -83,6 +83,10 @@ class Engine:
         self.scheduler = Scheduler(self.block_manager, max_num_seqs, max_num_batched_tokens,
                                    num_lookahead_slots=self.speculator.num_lookahead_slots,
                                    on_preempt=self.speculator.preempt, enable_chunked_prefill=enable_chunked_prefill)
+        # the most tokens (prompt and output) one request may reach: the context, or what the KV pool holds beside a
+        # step's guesses where that is less (validate_prompt refuses more); what a server's default max_tokens fills
+        pool = num_blocks * block_size
+        self.max_request_len = max_model_len if max_model_len <= pool else pool - self.speculator.max_tokens_per_step
         self.threads = ThreadTuner() if tune_threads else None
         self._step_tokens = 0  # the last step's forward, in tokens
         self.sequences: dict[int, Sequence] = {}

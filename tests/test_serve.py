@@ -575,6 +575,20 @@ def test_a_kv_pool_smaller_than_the_context_names_the_field_at_fault(model_path)
         assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 40}).status_code == 200
 
 
+@pytest.mark.parametrize("speculative_config", [None, NGRAM])
+def test_a_chat_without_max_tokens_runs_to_what_the_kv_pool_holds(model_path, speculative_config):
+    """A pool of 64 tokens under a context of 256: a chat that leaves max_tokens out gets what the pool leaves after
+    the prompt (and a step's guesses), as it gets what the context leaves where the pool holds the context."""
+    llm = LLM(model_path, num_blocks=16, block_size=4, speculative_config=speculative_config)
+    guesses = NGRAM["num_speculative_tokens"] if speculative_config else 0
+    with serving(llm) as url:
+        r = httpx.post(f"{url}/v1/chat/completions", json={"messages": MESSAGES, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        assert usage["total_tokens"] == 64 - guesses and r.json()["choices"][0]["finish_reason"] == "length"
+        _wait_until(lambda: _idle(llm))
+
+
 def test_a_chat_over_the_context_names_the_max_tokens_field_it_gave(server):
     """OpenAI's newer max_completion_tokens: a value the context cannot hold is a 400 naming that field."""
     url, _ = server

@@ -6,8 +6,8 @@
       3. the model must be the served one (404)
       4. check the messages (nanospec.chat_messages, as LLM.chat does), render the chat template and tokenize; the
          fields the request leaves out come from the model's default sampling (--generation-config); max_tokens
-         defaults to the model's, else 16 for completions, what the context leaves for chat; prompt + max_tokens
-         within the context, SamplingParams valid (400), all before any work
+         defaults to the model's, else 16 for completions, what the context (or a smaller KV pool) leaves for chat;
+         prompt + max_tokens within the context and the KV pool, SamplingParams valid (400), all before any work
       5. room in the queue for every completion (503), then n completions per prompt go to the engine loop
          (engine_loop.py); their outputs arrive, as they are made, on this HTTP request's own asyncio queue
       6. stream: a server-sent event per output (new text, new log-probs), the usage when asked for, then
@@ -154,10 +154,11 @@ class Server:
                 logprobs: int | None) -> SamplingParams:
         """The request's SamplingParams, every prompt checked against the context and the KV pool: 400s. max_tokens:
         the request's, else the model's default, else ``default_max_tokens`` (None: what the context leaves), each
-        default cut to what the context leaves; a prompt that leaves no room is the prompt's fault (``param`` is
-        ``prompt_field``), one that leaves too little for the max_tokens the request asked for is the field it gave
-        (chat: max_completion_tokens, where given); the same for the KV pool, which may hold less than the context."""
-        room = self.max_model_len - max(len(ids) for ids in prompts)
+        default cut to what the context leaves (or the KV pool, where it holds less: ``max_request_len``); a prompt
+        that leaves no room is the prompt's fault (``param`` is ``prompt_field``), one that leaves too little for the
+        max_tokens the request asked for is the field it gave (chat: max_completion_tokens, where given); the same
+        for the KV pool."""
+        room = self.engine.max_request_len - max(len(ids) for ids in prompts)
         asked_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         asked = getattr(body, asked_field)
         max_tokens = asked or max(min(self.defaults.get("max_tokens") or default_max_tokens or room, room), 1)

@@ -48,6 +48,7 @@ class ServedEngine(Protocol):
     tokenizer: Tokenizer
     vocab_size: int
     max_model_len: int
+    max_request_len: int  # the context, or less where the KV pool holds less
     max_num_seqs: int
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None: ...

@@ -130,8 +130,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatCompletionRequest(SamplingFields):
-    """``/v1/chat/completions``: ``max_tokens`` (or ``max_completion_tokens``) defaults to what the context leaves
-    after the prompt; ``logprobs`` is a bool and ``top_logprobs`` the count, as OpenAI has them;
+    """``/v1/chat/completions``: ``max_tokens`` (or ``max_completion_tokens``) defaults to what the context (or a
+    smaller KV pool) leaves after the prompt; ``logprobs`` is a bool and ``top_logprobs`` the count, as OpenAI has them;
     ``add_special_tokens`` (vLLM's): the rendered chat gets the tokenizer's special tokens too (the template writes
     its own)."""
     messages: Messages = None
