@@ -358,6 +358,20 @@ def test_full_queue_503_and_disconnect_frees_kv(model_path):
         assert _client(url).completions.create(model="tiny", prompt="hi", max_tokens=2).usage.completion_tokens == 2
 
 
+def test_more_completions_than_the_server_holds_name_the_field_that_asked_for_them(model_path):
+    """max_num_seqs 1 + max_queue_len 1: a server that never holds more than two completions at once refuses three
+    with a 400 naming n where n asked for them, the prompt where a list of prompts did."""
+    llm = LLM(model_path, num_blocks=64, block_size=4, max_num_seqs=1)
+    with serving(llm, max_queue_len=1) as url:
+        for body, param in (({"prompt": "hi", "n": 3}, "n"), ({"prompt": ["a", "b", "c"]}, "prompt"),
+                            ({"prompt": [[7], [8], [9]]}, "prompt"), ({"messages": MESSAGES, "n": 3}, "n")):
+            path = "chat/completions" if "messages" in body else "completions"
+            r = httpx.post(f"{url}/v1/{path}", json={**body, "max_tokens": 2})
+            assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+            assert r.json()["error"]["message"].startswith(f"{param}: 3 completions"), r.text
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": ["a", "b"], "max_tokens": 2}).status_code == 200
+
+
 def test_tokenize_detokenize_health_metrics(server, offline):
     url, llm = server
     body = {"prompt": PROMPTS, "max_tokens": 20, "temperature": 0, **REPEAT}  # (n-gram guesses land: some accepted)

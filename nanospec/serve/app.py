@@ -215,9 +215,10 @@ class Server:
         """Queue n completions per prompt (choice ``i * n + c``: prompt i, completion c), then answer."""
         outputs: asyncio.Queue = asyncio.Queue()
         count = len(prompts) * params.n
-        if count > self.engine_loop.capacity:
-            raise APIError(400, f"n: {count} completions ({len(prompts)} prompts x n={params.n}) are more than this "
-                                f"server ever holds at once ({self.engine_loop.capacity})", "n")
+        if count > self.engine_loop.capacity:  # (n asked for them, or a list of prompts)
+            field = "n" if params.n > 1 else "prompt"
+            raise APIError(400, f"{field}: {count} completions ({len(prompts)} prompts x n={params.n}) are more than "
+                                f"this server ever holds at once ({self.engine_loop.capacity})", field)
         try:
             self.engine_loop.check_room(count)
             served = [self.engine_loop.submit(ids, params.for_choice(c), i * params.n + c, outputs)
