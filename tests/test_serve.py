@@ -288,6 +288,7 @@ def test_n_seed_logprobs_equal_offline(server, offline):
     ({"prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
     ({"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
     ({"prompt": "hi", "logit_bias": {"7": 101}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"9" * 5000: 1}}, 400, "logit_bias"),  # (int() refuses over 4300 digits)
     ({"prompt": "hi", "tools": []}, 400, "tools"),
     ({"prompt": "hi", "min_tokens": 30, "max_tokens": 10}, 400, "min_tokens"),
     ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),

@@ -106,8 +106,11 @@ class SamplingFields(Body):
 
 
 def _token_id(key: str) -> int:
-    if not (key.isascii() and key.isdigit()):
-        raise ValueError(f"logit_bias: {key!r} is not a token id (the keys are token ids as strings, e.g. \"50256\")")
+    """A logit_bias key as a token id: at most 20 ASCII digits (no vocabulary's ids are longer; int() refuses a
+    string of over 4300)."""
+    if not (key.isascii() and key.isdigit() and len(key) <= 20):
+        shown = repr(key) if len(key) <= 40 else f"{key[:40]!r}... ({len(key)} characters)"
+        raise ValueError(f"logit_bias: {shown} is not a token id (the keys are token ids as strings, e.g. \"50256\")")
     return int(key)
 
 
