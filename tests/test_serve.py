@@ -218,6 +218,35 @@ def test_echo_with_prompt_logprobs(server, offline):
                                      ).choices[0].logprobs is None
 
 
+def test_echo_with_max_tokens_0_scores_the_prompt_alone(server, offline):
+    """OpenAI's (and vLLM's) echo with max_tokens 0: the prompt is the text and, with logprobs, its log-probabilities
+    are the offline prompt_logprobs; nothing generated shows, finish_reason "length"; streamed and not. Without echo,
+    max_tokens 0 is a 400 naming it."""
+    url, llm = server
+    expected = offline.generate([PROMPTS[1]], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2))[0]
+    wanted = [e.logprob for e in expected.prompt_logprobs[1:]]
+    body = {"prompt": PROMPTS[1], "max_tokens": 0, "echo": True, "logprobs": 2, "return_token_ids": True}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    choice, usage = r.json()["choices"][0], r.json()["usage"]
+    assert (choice["text"], choice["token_ids"], choice["finish_reason"]) == (PROMPTS[1], [], "length")
+    assert usage["completion_tokens"] == 0 and usage["prompt_tokens"] == len(expected.prompt_token_ids)
+    lp = choice["logprobs"]
+    assert "".join(lp["tokens"]) == PROMPTS[1] and lp["token_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(wanted, abs=1e-4)
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}}) as response:
+        chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    choices = [c for chunk in chunks for c in chunk["choices"]]
+    assert "".join(c["text"] for c in choices) == PROMPTS[1] and choices[-1]["finish_reason"] == "length"
+    assert [t for c in choices for t in c["logprobs"]["tokens"]] == lp["tokens"]
+    assert [t for c in choices for t in c["token_ids"]] == [] and chunks[-1]["usage"]["completion_tokens"] == 0
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "echo" in r.json()["error"]["message"]
+    _wait_until(lambda: _idle(llm))
+
+
 def test_streamed_logprobs_equal_unstreamed(server):
     """Tokens, log-probabilities and text offsets, also where a token's text is held back (half a character)."""
     url, llm = server

@@ -125,6 +125,12 @@ class Server:
     # ---------------------------------------------------------------- the completion endpoints
     async def completions(self, request: Request):
         body = await self._parse(request, CompletionRequest)
+        echo_only = body.max_tokens == 0  # (OpenAI's and vLLM's: the prompt scored; one token is made, not shown)
+        if echo_only and not body.echo:
+            raise APIError(400, "max_tokens: 0 makes nothing, which only echo asks for (the prompt and, with logprobs, "
+                                "its log-probabilities): give max_tokens >= 1, or echo: true", "max_tokens")
+        if echo_only:
+            body = body.model_copy(update={"max_tokens": 1})
         given = body.prompts()
         prompts = [self._encode(p, body.add_special_tokens) for p in given]
         if not prompts:
@@ -135,7 +141,7 @@ class Server:
             echo = [p if isinstance(p, str) else self._prompt_text(p) for p in given]
             params = replace(params, prompt_logprobs=body.logprobs)
         fmt = Formatter(self.tokenizer, self.model_name, chat=False, token_ids=body.return_token_ids, echo=echo,
-                        n=params.n)
+                        n=params.n, echo_only=echo_only)
         return await self._generate(request, body, fmt, prompts, params)
 
     async def chat_completions(self, request: Request):
@@ -253,6 +259,7 @@ class Server:
                 for s in served:
                     yield sse(fmt.chunk([fmt.role_choice(s.index)], include_usage=include_usage))
             async for index, out in self._outputs(served, outputs):
+                out = fmt.shown(out)
                 if out.finish_reason == "error":
                     yield sse(error_body(500, f"generation failed: {out.error}", "server_error"))
                     continue  # (an abort, the server shutting down, ends the choice with a chunk like any finish)

@@ -117,9 +117,10 @@ def _token_id(key: str) -> int:
 class CompletionRequest(SamplingFields):
     """``/v1/completions``: one prompt (text or token ids) or a list of them; ``max_tokens`` defaults to 16. ``echo``:
     each choice's text starts with its prompt, and with ``logprobs`` so do its log-probabilities (the first prompt
-    token's is null). ``add_special_tokens`` (vLLM's): a text prompt gets the tokenizer's special tokens (BOS where
-    it adds one)."""
+    token's is null); with ``max_tokens`` 0 (OpenAI's and vLLM's) that is all it holds. ``add_special_tokens``
+    (vLLM's): a text prompt gets the tokenizer's special tokens (BOS where it adds one)."""
     prompt: Str | list[Str] | TokenIds | list[TokenIds]
+    max_tokens: Int | None = Field(None, ge=0)  # 0: with echo only (the server checks)
     logprobs: Int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Bool = False
     add_special_tokens: Bool = True

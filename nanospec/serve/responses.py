@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from dataclasses import replace
 
 from nanospec.outputs import CompletionOutput, TokenLogprob
 from nanospec.tokenizer import Tokenizer
@@ -35,18 +36,28 @@ class Formatter:
     """Builds one HTTP request's responses: its id, creation time and model name are fixed at construction."""
 
     def __init__(self, tokenizer: Tokenizer, model: str, chat: bool, token_ids: bool = False,
-                 echo: list[str] | None = None, n: int = 1):
+                 echo: list[str] | None = None, n: int = 1, echo_only: bool = False):
         self.tokenizer = tokenizer
         self.model = model
         self.chat = chat
         self.token_ids = token_ids  # add each choice's token ids (vLLM's return_token_ids)
         self.echo = echo  # completions' echo: each prompt's text (choice i * n + c is prompt i's)
         self.n = n
+        self.echo_only = echo_only  # echo with max_tokens 0: what is made is not shown
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"  # unique, as vLLM's
         self.created = int(time.time())
 
     def _token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def shown(self, out: CompletionOutput) -> CompletionOutput:
+        """What a choice shows of an output: all of it, or with ``echo_only`` none of what was made (a finish by stop
+        or length is "length": max_tokens 0 was reached)."""
+        if not self.echo_only:
+            return out
+        finish_reason = "length" if out.finish_reason in ("stop", "length") else out.finish_reason
+        return replace(out, text="", delta_text="", token_ids=[], logprobs=None if out.logprobs is None else [],
+                       finish_reason=finish_reason, stop_reason=None)
 
     # ---------------------------------------------------------------- log-probabilities
     def echo_of(self, out: CompletionOutput, index: int) -> tuple[str, list[int], list] | None:
@@ -84,6 +95,7 @@ class Formatter:
     # ---------------------------------------------------------------- whole responses
     def response(self, outputs: list[CompletionOutput], prompt_tokens: int) -> dict:
         """The non-streaming response; ``outputs[i]`` is choice ``i``."""
+        outputs = [self.shown(out) for out in outputs]
         choices = []
         for index, out in enumerate(outputs):
             echo = self.echo_of(out, index)
