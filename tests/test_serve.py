@@ -601,6 +601,17 @@ def test_a_prompt_too_long_for_the_context_names_the_prompt(server):
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
 
 
+def test_each_prompt_of_a_list_gets_its_own_default_max_tokens(server):
+    """max_tokens left out: each prompt gets 16, or what the context leaves after that prompt where less (as vLLM
+    has it), not what the context leaves after the longest prompt of the list."""
+    url, _ = server
+    long_prompt = "ab" * 125 + "a"  # 251 tokens: the context (256) leaves 5
+    body = {"prompt": ["hi", long_prompt], "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    r = httpx.post(f"{url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert [len(c["token_ids"]) for c in r.json()["choices"]] == [16, 5]
+
+
 def test_a_kv_pool_smaller_than_the_context_names_the_field_at_fault(model_path):
     """A pool of 64 tokens under a context of 256: a short prompt with more max_tokens than the pool holds is a 400
     naming the max_tokens field it gave (as for the context), a prompt the pool cannot hold one naming the prompt."""

@@ -139,9 +139,9 @@ class Server:
         echo = None
         if body.echo:
             echo = [p if isinstance(p, str) else self._prompt_text(p) for p in given]
-            params = replace(params, prompt_logprobs=body.logprobs)
+            params = [replace(p, prompt_logprobs=body.logprobs) for p in params]
         fmt = Formatter(self.tokenizer, self.model_name, chat=False, token_ids=body.return_token_ids, echo=echo,
-                        n=params.n, echo_only=echo_only)
+                        n=body.n, echo_only=echo_only)
         return await self._generate(request, body, fmt, prompts, params)
 
     async def chat_completions(self, request: Request):
@@ -157,23 +157,24 @@ class Server:
         return await self._generate(request, body, fmt, [prompt], params)
 
     def _params(self, body: SamplingFields, prompts: list[list[int]], prompt_field: str, default_max_tokens: int | None,
-                logprobs: int | None) -> SamplingParams:
-        """The request's SamplingParams, every prompt checked against the context and the KV pool: 400s. max_tokens:
+                logprobs: int | None) -> list[SamplingParams]:
+        """Each prompt's SamplingParams, the prompt checked against the context and the KV pool: 400s. max_tokens:
         the request's, else the model's default, else ``default_max_tokens`` (None: what the context leaves), each
-        default cut to what the context leaves (or the KV pool, where it holds less: ``max_request_len``); a prompt
-        that leaves no room is the prompt's fault (``param`` is ``prompt_field``), one that leaves too little for the
-        max_tokens the request asked for is the field it gave (chat: max_completion_tokens, where given); the same
-        for the KV pool."""
-        room = self.engine.max_request_len - max(len(ids) for ids in prompts)
+        default cut to what the context leaves after that prompt (or the KV pool, where it holds less:
+        ``max_request_len``); a prompt that leaves no room is the prompt's fault (``param`` is ``prompt_field``), one
+        that leaves too little for the max_tokens the request asked for is the field it gave (chat:
+        max_completion_tokens, where given); the same for the KV pool."""
         asked_field = "max_completion_tokens" if getattr(body, "max_completion_tokens", None) else "max_tokens"
         asked = getattr(body, asked_field)
-        max_tokens = asked or max(min(self.defaults.get("max_tokens") or default_max_tokens or room, room), 1)
-        try:
-            params = body.sampling_params(max_tokens, logprobs, self.defaults)
-        except ValueError as e:
-            raise APIError(400, str(e), _field_named(e, body)) from None
+        every = []
         for i, ids in enumerate(prompts):
             where = f"prompt {i}: " if len(prompts) > 1 else ""
+            room = self.engine.max_request_len - len(ids)
+            max_tokens = asked or max(min(self.defaults.get("max_tokens") or default_max_tokens or room, room), 1)
+            try:
+                params = body.sampling_params(max_tokens, logprobs, self.defaults)
+            except ValueError as e:
+                raise APIError(400, str(e), _field_named(e, body)) from None
             if len(ids) >= self.max_model_len:
                 raise APIError(400, f"{where}{prompt_field}: {len(ids)} tokens, but this model's context is "
                                     f"{self.max_model_len} tokens (the prompt and at least one generated token); "
@@ -196,7 +197,8 @@ class Server:
                 except ValueError:
                     field = prompt_field
                 raise APIError(400, f"{where}{field}: {e}", field) from None
-        return params
+            every.append(params)
+        return every
 
     @staticmethod
     def _messages(messages) -> list[dict]:
@@ -217,18 +219,20 @@ class Server:
                            else "messages") from None
 
     async def _generate(self, request: Request, body: SamplingFields, fmt: Formatter, prompts: list[list[int]],
-                        params: SamplingParams):
-        """Queue n completions per prompt (choice ``i * n + c``: prompt i, completion c), then answer."""
+                        params: list[SamplingParams]):
+        """Queue n completions per prompt (choice ``i * n + c``: prompt i with ``params[i]``, completion c), then
+        answer."""
         outputs: asyncio.Queue = asyncio.Queue()
-        count = len(prompts) * params.n
+        n = body.n
+        count = len(prompts) * n
         if count > self.engine_loop.capacity:  # (n asked for them, or a list of prompts)
-            field = "n" if params.n > 1 else "prompt"
-            raise APIError(400, f"{field}: {count} completions ({len(prompts)} prompts x n={params.n}) are more than "
+            field = "n" if n > 1 else "prompt"
+            raise APIError(400, f"{field}: {count} completions ({len(prompts)} prompts x n={n}) are more than "
                                 f"this server ever holds at once ({self.engine_loop.capacity})", field)
         try:
             self.engine_loop.check_room(count)
-            served = [self.engine_loop.submit(ids, params.for_choice(c), i * params.n + c, outputs)
-                      for i, ids in enumerate(prompts) for c in range(params.n)]
+            served = [self.engine_loop.submit(ids, prompt_params.for_choice(c), i * n + c, outputs)
+                      for i, (ids, prompt_params) in enumerate(zip(prompts, params)) for c in range(n)]
         except QueueFull as e:
             raise APIError(503, str(e)) from None
         except RuntimeError as e:
