@@ -5,6 +5,7 @@ token for token, with and without speculation; errors, limits, auth, disconnects
 import asyncio
 import contextlib
 import json
+import logging
 import re
 import signal
 import socket
@@ -557,6 +558,28 @@ def test_disconnect_while_waiting_aborts(server):
     _wait_until(lambda: 'finished_reason="abort"' in httpx.get(f"{url}/metrics").text)
     _wait_until(lambda: _idle(llm))
     assert_no_leak(llm)
+
+
+def test_a_client_gone_before_its_body_ends_is_no_server_error(server):
+    """A client that closes the connection halfway through sending its body: no 'Exception in ASGI application'
+    (a traceback in the server's log), and the server goes on serving."""
+    url, _ = server
+    errors = []
+    handler = logging.Handler()
+    handler.emit = errors.append
+    uvicorn_log = logging.getLogger("uvicorn.error")
+    uvicorn_log.addHandler(handler)
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 1000\r\n\r\n{\"prompt\": \"hi\"")
+            time.sleep(0.3)  # (the server is reading the body)
+        time.sleep(0.5)
+        assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    finally:
+        uvicorn_log.removeHandler(handler)
+    assert not [r for r in errors if r.levelno >= logging.ERROR], [r.getMessage() for r in errors]
 
 
 # ---------------------------------------------------------------------------------------------------- first contact

@@ -34,6 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from nanospec.chat_messages import check_messages
 from nanospec.llm import LLM
@@ -378,11 +379,14 @@ class Server:
             raise APIError(413, f"the request body is {declared} bytes; this server takes at most "
                                 f"{self.max_request_bytes}")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > self.max_request_bytes:
-                raise APIError(413, f"the request body is over {self.max_request_bytes} bytes, this server's limit")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > self.max_request_bytes:
+                    raise APIError(413, f"the request body is over {self.max_request_bytes} bytes, this server's limit")
+                chunks.append(chunk)
+        except ClientDisconnect:  # (an answer nobody reads, and no server error)
+            raise APIError(499, "the client closed the connection before the whole body came") from None
         raw = b"".join(chunks)
         try:
             body = model.model_validate_json(raw)
