@@ -297,6 +297,27 @@ def test_dead_worker_raises_within_seconds_and_shutdown_ends_everything(target_p
         llm.generate(PROMPTS[:1], GREEDY)
 
 
+def test_ctrl_c_inside_a_step_raises_keyboard_interrupt(target_path, monkeypatch):
+    """Ctrl-C while the driver runs its shard (the worker already in the forward's collectives) reaches the caller as
+    KeyboardInterrupt at once, as at TP 1 (the chat's Ctrl-C handling catches it), not as a TensorParallelError;
+    the ranks are out of step, so the next call raises TensorParallelError naming it, every block is back in the pool
+    and leaving the block ends the stuck worker."""
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with LLM(target_path, tensor_parallel_size=2, **KW) as llm:
+        llm.generate(PROMPTS[:1], GREEDY)
+        monkeypatch.setattr(llm.engine.runner.local, "execute", interrupted)
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(PROMPTS, GREEDY)
+        assert time.monotonic() - start < 1
+        assert_no_leak(llm)
+        with pytest.raises(TensorParallelError, match="out of step: KeyboardInterrupt"):
+            llm.generate(PROMPTS[:1], GREEDY)
+    _assert_workers_gone(llm)
+
+
 @pytest.mark.parametrize("ending", ["exit", "killed"])
 def test_the_workers_end_with_their_driver(target_path, ending):
     """A script that never calls shutdown() and exits, or whose driver is killed (no atexit, no finalizer): its

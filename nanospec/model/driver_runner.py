@@ -1,7 +1,8 @@
 """The driver's runner of a tensor-parallel model: every call goes to the workers as a command
 (:mod:`nanospec.model.commands`), then runs on the driver's shard, so all ranks enter the collectives together.
 A call that fails part-way leaves the ranks out of step, so it is fatal: it raises
-:class:`~nanospec.model.parallel.TensorParallelError`, remembered by the group's ``health`` for every later call.
+:class:`~nanospec.model.parallel.TensorParallelError` (an interrupt, Ctrl-C's KeyboardInterrupt or SystemExit, is raised
+as it is), remembered by the group's ``health`` for every later call.
 """
 
 from __future__ import annotations
@@ -70,10 +71,13 @@ class DriverRunner:
         except TensorParallelError:
             raise
         except BaseException as error:
-            try:  # a worker that died makes a collective fail a moment before its exit can be seen
-                health.check(2.0)
-            except TensorParallelError as died:
-                raise died from error
+            if isinstance(error, Exception):
+                try:  # a worker that died makes a collective fail a moment before its exit can be seen
+                    health.check(2.0)
+                except TensorParallelError as died:
+                    raise died from error
             health.broken = (f"a tensor-parallel command failed part-way and the ranks are out of step: "
                              f"{type(error).__name__}: {error}")
+            if not isinstance(error, Exception):  # KeyboardInterrupt, SystemExit: the caller's, raised as they are
+                raise
             raise TensorParallelError(health.broken) from error
