@@ -163,8 +163,9 @@ def _build(args: EngineArgs, checkpoint: Checkpoint, parallel: TensorParallel | 
     del checkpoint
     per_block = kv_bytes_per_block(config.num_hidden_layers, args.block_size, model.num_kv_heads, config.head_dim,
                                    args.dtype)  # this rank's KV heads
+    pools = parallel.world_size if parallel is not None and device.type == "cpu" else 1  # the ranks share the memory
     num_blocks = pool_blocks(per_block, device, args.block_size, max_model_len, args.max_num_seqs, args.num_blocks,
-                             args.kv_cache_memory)
+                             args.kv_cache_memory, pools)
     logger.info("model: %d layers, %s%s on %s%s; KV cache: %d blocks of %d tokens (%.2f GiB)", config.num_hidden_layers,
                 str(args.dtype).removeprefix("torch."),
                 f", weights {model.quantization}" if model.quantization else "", device,

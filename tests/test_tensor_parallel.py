@@ -280,6 +280,25 @@ def test_quantized_target_and_draft_under_tp(draft_path, tmp_path):
     assert not multiprocessing.active_children()
 
 
+def test_the_ranks_on_a_cpu_split_the_default_kv_budget(target_path, monkeypatch):
+    """On a CPU every rank's KV pool lies in the one machine's memory, so by default the ranks split the share of it
+    that one pool gets (a quarter; here shrunk to 100 blocks of this model): TP 2, its one KV head on both ranks,
+    gets 50 blocks a rank where TP 1 gets 100, and runs as TP 1 does."""
+    from nanospec.cache import kv_cache
+
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    per_block = kv_cache.kv_bytes_per_block(2, KW["block_size"], 1, 16, torch.float32)
+    monkeypatch.setattr(kv_cache, "CPU_MEMORY_SHARE", 100.5 * per_block / memory)
+    kw = {**KW, "num_blocks": None}
+    one = LLM(target_path, **kw)
+    assert one.kv_cache_stats()["total_blocks"] == 100
+    with LLM(target_path, tensor_parallel_size=2, **kw) as two:
+        assert two.kv_cache_stats()["total_blocks"] == 50
+        assert _run(two, GREEDY) == _run(one, GREEDY)
+        assert_no_leak(two)
+    _assert_workers_gone(two)
+
+
 # ---------------------------------------------------------------- lifecycle
 def test_dead_worker_raises_within_seconds_and_shutdown_ends_everything(target_path):
     with LLM(target_path, tensor_parallel_size=2, **KW) as llm:

@@ -19,20 +19,23 @@ def kv_bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head
 
 
 def pool_blocks(bytes_per_block: int, device: torch.device, block_size: int, max_model_len: int, max_num_seqs: int,
-                num_blocks: int | None = None, kv_cache_memory: int | None = None) -> int:
+                num_blocks: int | None = None, kv_cache_memory: int | None = None, pools: int = 1) -> int:
     """``num_blocks``, or by default blocks enough for ``max_num_seqs`` sequences of ``max_model_len`` tokens at once
-    within ``kv_cache_memory`` bytes (default: the shares above of a GPU's free or a CPU's memory). ValueError, before
-    allocating, when the budget holds no block or the pool is larger than the device's memory."""
+    within ``kv_cache_memory`` bytes (default: the shares above of a GPU's free or a CPU's memory, split between the
+    ``pools`` of this size that share it: the ranks of a tensor-parallel group on a CPU). ValueError, before
+    allocating, when the budget holds no block or the pools are larger than the device's memory."""
     have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
         os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if num_blocks is None:
         if kv_cache_memory is None:
-            kv_cache_memory = int(have * (CUDA_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_MEMORY_SHARE))
+            share = CUDA_FREE_MEMORY_SHARE if device.type == "cuda" else CPU_MEMORY_SHARE
+            kv_cache_memory = int(have * share) // pools
         check_holds_a_block(kv_cache_memory, bytes_per_block)
         num_blocks = min(kv_cache_memory // bytes_per_block, max_num_seqs * -(-max_model_len // block_size))
-    if (need := num_blocks * bytes_per_block) > have:
+    if (need := num_blocks * bytes_per_block * pools) > have:
         raise ValueError(f"num_blocks={num_blocks} of {block_size} tokens needs {need / 2**30:.1f} GiB of KV "
-                         f"cache, more than the {have / 2**30:.1f} GiB this {device.type} has")
+                         f"cache{f' ({pools} ranks)' if pools > 1 else ''}, more than the {have / 2**30:.1f} GiB this "
+                         f"{device.type} has")
     return num_blocks
 
 
