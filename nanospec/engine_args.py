@@ -28,7 +28,7 @@ from nanospec.speculative.config import (SpeculativeConfig, draft_tensor_paralle
                                          parse_speculative_config)
 from nanospec.speculative.draft import check_draft_config, check_draft_shardable, check_draft_tokenizer
 from nanospec.tokenizer import Tokenizer
-from nanospec.worker import ModelSpec, TensorParallel, build_model, build_runner, serve_as_worker
+from nanospec.worker import ModelSpec, TensorParallel, build_model, build_runner, check_world, serve_as_worker
 from nanospec.worker import start as start_tensor_parallel
 
 
@@ -88,6 +88,8 @@ class EngineArgs:
             except ValueError as e:
                 raise ValueError(f"speculative_config['dtype']: {e}") from None
         self.draft_tensor_parallel_size = draft_tensor_parallel_size(self.speculative, self.tensor_parallel_size)
+        if self.tensor_parallel_size > 1:  # the processes torchrun started, or the GPUs there are
+            check_world(self.tensor_parallel_size, self.device)
         if isinstance(self.model, (str, os.PathLike)):  # last: a Hub id may download
             self.model = str(resolve_model_path(self.model))
 

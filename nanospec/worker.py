@@ -190,17 +190,31 @@ def _backend(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def check_world(world_size: int, device: torch.device) -> None:
+    """ValueError, naming the value, for a group of ``world_size`` ranks that this launch cannot run: under torchrun,
+    another number of processes; spawned on CUDA, more ranks than GPUs (one each)."""
+    if _under_torchrun():
+        launched = int(os.environ["WORLD_SIZE"])
+        if launched != world_size:
+            raise ValueError(f"tensor_parallel_size={world_size} but torchrun started {launched} processes "
+                             f"(WORLD_SIZE): they must be equal")
+    elif device.type == "cuda" and torch.cuda.device_count() < world_size:
+        raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs (one per rank), this machine "
+                         f"has {torch.cuda.device_count()}")
+
+
+def _under_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
 def start(world_size: int, draft_size: int | None, device: torch.device) -> TensorParallel:
-    """Join (torchrun) or create (spawn) the group of ``world_size`` ranks; ValueError for a group this machine cannot
-    run, RuntimeError when a worker fails to start."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ:  # started by torchrun
+    """Join (torchrun) or create (spawn) the group of ``world_size`` ranks (:func:`check_world` checked it);
+    RuntimeError when a worker fails to start."""
+    if _under_torchrun():
         return _join_torchrun(world_size, draft_size, device)
     if dist.is_initialized():
         raise RuntimeError("a torch.distributed process group is already initialized in this process: one "
                            "tensor-parallel LLM at a time (shut the other down first)")
-    if device.type == "cuda" and torch.cuda.device_count() < world_size:
-        raise ValueError(f"tensor_parallel_size={world_size} needs {world_size} GPUs (one per rank), this machine "
-                         f"has {torch.cuda.device_count()}")
     # on a CPU the ranks share the cores: each gets its share of this process's threads
     threads = max(1, torch.get_num_threads() // world_size) if device.type == "cpu" else torch.get_num_threads()
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=START_TIMEOUT, wait_for_workers=False)
@@ -256,10 +270,6 @@ def _spawned_worker(rank: int, world_size: int, draft_size: int | None, device_t
 
 
 def _join_torchrun(world_size: int, draft_size: int | None, device: torch.device) -> TensorParallel:
-    launched = int(os.environ["WORLD_SIZE"])
-    if launched != world_size:
-        raise ValueError(f"tensor_parallel_size={world_size} but torchrun started {launched} processes "
-                         f"(WORLD_SIZE): they must be equal")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
     rank_device = _rank_device(device, local_rank)
     if rank_device.type == "cuda":

@@ -96,6 +96,26 @@ def test_bad_sizes_are_refused_before_any_process_starts(target_path, draft_path
     assert not multiprocessing.active_children()
 
 
+def test_a_group_the_launch_cannot_run_is_refused_before_any_weight_is_read(target_path, monkeypatch):
+    """More ranks than GPUs, or another size than torchrun started: a ValueError naming the value before the
+    checkpoint is read (minutes for a large one), as for any other engine argument."""
+    import nanospec.engine_args
+
+    def read_weights(*args, **kwargs):
+        raise AssertionError("the checkpoint was read before the size was checked")
+
+    monkeypatch.setattr(nanospec.engine_args, "load_checkpoint", read_weights)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs \(one per rank\), this machine has 1"):
+        LLM(target_path, tensor_parallel_size=2, device="cuda")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but torchrun started 4 processes"):
+        LLM(target_path, tensor_parallel_size=2, **KW)
+    assert not multiprocessing.active_children()
+
+
 # ---------------------------------------------------------------- TP 2 against TP 1
 class TestDraftOnTwoRanks:
     """Target and draft both on 2 ranks; plain requests through ``speculate=False``. (A class, so that its 2-rank
