@@ -82,9 +82,14 @@ class TensorParallel:
 
     def send_setup(self, target: ModelSpec, draft: ModelSpec | None) -> None:
         """What the workers build: the target's shard and a sharded draft's (None: no draft, or one on the driver
-        alone)."""
+        alone); returns once every worker has built them, or raises TensorParallelError for one that failed to."""
         dist.broadcast_object_list([target, draft], src=0, group=self.channel.group)
         self.setup_sent = True
+        try:
+            dist.barrier(group=self.channel.group)
+        except Exception:
+            self.check(2.0)
+            raise
 
     def check(self, grace: float = 0.0) -> None:
         """Raise TensorParallelError if a spawned worker has exited (waiting up to ``grace`` seconds for one to)."""
@@ -144,6 +149,7 @@ class TensorParallel:
             if spec is not None:
                 runners[model_id] = build_runner(build_model(spec.source, spec.dtype, spec.max_len, self.device, tp,
                                                              quantization=spec.quantization), spec)
+        dist.barrier(group=self.channel.group)  # built: the driver's send_setup returns
         while True:
             command = self.channel.receive()
             if command.op == Op.SHUTDOWN:

@@ -357,6 +357,29 @@ def test_ctrl_c_inside_a_step_raises_keyboard_interrupt(target_path, monkeypatch
     _assert_workers_gone(llm)
 
 
+def _worker_failing_to_build(*args):
+    """A spawned worker (started by reference to this module) that cannot build its shard."""
+    import nanospec.worker
+
+    def build_model(*args, **kwargs):
+        raise MemoryError("no memory for this rank's shard")
+
+    nanospec.worker.build_model = build_model
+    nanospec.worker._spawned_worker(*args)
+
+
+def test_a_worker_that_cannot_build_its_shard_fails_the_llm(target_path, monkeypatch):
+    """LLM() returns once every worker has built its shards: a worker that fails to (here out of memory) makes LLM()
+    raise TensorParallelError naming it, not return an engine whose first request fails, and nothing is left."""
+    import nanospec.worker
+
+    monkeypatch.setattr(nanospec.worker, "_spawned_worker", _worker_failing_to_build)
+    with pytest.raises(TensorParallelError, match=r"worker rank 1 \(pid \d+\) died \(exit code 1\)"):
+        LLM(target_path, tensor_parallel_size=2, **KW)
+    assert not multiprocessing.active_children()
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("ending", ["exit", "killed"])
 def test_the_workers_end_with_their_driver(target_path, ending):
     """A script that never calls shutdown() and exits, or whose driver is killed (no atexit, no finalizer): its
