@@ -20,12 +20,14 @@ import datetime
 import os
 import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from nanospec.cache.kv_cache import KVCache
 from nanospec.model.commands import DRAFT, TARGET, CommandChannel, Op
@@ -256,6 +258,9 @@ def start(world_size: int, draft_size: int | None, device: torch.device) -> Tens
 def _spawned_worker(rank: int, world_size: int, draft_size: int | None, device_type: str, port: int,
                     threads: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle (it then ends the workers)
+    # tqdm's default lock (the loading bars') is a named semaphore, which a worker terminated out of step leaves behind
+    # for the resource tracker to warn of at exit; a thread lock serves a worker's one thread of bars
+    tqdm.set_lock(threading.RLock())
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=START_TIMEOUT)
     store.add("checked_in", 1)

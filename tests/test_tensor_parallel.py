@@ -357,6 +357,27 @@ def test_ctrl_c_inside_a_step_raises_keyboard_interrupt(target_path, monkeypatch
     _assert_workers_gone(llm)
 
 
+def test_a_group_out_of_step_ends_without_a_leak_warning(target_path):
+    """A group left out of step (Ctrl-C inside a step) ends by terminating its worker, and the script exits without
+    the resource tracker's warning of leaked semaphores (named semaphores a terminated worker held)."""
+    script = textwrap.dedent(f"""
+        from nanospec import LLM, SamplingParams
+        if __name__ == "__main__":
+            llm = LLM({target_path!r}, tensor_parallel_size=2, num_blocks=32, device="cpu", dtype="float32")
+            def interrupted(*args, **kwargs):
+                raise KeyboardInterrupt
+            llm.engine.runner.local.execute = interrupted
+            try:
+                llm.generate(["hi"], SamplingParams(max_tokens=2))
+            except KeyboardInterrupt:
+                llm.shutdown()
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env=checkout_env())
+    assert done.returncode == 0, done.stderr
+    assert "leaked" not in done.stderr, done.stderr
+
+
 def _worker_failing_to_build(*args):
     """A spawned worker (started by reference to this module) that cannot build its shard."""
     import nanospec.worker
