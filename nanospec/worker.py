@@ -66,7 +66,7 @@ class TensorParallel:
         self.processes = processes or []
         self.broken: str | None = None  # why the group failed (then every command raises TensorParallelError)
         self.closed = False
-        self.setup_sent = False  # before it, the workers wait for their setup, not for a command
+        self.setup_sent = False  # until then the workers wait for or build their setup: no command reaches them
         self.owns_process_group = owns_process_group  # False: torchrun's script made the group, and destroys it
         self.target = ParallelGroup(dist.group.WORLD, rank, world_size)
         self.channel = CommandChannel(dist.new_group(backend="gloo", timeout=IDLE), rank)
@@ -86,12 +86,12 @@ class TensorParallel:
         """What the workers build: the target's shard and a sharded draft's (None: no draft, or one on the driver
         alone); returns once every worker has built them, or raises TensorParallelError for one that failed to."""
         dist.broadcast_object_list([target, draft], src=0, group=self.channel.group)
-        self.setup_sent = True
         try:
             dist.barrier(group=self.channel.group)
         except Exception:
             self.check(2.0)
             raise
+        self.setup_sent = True
 
     def check(self, grace: float = 0.0) -> None:
         """Raise TensorParallelError if a spawned worker has exited (waiting up to ``grace`` seconds for one to)."""
