@@ -1,7 +1,8 @@
 """What a conversation must be, checked in one place for every front (``LLM.chat``, the server).
 
 A non-empty list of dicts, each with a ``role`` (:data:`ROLES`), a ``content`` (a string, or OpenAI's list of
-``{"type": "text", "text": ...}`` parts) and optionally a ``name``; any other key is an error that names it.
+``{"type": "text", "text": ...}`` parts) and optionally a ``name``; any other key is an error that names it. The
+template gets what vLLM hands it: the parts' texts joined by newlines, the ``name`` kept.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ KEYS = ("role", "content", "name")
 
 
 def check_messages(messages, where: str = "messages") -> list[dict]:
-    """The conversation as plain ``{"role", "content"}`` dicts; ValueError naming the first thing wrong, e.g.
-    ``messages[1].role: must be one of ...``, ``where`` being the field's name."""
+    """The conversation as plain ``{"role", "content"}`` dicts (and ``"name"`` where given); ValueError naming the
+    first thing wrong, e.g. ``messages[1].role: must be one of ...``, ``where`` being the field's name."""
     if not isinstance(messages, (list, tuple)) or not messages:
         got = "an empty list" if isinstance(messages, (list, tuple)) else repr(messages)[:60]
         raise ValueError(f"{where}: give at least one message (a list of {{'role': ..., 'content': ...}}), "
@@ -35,7 +36,8 @@ def _check_message(message, where: str) -> dict:
         raise ValueError(f"{where}.role: must be one of {', '.join(repr(r) for r in ROLES)}; {shown}")
     if "name" in message and not isinstance(message["name"], str):
         raise ValueError(f"{where}.name: must be a string, got {message['name']!r}")
-    return {"role": role, "content": _content(message, f"{where}.content")}
+    checked = {"role": role, "content": _content(message, f"{where}.content")}
+    return {**checked, "name": message["name"]} if "name" in message else checked
 
 
 def _content(message: Mapping, where: str) -> str:
@@ -52,6 +54,6 @@ def _content(message: Mapping, where: str) -> str:
                 raise ValueError(f"{where}[{i}]: a part is {{'type': 'text', 'text': ...}} (only text is "
                                  f"supported), got {repr(part)[:60]}")
             texts.append(part["text"])
-        return "".join(texts)
+        return "\n".join(texts)
     raise ValueError(f"{where}: must be a string or a list of {{'type': 'text', 'text': ...}} parts, "
                      f"got {repr(content)[:60]}")

@@ -9,10 +9,11 @@ from tiny import make_tiny_llama
 
 
 def test_a_conversation_becomes_plain_messages():
-    parts = [{"type": "text", "text": "Hi "}, {"type": "text", "text": "you"}]
+    """As vLLM hands a conversation to the template: text parts joined by newlines, a message's name kept."""
+    parts = [{"type": "text", "text": "Hi"}, {"type": "text", "text": "you"}]
     assert check_messages([{"role": "system", "content": "Be brief."},
                            {"role": "user", "content": parts, "name": "ann"}]) == [
-        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi you"}]
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi\nyou", "name": "ann"}]
 
 
 @pytest.mark.parametrize("messages, message", [
