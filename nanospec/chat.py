@@ -18,6 +18,7 @@ answer, is dropped from the conversation. A second Ctrl-C before the answer stop
 
 Exit status:
   0    normal end: end of input (EOF, Ctrl-D) or /quit
+  1    the answer cannot be written to stdout (e.g. a full disk; one line on stderr says why)
   2    bad arguments, or a model that cannot be loaded (one line on stderr says why)
   130  Ctrl-C while the model loads, at the prompt, or twice during one answer
   141  the reader of stdout went away (e.g. piped into head): the chat stops quietly, as a shell filter does
@@ -36,7 +37,7 @@ import time
 from nanospec.model.embedded import EMBEDDED_SAMPLING
 
 COMMANDS = "/reset clears the conversation, /stats shows speed, /quit exits"  # the banner's and /help's line
-EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 2, 130, 141  # 141: 128 + SIGPIPE, as a shell reports it
+EXIT_OK, EXIT_WRITE_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141  # 141: 128 + SIGPIPE, as a shell reports it
 
 
 def parse_args(argv=None):
@@ -338,6 +339,10 @@ def main(argv=None) -> int:
         # stdout's reader is gone: point stdout at /dev/null so that flushing it at exit raises nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    except OSError as e:  # stdout cannot be written (e.g. a full disk): one line, and nothing more at exit
+        print(f"error: cannot write the answer: {e}", file=sys.stderr)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_WRITE_ERROR
     return EXIT_OK
 
 

@@ -471,3 +471,13 @@ def test_a_reader_that_goes_away_ends_the_chat_quietly(tiny_path, tmp_path):
     result = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=300)
     assert result.stdout.strip() == "141", (result.stdout, stderr.read_text())
     assert "Traceback" not in stderr.read_text()
+
+
+def test_an_answer_that_cannot_be_written_is_one_error_line(tiny_path):
+    """stdout on /dev/full (a full disk): one error line and status 1, no traceback."""
+    with open("/dev/full", "wb") as full:
+        result = subprocess.run([sys.executable, "-m", "nanospec.chat", "--model", str(tiny_path), "--max-tokens",
+                                 "4", "--quiet"], input=b"hi\n", stdout=full, stderr=subprocess.PIPE, timeout=300)
+    err = result.stderr.decode()
+    assert result.returncode == 1, err
+    assert err.startswith("error: cannot write the answer: ") and "No space left" in err and err.count("\n") == 1
