@@ -256,7 +256,9 @@ def fit_to_context(llm, system: list[dict], history: list[dict], turn: dict, max
 
 def repl(llm, params, args) -> None:
     """Answer turns until EOF or /quit. KeyboardInterrupt at the prompt (or a second Ctrl-C during an
-    answer) propagates to the caller."""
+    answer) propagates to the caller. A closed stdin (``<&-``) is no input: it ends at once, as at EOF."""
+    if sys.stdin is None:
+        return
     interactive = sys.stdin.isatty()
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []

@@ -481,3 +481,10 @@ def test_an_answer_that_cannot_be_written_is_one_error_line(tiny_path):
     err = result.stderr.decode()
     assert result.returncode == 1, err
     assert err.startswith("error: cannot write the answer: ") and "No space left" in err and err.count("\n") == 1
+
+
+def test_a_closed_stdin_is_no_input(tiny_path):
+    """``python -m nanospec.chat <&-``: nothing to answer, status 0, no traceback."""
+    result = subprocess.run(["bash", "-c", f"{sys.executable} -m nanospec.chat --model {tiny_path} --quiet <&-"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and result.stderr == "" and result.stdout == "", result.stderr
