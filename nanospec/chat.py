@@ -37,7 +37,8 @@ import time
 from nanospec.model.embedded import EMBEDDED_SAMPLING
 
 COMMANDS = "/reset clears the conversation, /stats shows speed, /quit exits"  # the banner's and /help's line
-EXIT_OK, EXIT_WRITE_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141  # 141: 128 + SIGPIPE, as a shell reports it
+# 141: 128 + SIGPIPE, as a shell reports it
+EXIT_OK, EXIT_WRITE_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 
 
 def parse_args(argv=None):
