@@ -199,8 +199,11 @@ def _backend(device: torch.device) -> str:
 
 
 def check_world(world_size: int, device: torch.device) -> None:
-    """ValueError, naming the value, for a group of ``world_size`` ranks that this launch cannot run: under torchrun,
-    another number of processes; spawned on CUDA, more ranks than GPUs (one each)."""
+    """ValueError, naming the value, for a group of ``world_size`` ranks that this launch cannot run: one GPU named
+    (rank r runs on ``cuda:r``); under torchrun, another number of processes; spawned on CUDA, more ranks than GPUs."""
+    if world_size > 1 and device.type == "cuda" and device.index is not None:
+        raise ValueError(f"device={str(device)!r} names one GPU, but tensor_parallel_size={world_size} puts rank r "
+                         f"on cuda:r: pass device='cuda' and choose the GPUs with CUDA_VISIBLE_DEVICES")
     if _under_torchrun():
         launched = int(os.environ["WORLD_SIZE"])
         if launched != world_size:

@@ -97,8 +97,8 @@ def test_bad_sizes_are_refused_before_any_process_starts(target_path, draft_path
 
 
 def test_a_group_the_launch_cannot_run_is_refused_before_any_weight_is_read(target_path, monkeypatch):
-    """More ranks than GPUs, or another size than torchrun started: a ValueError naming the value before the
-    checkpoint is read (minutes for a large one), as for any other engine argument."""
+    """More ranks than GPUs, one GPU named, or another size than torchrun started: a ValueError naming the value
+    before the checkpoint is read (minutes for a large one), as for any other engine argument."""
     import nanospec.engine_args
 
     def read_weights(*args, **kwargs):
@@ -109,6 +109,8 @@ def test_a_group_the_launch_cannot_run_is_refused_before_any_weight_is_read(targ
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 needs 2 GPUs \(one per rank\), this machine has 1"):
         LLM(target_path, tensor_parallel_size=2, device="cuda")
+    with pytest.raises(ValueError, match=r"device='cuda:1' names one GPU, but tensor_parallel_size=2 puts rank r"):
+        LLM(target_path, tensor_parallel_size=2, device="cuda:1")
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2 but torchrun started 4 processes"):
