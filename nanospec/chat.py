@@ -8,8 +8,9 @@ When stdin is not a terminal each input line is one user turn and the program ex
   echo "What is the capital of France?" | python -m nanospec.chat
 
 Sampling defaults to temperature 0.2 and top-p 0.9, the settings SmolLM2's model card suggests;
---greedy always takes the likeliest token. Input is read as UTF-8: bytes that are not valid UTF-8,
-piped or typed, become U+FFFD. While the model loads, a line per phase goes to stderr (--quiet: none).
+--greedy always takes the likeliest token. Without --seed every run samples afresh; --seed N repeats a run's
+answers. Input is read as UTF-8: bytes that are not valid UTF-8, piped or typed, become U+FFFD. While the model
+loads, a line per phase goes to stderr (--quiet: none).
 
 Ctrl-C during an answer stops it as soon as the engine step in flight has produced its tokens (a step
 is never cut half-way) and returns to the prompt; that unfinished turn, the question and the partial
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import io
 import os
+import random
 import re
 import signal
 import sys
@@ -57,7 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--min-p", type=float, default=0.0,
                    help="keep the tokens at least this share as likely as the likeliest, in [0, 1] (default 0: off)")
     p.add_argument("--max-tokens", type=int, default=256, help="the longest answer, in tokens (default 256)")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed every answer's sampling, for answers a rerun repeats (default: a fresh seed each run)")
     p.add_argument("--system", default=None,
                    help="system prompt; left out or --system \"\": the chat template's default, if it has one "
                         "(SmolLM2's: \"You are a helpful AI assistant named SmolLM, trained by Hugging Face\")")
@@ -144,7 +147,8 @@ def load(args):
     quantization = quantization_from_cli(args.quantization)
     if args.quiet:
         set_level("warning")
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config,
+    engine_seed = random.SystemRandom().getrandbits(63)  # draws the seed of each unseeded answer
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=spec_config, seed=engine_seed,
               tensor_parallel_size=args.tensor_parallel_size,
               quantization=quantization,
               enable_prefix_caching=args.enable_prefix_caching,

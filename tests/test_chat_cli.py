@@ -365,6 +365,18 @@ def test_piped_lines_are_answered_and_stats_shown(tiny_path):
     assert f"loading {tiny_path} ...\n" in result.stderr
 
 
+def test_runs_without_a_seed_sample_afresh_and_a_seed_repeats(tiny_path, monkeypatch, capsys):
+    """As llama.cpp's CLI (seed -1) and vLLM's SamplingParams(seed=None): no --seed, a new draw each run."""
+    def answer(*seed):
+        argv = ["--model", str(tiny_path), "--device", "cpu", "--temperature", "5", "--top-p", "1",
+                "--max-tokens", "12", "-q", *seed]
+        assert main_with_stdin(monkeypatch, argv, b"hello there\n") == 0
+        return capsys.readouterr().out
+
+    assert answer() != answer()
+    assert answer("--seed", "3") == answer("--seed", "3")
+
+
 def test_stats_show_how_much_of_the_last_prompt_came_from_the_prefix_cache(tiny_path):
     """The second turn's prompt starts with the first turn's: with the cache on, its full blocks (16 tokens each)
     are not computed again; with --no-enable-prefix-caching, all of it is."""

@@ -132,10 +132,12 @@ def test_every_command_is_checked():
 
 
 def test_the_commands_that_run_in_seconds(env):
-    """In README order (a later command may use what an earlier one wrote); a chat reads the README's question."""
+    """In README order (a later command may use what an earlier one wrote); a chat reads the README's question,
+    seeded (a chat without --seed samples afresh each run)."""
     for command in [c for c in commands() if kind(c) == "run"]:
         piped = "|" in command
-        result = subprocess.run(as_run_here(command, env), shell=True, env=environment(command, env),
+        run = as_run_here(command, env).replace("-m nanospec.chat", "-m nanospec.chat --seed 0")
+        result = subprocess.run(run, shell=True, env=environment(command, env),
                                 capture_output=True, text=True, input=None if piped else QUESTION, timeout=600)
         assert result.returncode == 0, (command, result.stderr[-2000:])
         if "nanospec.chat" in command and "--model" not in command:
