@@ -19,7 +19,7 @@ answer, is dropped from the conversation. A second Ctrl-C before the answer stop
 
 Exit status:
   0    normal end: end of input (EOF, Ctrl-D) or /quit
-  1    the answer cannot be written to stdout (e.g. a full disk; one line on stderr says why)
+  1    the answer cannot be written to stdout (e.g. a full disk, or stdout closed; one line on stderr says why)
   2    bad arguments, or a model that cannot be loaded (one line on stderr says why)
   130  Ctrl-C while the model loads, at the prompt, or twice during one answer
   141  the reader of stdout went away (e.g. piped into head): the chat stops quietly, as a shell filter does
@@ -327,6 +327,9 @@ def main(argv=None) -> int:
     """Run the chat; returns the exit status (see the module docstring). Argument syntax errors exit 2
     through argparse."""
     args = parse_args(argv)
+    if sys.stdout is None:  # started with stdout closed (>&-): no answer can be written
+        print("error: cannot write the answer: stdout is closed", file=sys.stderr)
+        return EXIT_WRITE_ERROR
     replace_undecodable_input()
     try:
         try:

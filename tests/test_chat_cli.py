@@ -495,6 +495,14 @@ def test_an_answer_that_cannot_be_written_is_one_error_line(tiny_path):
     assert err.startswith("error: cannot write the answer: ") and "No space left" in err and err.count("\n") == 1
 
 
+def test_a_closed_stdout_is_one_error_line(tiny_path):
+    """``python -m nanospec.chat >&-``: status 1 and one error line, before the model loads."""
+    result = subprocess.run(["bash", "-c", f"{sys.executable} -m nanospec.chat --model {tiny_path} --quiet >&-"],
+                            input="hi\n", stderr=subprocess.PIPE, text=True, timeout=300)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr == "error: cannot write the answer: stdout is closed\n"
+
+
 def test_a_closed_stdin_is_no_input(tiny_path):
     """``python -m nanospec.chat <&-``: nothing to answer, status 0, no traceback."""
     result = subprocess.run(["bash", "-c", f"{sys.executable} -m nanospec.chat --model {tiny_path} --quiet <&-"],
