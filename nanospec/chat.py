@@ -2,7 +2,7 @@
 
 Streams tokens as they are accepted. Commands: /reset (forget the conversation), /stats (tokens/s,
 steps, speculation acceptance and tau of the last turn and the session, and how much of the last prompt came from
-the prefix cache: a turn computes only what the conversation added), /quit, /help (lists them). Another single
+the prefix cache: a turn computes only what the conversation added), /quit or /exit, /help (lists them). Another single
 word starting with "/" (/foo) is an unknown command, named on stderr and not sent to the model.
 When stdin is not a terminal each input line is one user turn and the program exits at EOF:
   echo "What is the capital of France?" | python -m nanospec.chat
@@ -38,7 +38,8 @@ import time
 
 from nanospec.model.embedded import EMBEDDED_SAMPLING
 
-COMMANDS = "/reset clears the conversation, /stats shows speed, /quit exits"  # the banner's and /help's line
+# the banner's and /help's line: every command repl() accepts
+COMMANDS = "/reset clears the conversation, /stats shows speed, /help lists the commands, /quit or /exit exits"
 # 141: 128 + SIGPIPE, as a shell reports it
 EXIT_OK, EXIT_WRITE_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 
