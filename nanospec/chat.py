@@ -19,7 +19,8 @@ answer, is dropped from the conversation. A second Ctrl-C before the answer stop
 
 Exit status:
   0    normal end: end of input (EOF, Ctrl-D) or /quit
-  1    the answer cannot be written to stdout (e.g. a full disk, or stdout closed; one line on stderr says why)
+  1    the answer cannot be written to stdout (e.g. a full disk, or stdout closed; one line on stderr says why), or,
+       with stdin not a terminal, a message could not be answered (an error line each; later lines are still answered)
   2    bad arguments, or a model that cannot be loaded (one line on stderr says why)
   130  Ctrl-C while the model loads, at the prompt, or twice during one answer
   141  the reader of stdout went away (e.g. piped into head): the chat stops quietly, as a shell filter does
@@ -41,7 +42,7 @@ from nanospec.model.embedded import EMBEDDED_SAMPLING
 # the banner's and /help's line: every command repl() accepts
 COMMANDS = "/reset clears the conversation, /stats shows speed, /help lists the commands, /quit or /exit exits"
 # 141: 128 + SIGPIPE, as a shell reports it
-EXIT_OK, EXIT_WRITE_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
+EXIT_OK, EXIT_ERROR, EXIT_USAGE, EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 0, 1, 2, 130, 141
 
 
 def parse_args(argv=None):
@@ -260,12 +261,14 @@ def fit_to_context(llm, system: list[dict], history: list[dict], turn: dict, max
     return len(history) // 2
 
 
-def repl(llm, params, args) -> None:
-    """Answer turns until EOF or /quit. KeyboardInterrupt at the prompt (or a second Ctrl-C during an
-    answer) propagates to the caller. A closed stdin (``<&-``) is no input: it ends at once, as at EOF."""
+def repl(llm, params, args) -> int:
+    """Answer turns until EOF or /quit; returns EXIT_ERROR if stdin is not a terminal and a turn failed, else
+    EXIT_OK. KeyboardInterrupt at the prompt (or a second Ctrl-C during an answer) propagates to the caller. A
+    closed stdin (``<&-``) is no input: it ends at once, as at EOF."""
     if sys.stdin is None:
-        return
+        return EXIT_OK
     interactive = sys.stdin.isatty()
+    failed = False  # a turn ended in an error line
     system = [{"role": "system", "content": args.system}] if args.system else []
     history: list[dict] = []
     session, last = TurnStats(), TurnStats()
@@ -277,12 +280,12 @@ def repl(llm, params, args) -> None:
         except EOFError:  # Ctrl-D: the shell's prompt starts on a line of its own
             if interactive:
                 print()
-            return
+            break
         line = line.strip()
         if not line:
             continue
         if line in ("/quit", "/exit"):
-            return
+            break
         if line == "/help":
             print(COMMANDS)
             continue
@@ -308,9 +311,13 @@ def repl(llm, params, args) -> None:
             answer, out, interrupted = stream_answer(llm, system + history + [turn], params)
         except ValueError as e:  # e.g. this input alone does not fit the context; the template refuses it
             print(f"\nerror: {e}", file=sys.stderr)
+            failed = True
             continue
         print()
-        if interrupted:
+        if out is not None and out.finish_reason == "error":  # the engine failed this turn: it is dropped
+            print(f"error: {out.error}", file=sys.stderr)
+            failed = True
+        elif interrupted:
             print("(interrupted: this question and the partial answer are dropped from the conversation)")
         else:
             if out is not None and out.finish_reason == "length":  # cut inside a character: its bytes decode as U+FFFD
@@ -322,6 +329,7 @@ def repl(llm, params, args) -> None:
             session.add(out, time.perf_counter() - start)
             if args.stats:
                 print(last.line("stats"))
+    return EXIT_ERROR if failed and not interactive else EXIT_OK
 
 
 def main(argv=None) -> int:
@@ -330,7 +338,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if sys.stdout is None:  # started with stdout closed (>&-): no answer can be written
         print("error: cannot write the answer: stdout is closed", file=sys.stderr)
-        return EXIT_WRITE_ERROR
+        return EXIT_ERROR
     replace_undecodable_input()
     try:
         try:
@@ -339,7 +347,7 @@ def main(argv=None) -> int:
             print(f"error: {e}", file=sys.stderr)
             return EXIT_USAGE
         try:
-            repl(llm, params, args)
+            status = repl(llm, params, args)
         finally:
             llm.shutdown()  # the tensor-parallel workers, if any
     except KeyboardInterrupt:
@@ -353,8 +361,8 @@ def main(argv=None) -> int:
     except OSError as e:  # stdout cannot be written (e.g. a full disk): one line, and nothing more at exit
         print(f"error: cannot write the answer: {e}", file=sys.stderr)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_WRITE_ERROR
-    return EXIT_OK
+        return EXIT_ERROR
+    return status
 
 
 if __name__ == "__main__":

@@ -274,10 +274,10 @@ def test_bad_arguments_exit_2_with_one_line_before_loading(monkeypatch, use_llm,
 def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(monkeypatch, use_llm, capsys):
     """A character per token, a context of 60, answers of 21 characters and 10 kept for each: the third question
     drops the first turn, a question that alone fills the context is an error that keeps the conversation, and
-    the chat goes on."""
+    the chat goes on (and, its input piped, exits 1 at the end)."""
     llm = use_llm(ScriptedLLM(max_model_len=60))
     lines = [letter * 10 for letter in "abc"] + ["d" * 70, "e" * 10]
-    assert main_with_stdin(monkeypatch, ["--max-tokens", "10"], "\n".join(lines).encode() + b"\n") == 0
+    assert main_with_stdin(monkeypatch, ["--max-tokens", "10"], "\n".join(lines).encode() + b"\n") == 1
     answer = {"role": "assistant", "content": "".join(ScriptedLLM.PIECES)}
     b, c, e = ({"role": "user", "content": letter * 10} for letter in "bce")
     assert [messages for messages, _ in llm.calls[2:]] == [[b, answer, c], [c, answer, e]]
@@ -285,6 +285,23 @@ def test_a_conversation_that_outgrows_the_context_drops_its_oldest_turns(monkeyp
     assert err.count("(dropped the 1 oldest turn to fit the context)\n") == 2
     assert "error: this message does not fit the context even without the earlier turns: the prompt has 70 " \
            "tokens and the context holds 60" in err and "prompt 0" not in err
+
+
+def test_a_failed_turn_exits_1_when_piped_and_0_when_typed(monkeypatch, use_llm, capsys):
+    """A turn the engine fails is an error line and is left out of the conversation; the chat goes on. Piped
+    input (a script) then ends with status 1, even after /quit; typed input with 0."""
+    class FailingLLM(ScriptedLLM):
+        def _stream(self, call):
+            self.closed[call] = True
+            yield CompletionOutput(request_id=call, prompt_token_ids=[1], text="", token_ids=[], num_steps=1,
+                                   finish_reason="error" if call == 0 else "stop", error="boom", delta_text="ok")
+
+    llm = use_llm(FailingLLM())
+    assert main_with_stdin(monkeypatch, [], b"first\nsecond\n/quit\n") == 1
+    assert capsys.readouterr().err == "error: boom\n"
+    assert [m["content"] for m in llm.calls[1][0]] == ["second"]  # the failed turn is not in the conversation
+    monkeypatch.setattr(sys, "stdin", TypedStdin(["first\n", "second\n"]))
+    assert chat.main([]) == 0
 
 
 def test_a_model_without_a_chat_template_exits_2_at_start_up(monkeypatch, use_llm, capsys):
