@@ -63,11 +63,13 @@ class IncrementalDetokenizer:
 
 
 class TextStream:
-    """One request's output text, fed a token at a time."""
+    """One request's output text, fed a token at a time; with ``detokenize`` False it stays empty (nothing is
+    decoded, no stop string is found)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int], stop: list[str], include_stop: bool = False,
-                 skip_special_tokens: bool = True):
-        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens)
+                 skip_special_tokens: bool = True, detokenize: bool = True):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens=skip_special_tokens) \
+            if detokenize else None
         self.stop = stop
         self.include_stop = include_stop
         self.matched_stop: str | None = None  # the stop string that ended the text
@@ -78,12 +80,12 @@ class TextStream:
         """Append one token's text; True if a stop string now ends in it (the text then ends just before the stop
         string). With ``check_stop`` False (up to ``min_tokens``) stop strings are not looked for: a stop string
         counts only if it ends in the text of a token added with ``check_stop``."""
-        return self._extend(self.detokenizer.add([token_id]), check_stop)
+        return self.detokenizer is not None and self._extend(self.detokenizer.add([token_id]), check_stop)
 
     def finish(self, check_stop: bool = True) -> bool:
         """At the end of the request: release text held back for an unfinished character; True if that
         completes a stop string."""
-        return self._extend(self.detokenizer.flush(), check_stop)
+        return self.detokenizer is not None and self._extend(self.detokenizer.flush(), check_stop)
 
     def _extend(self, delta: str, check_stop: bool) -> bool:
         previous = len(self.text)

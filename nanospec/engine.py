@@ -103,7 +103,7 @@ class Engine:
         seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
         seed = (seed + 2**63) % 2**64 - 2**63  # any int as a signed 64-bit seed (the same value modulo 2**64)
         text = TextStream(self.tokenizer, prompt_token_ids, params.stop_list, params.include_stop_str_in_output,
-                          params.skip_special_tokens)
+                          params.skip_special_tokens, params.detokenize)
         if params.max_tokens is None:  # until the context ends
             params = replace(params, max_tokens=self.max_model_len - len(prompt_token_ids))
         seq = Sequence(self._next_id, prompt_token_ids, params, seed, text, self._stop_token_ids(params))

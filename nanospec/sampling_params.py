@@ -25,7 +25,8 @@ class SamplingParams:
     then skips the prefix cache); ``allowed_token_ids`` keeps only those tokens; ``bad_words`` are never completed
     (each word's last token is banned where the output ends with the rest of it); ``logit_bias`` {token id: b} adds b
     (in [-100, 100]) to that token's logit; these and the penalties as vLLM's, before temperature
-    (:mod:`nanospec.sampling.penalties`)."""
+    (:mod:`nanospec.sampling.penalties`); ``detokenize`` False leaves ``text`` empty (the token ids only; no ``stop``
+    strings then, as vLLM)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,6 +50,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    detokenize: bool = True
     stop_list: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -79,9 +81,12 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or any(not _is_int(t) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of token ids (ints >= 0), got {self.stop_token_ids!r}")
         self.stop_token_ids = list(ids)
-        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculate"):
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "speculate", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.stop_list and not self.detokenize:
+            raise ValueError(f"stop strings are matched in the text, so they need detokenize=True; got "
+                             f"stop={self.stop!r} with detokenize=False")
         if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
             raise ValueError(f"n must be an integer in [1, {MAX_N}], got {self.n!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):

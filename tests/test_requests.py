@@ -6,6 +6,7 @@ Every engine runs in fp32 on the test device; tokens are compared between engine
 exactly."""
 
 import gc
+from dataclasses import replace
 
 import pytest
 import torch
@@ -365,6 +366,22 @@ def test_min_p_one_keeps_only_the_likeliest_token(plain):
     assert [o.outputs[0].token_ids for o in plain.generate(PROMPTS[:3], min_p_one)] == greedy
 
 
+def test_detokenize_false_gives_the_token_ids_and_no_text(plain):
+    """vLLM's detokenize=False: the same tokens and stops (stop_token_ids, max_tokens), an empty text and deltas."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    texts = [o.outputs[0] for o in plain.generate(PROMPTS, params)]
+    stop_token = texts[0].token_ids[5]
+    for stop in ([], [stop_token]):
+        raw = replace(params, detokenize=False, stop_token_ids=stop)
+        got = [o.outputs[0] for o in plain.generate(PROMPTS, raw)]
+        expected = [o.outputs[0] for o in plain.generate(PROMPTS, replace(params, stop_token_ids=stop))]
+        assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in expected]
+        assert [o.text for o in got] == [""] * len(PROMPTS) and all(o.text for o in expected)
+    assert all(out.delta_text == "" for out in plain.stream(PROMPTS[0], replace(params, detokenize=False)))
+    with pytest.raises(ValueError, match="detokenize"):  # a stop string is looked for in the text
+        SamplingParams(stop="x", detokenize=False)
+
+
 # ---------------------------------------------------------------- bad inputs, refused before any work
 
 
@@ -387,6 +404,7 @@ def test_min_p_one_keeps_only_the_likeliest_token(plain):
     (dict(stop_token_ids=3), "stop_token_ids"),
     (dict(ignore_eos=1), "ignore_eos"),
     (dict(speculate="yes"), "speculate"),
+    (dict(detokenize=0), "detokenize"),
 ])
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
