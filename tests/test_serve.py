@@ -821,6 +821,39 @@ def test_stream_options_need_stream(server):
         assert r.status_code == 200, r.text
 
 
+def test_stream_chunks_share_their_keys_and_continuous_usage_stats(server):
+    """Every chat chunk's choice, the role chunk included, carries vLLM's stop_reason; vLLM's
+    stream_options.continuous_usage_stats gives every chunk its choice's usage so far, then the last chunk the
+    total (without it, other chunks' usage is null)."""
+    url, _ = server
+    for path, body in (("completions", {"prompt": "hi", "n": 2}), ("chat/completions", {"messages": MESSAGES})):
+        for continuous in (False, True):
+            options = {"include_usage": True, "continuous_usage_stats": continuous}
+            with httpx.stream("POST", f"{url}/v1/{path}", json={**body, "max_tokens": 5, "stream": True,
+                                                                  "stream_options": options}) as response:
+                assert response.status_code == 200, response.read()
+                chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+            *choice_chunks, total = chunks
+            assert total["choices"] == [] and total["usage"]["completion_tokens"] > 0
+            assert all("stop_reason" in choice for chunk in choice_chunks for choice in chunk["choices"])
+            if not continuous:
+                assert all(chunk["usage"] is None for chunk in choice_chunks)
+                continue
+            seen = {}  # per choice: its usage in order
+            for chunk in choice_chunks:
+                (choice,) = chunk["choices"]
+                seen.setdefault(choice["index"], []).append(chunk["usage"])
+            for usages in seen.values():
+                tokens = [u["completion_tokens"] for u in usages]
+                assert tokens == sorted(tokens)
+                assert all(u["prompt_tokens"] == total["usage"]["prompt_tokens"]  # (one prompt)
+                           and u["total_tokens"] == u["prompt_tokens"] + u["completion_tokens"] for u in usages)
+            assert sum(usages[-1]["completion_tokens"] for usages in seen.values()) == \
+                total["usage"]["completion_tokens"] and len(seen) == body.get("n", 1)
+            if path == "chat/completions":
+                assert seen[0][0]["completion_tokens"] == 0  # the role chunk
+
+
 def test_default_sampling_applies_to_what_a_request_leaves_out(model_path, offline):
     """With the model's default temperature 0 (greedy), a request without temperature is greedy; one that gives
     its own temperature and seed samples as offline with those; max_tokens comes from the defaults too."""

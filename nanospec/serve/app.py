@@ -240,7 +240,7 @@ class Server:
             raise APIError(500, str(e)) from None
         prompt_tokens = sum(len(ids) for ids in prompts)
         if body.stream:
-            return StreamingResponse(self._stream(served, outputs, fmt, prompt_tokens, body.include_usage),
+            return StreamingResponse(self._stream(served, outputs, fmt, prompt_tokens, body.stream_usage),
                                      media_type="text/event-stream")
         finals = await self._wait_for_all(request, served, outputs)
         if finals is None:  # the client is gone; nobody reads this
@@ -253,7 +253,7 @@ class Server:
         return fmt.response(finals, prompt_tokens)
 
     async def _stream(self, served: list[ServedRequest], outputs: asyncio.Queue, fmt: Formatter, prompt_tokens: int,
-                      include_usage: bool):
+                      stream_usage: str | None):
         """Server-sent events as the outputs arrive; the ``finally`` runs when the client disconnects too (Starlette
         cancels the response), and aborts what is unfinished."""
         sent_tokens = [0] * len(served)  # tokens (and their log-probs) already streamed, per choice
@@ -262,7 +262,7 @@ class Server:
         try:
             if fmt.chat:
                 for s in served:
-                    yield sse(fmt.chunk([fmt.role_choice(s.index)], include_usage=include_usage))
+                    yield sse(fmt.chunk([fmt.role_choice(s.index)], stream_usage, usage(len(s.prompt_token_ids), 0)))
             async for index, out in self._outputs(served, outputs):
                 out = fmt.shown(out)
                 if out.finish_reason == "error":
@@ -274,14 +274,13 @@ class Server:
                 echo = fmt.echo_of(out, index) if not echoed[index] else None
                 choice = fmt.delta_choice(index, out.delta_text, out.token_ids[sent_tokens[index]:], new_logprobs,
                                           text_offsets[index], out.finish_reason, out.stop_reason, echo)
-                yield sse(fmt.chunk([choice], include_usage=include_usage))
+                yield sse(fmt.chunk([choice], stream_usage, usage(len(out.prompt_token_ids), len(out.token_ids))))
                 echoed[index] = True
                 sent_tokens[index] = len(out.token_ids)
                 if not fmt.chat and choice["logprobs"] and choice["logprobs"]["tokens"]:
                     text_offsets[index] = choice["logprobs"]["text_offset"][-1] + len(choice["logprobs"]["tokens"][-1])
-            if include_usage:
-                completion_tokens = sum(sent_tokens)
-                yield sse(fmt.chunk([], usage(prompt_tokens, completion_tokens), include_usage=True))
+            if stream_usage is not None:
+                yield sse(fmt.chunk([], stream_usage, usage(prompt_tokens, sum(sent_tokens)), last=True))
         except RuntimeError as e:  # the engine stopped
             yield sse(error_body(500, str(e), "server_error"))
         finally:

@@ -42,6 +42,7 @@ class Body(BaseModel):
 
 class StreamOptions(Body):
     include_usage: Bool = False
+    continuous_usage_stats: Bool = False  # vLLM's: with include_usage, every chunk carries the usage so far
 
 
 class SamplingFields(Body):
@@ -101,8 +102,13 @@ class SamplingFields(Body):
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
 
     @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+    def stream_usage(self) -> str | None:
+        """Which stream chunks carry the usage: None (none), "last" (include_usage: a last chunk of its own) or
+        "every" (continuous_usage_stats too: every chunk its choice's usage so far, and the last chunk)."""
+        options = self.stream_options
+        if options is None or not options.include_usage:
+            return None
+        return "every" if options.continuous_usage_stats else "last"
 
 
 def _token_id(key: str) -> int:

@@ -114,17 +114,19 @@ class Formatter:
                 "usage": usage(prompt_tokens, sum(len(o.token_ids) for o in outputs))}
 
     # ---------------------------------------------------------------- stream chunks
-    def chunk(self, choices: list[dict], usage_: dict | None = None, include_usage: bool = False) -> dict:
+    def chunk(self, choices: list[dict], stream_usage: str | None, usage_: dict, last: bool = False) -> dict:
+        """A stream chunk; with ``stream_usage`` (``SamplingFields.stream_usage``) its ``usage``: ``usage_`` where
+        that chunk carries it, else null."""
         body = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": choices}
-        if include_usage:
-            body["usage"] = usage_
+        if stream_usage is not None:
+            body["usage"] = usage_ if last or stream_usage == "every" else None
         return body
 
     def role_choice(self, index: int) -> dict:
         """Chat streams open each choice with the assistant's role (OpenAI does)."""
         return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
+                "finish_reason": None, "stop_reason": None}
 
     def delta_choice(self, index: int, text: str, new_tokens: list[int], new_logprobs: list[TokenLogprob] | None,
                      text_offset: int, reason: str | None, stop_reason: str | int | None = None,
