@@ -313,7 +313,10 @@ class Engine:
                 finish_reason, seq.stop_reason = "stop", seq.text_stream.matched_stop
             elif stop_token:
                 finish_reason = "stop"
-                seq.stop_reason = token if token in seq.params.stop_token_ids else None  # None: eos
+                # vLLM's: None for the tokenizer's eos; any other stop token (one the request gives, or an eos id
+                # only config.json, generation_config.json or a GGUF's eot / eom key names) is the reason
+                eos = token == self.tokenizer.eos_token_id and not seq.params.ignore_eos
+                seq.stop_reason = None if eos else token
             elif seq.num_output_tokens >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
                 finish_reason = "length"
             if finish_reason is not None:

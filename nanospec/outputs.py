@@ -34,7 +34,8 @@ class CompletionOutput:
     logprobs: list[TokenLogprob] | None = None  # one per generated token, when SamplingParams.logprobs is set
     index: int = 0                  # which of the prompt's n completions this is
     num_cached_tokens: int = 0      # prompt tokens whose K/V came from the prefix cache (not computed)
-    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: eos, or not "stop")
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it (None: the tokenizer's eos,
+    #                                       or not "stop"; an eos id only the model's configs name is a stop token id)
     # with SamplingParams.prompt_logprobs: None for the first prompt token, then a TokenLogprob per prompt token
     prompt_logprobs: list[TokenLogprob | None] | None = None
 

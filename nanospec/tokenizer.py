@@ -18,7 +18,8 @@ from nanospec.chat_messages import check_messages
 
 
 class Tokenizer:
-    """A `tokenizers.Tokenizer` and its tokenizer_config.json; `extra_eos_token_ids` also end generation.
+    """A `tokenizers.Tokenizer` and its tokenizer_config.json; `extra_eos_token_ids` also end generation
+    (``eos_token_ids``: the config's ``eos_token``, ``eos_token_id``, first, then those).
     ``add_bos_token``: whether ``encode(text, add_special_tokens=True)`` puts BOS in front."""
 
     def __init__(self, backend: tokenizers.Tokenizer, config: Mapping | None = None,
@@ -33,8 +34,8 @@ class Tokenizer:
         # config's add_bos_token, and so do we
         self.add_bos_token = self.bos_token_id is not None and \
             backend.encode("", add_special_tokens=True).ids[:1] == [self.bos_token_id]
-        eos_ids = [backend.token_to_id(self.eos_token)] if self.eos_token is not None else []
-        self.eos_token_ids = list(dict.fromkeys(i for i in [*eos_ids, *extra_eos_token_ids] if i is not None))
+        self.eos_token_id = backend.token_to_id(self.eos_token) if self.eos_token is not None else None
+        self.eos_token_ids = list(dict.fromkeys(i for i in [self.eos_token_id, *extra_eos_token_ids] if i is not None))
         self.chat_template = _pick_chat_template(self.config.get("chat_template"))
         # compiled now, so that a template that does not compile is refused with the model
         self._compiled_template = None if self.chat_template is None else _compile_chat_template(self.chat_template)

@@ -6,6 +6,8 @@ Every engine runs in fp32 on the test device; tokens are compared between engine
 exactly."""
 
 import gc
+import json
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -380,6 +382,25 @@ def test_detokenize_false_gives_the_token_ids_and_no_text(plain):
     assert all(out.delta_text == "" for out in plain.stream(PROMPTS[0], replace(params, detokenize=False)))
     with pytest.raises(ValueError, match="detokenize"):  # a stop string is looked for in the text
         SamplingParams(stop="x", detokenize=False)
+
+
+def test_stop_reason_is_none_for_the_tokenizers_eos_only(paths, plain, device, tmp_path):
+    """vLLM's stop_reason: None for the tokenizer's eos; an eos id only generation_config.json names is reported
+    as the stop token it is there (vLLM adds it to stop_token_ids)."""
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    free = plain.generate(PROMPTS[:1], greedy)[0].outputs[0]
+    extra_eos = free.token_ids[4]
+    assert free.finish_reason == "length" and plain.get_tokenizer().eos_token_ids == [2] and extra_eos != 2
+    shutil.copytree(paths[0], tmp_path / "model")
+    (tmp_path / "model" / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, extra_eos]}))
+    llm = make_llm(tmp_path / "model", device, num_blocks=64)
+    out = llm.generate(PROMPTS[:1], greedy)[0].outputs[0]
+    assert (out.token_ids[-1], out.finish_reason, out.stop_reason) == (extra_eos, "stop", extra_eos)
+    eos = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, allowed_token_ids=[2]))[0].outputs[0]
+    assert (eos.token_ids, eos.finish_reason, eos.stop_reason) == ([2], "stop", None)
+    asked = llm.generate(PROMPTS[:1], SamplingParams(temperature=0, allowed_token_ids=[2], ignore_eos=True,
+                                                     stop_token_ids=[2]))[0].outputs[0]
+    assert (asked.token_ids, asked.finish_reason, asked.stop_reason) == ([2], "stop", 2)  # a stop token asked for
 
 
 # ---------------------------------------------------------------- bad inputs, refused before any work
