@@ -257,6 +257,14 @@ def test_missing_model_path(tmp_path):
         LLM(str(tmp_path / "no_such_model"))
 
 
+def test_a_file_of_a_model_directory_is_refused_naming_the_directory(tiny_path):
+    for name in ("config.json", "model.safetensors"):
+        with pytest.raises(ValueError, match=re.escape(f"cannot load {tiny_path / name}: expected a .gguf file or a "
+                                                       "Hugging Face model directory") + ".*" +
+                           re.escape(f"pass its directory {tiny_path}")):
+            LLM(str(tiny_path / name))
+
+
 def test_random_weight_model_of_a_given_shape_generates(device):
     llm = LLM.with_random_weights(dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2), num_blocks=16, block_size=16, device=device, **FP32)

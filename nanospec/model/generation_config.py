@@ -12,7 +12,7 @@ from pathlib import Path
 
 from nanospec.model.embedded import EMBEDDED_SAMPLING
 from nanospec.model.gguf_file import read_gguf_metadata
-from nanospec.model.loader import read_json
+from nanospec.model.loader import model_path, read_json
 from nanospec.sampling_params import SamplingParams
 
 FILE_NAME = "generation_config.json"
@@ -37,7 +37,7 @@ def default_sampling(model: str | None, generation_config: str = "auto") -> tupl
         return read_generation_config(directory / FILE_NAME)
     if model is None:
         return dict(EMBEDDED_SAMPLING), "the embedded model's chat defaults"
-    path = Path(model)
+    path = model_path(model)
     if not path.is_dir():
         return read_gguf_sampling(path)
     if (path / FILE_NAME).exists():

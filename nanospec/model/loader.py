@@ -49,7 +49,7 @@ def open_checkpoint(path: str | os.PathLike | None,
                     check_config: Callable[[LlamaConfig], None] | None = None) -> OpenCheckpoint:
     """`path` (None: the embedded SmolLM2) opened for :meth:`OpenCheckpoint.load`: its config read (config.json, or a
     GGUF file's header, parsed here once) and passed to `check_config`; no tokenizer built, no tensor read."""
-    path = _model_path(path)
+    path = model_path(path)
     if path.is_dir():
         checkpoint = OpenCheckpoint(path, _read_hf_config(path))
     else:
@@ -94,8 +94,9 @@ class OpenCheckpoint:
         return Checkpoint(self.config, tensors, tokenizer, self.path)
 
 
-def _model_path(path: str | os.PathLike | None) -> Path:
-    """`path` (None: the embedded model's file), checked to be a directory or a GGUF file."""
+def model_path(path: str | os.PathLike | None) -> Path:
+    """`path` (None: the embedded model's file), checked to be a directory or a GGUF file: FileNotFoundError or
+    ValueError naming it otherwise (a file of a Hugging Face directory: the error names the directory to pass)."""
     if path is not None and os.fspath(path) == "":
         raise ValueError("the model path is empty: give a Hugging Face directory or a .gguf file")
     path = embedded_model_path() if path is None else Path(path)
@@ -103,8 +104,9 @@ def _model_path(path: str | os.PathLike | None) -> Path:
         raise FileNotFoundError(f"model path does not exist: {path}")
     if path.is_dir() or path.suffix == ".gguf" or _starts_with_gguf(path):
         return path
+    hint = f"; pass its directory {path.parent}" if (path.parent / "config.json").is_file() else ""
     raise ValueError(f"cannot load {path}: expected a .gguf file or a Hugging Face model directory "
-                     "(config.json, model.safetensors, tokenizer.json)")
+                     f"(config.json, model.safetensors, tokenizer.json){hint}")
 
 
 def round_checkpoint(checkpoint: Checkpoint, quantization: str | None) -> Checkpoint:
