@@ -476,6 +476,16 @@ def test_shard_index_with_missing_file(tmp_path):
         load_checkpoint(tmp_path, torch.float32)
 
 
+def test_tensor_stored_in_two_shards_refused(tmp_path):
+    save_tiny_llama(tmp_path, max_shard_size="20KB")
+    weight_map = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    other = next(shard for shard in sorted(set(weight_map.values())) if shard != weight_map["model.norm.weight"])
+    tensors = load_file(tmp_path / other)
+    tensors["model.norm.weight"] = torch.zeros(TINY["hidden_size"])
+    save_file(tensors, tmp_path / other, metadata={"format": "pt"})
+    refused(tmp_path, "tensor model.norm.weight is stored twice", weight_map["model.norm.weight"], other)
+
+
 def test_not_a_llama(tmp_path):
     save_tiny_llama(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

@@ -147,7 +147,13 @@ def _read_hf_tensors(directory: Path, config: LlamaConfig, dtype: torch.dtype | 
 
     with ExitStack() as stack:
         handles = {file: stack.enter_context(open_safetensors(file)) for file in weight_files}
-        file_of = {name: file for file, handle in handles.items() for name in handle.keys()}
+        file_of = {}
+        for file, handle in handles.items():
+            for name in handle.keys():
+                if name in file_of:  # which copy is the model's? transformers and vLLM would each take one
+                    raise ValueError(f"{directory}: tensor {name} is stored twice, in {file_of[name].name} and "
+                                     f"{file.name}")
+                file_of[name] = file
         stored = {name: handles[file].get_slice(name) for name, file in file_of.items() if not _ignored(name, config)}
         expected = config.weight_shapes()
         check_tensors(weight_files[0] if len(weight_files) == 1 else directory, expected,
