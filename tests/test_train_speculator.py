@@ -128,12 +128,28 @@ def test_distillation_loss_is_the_targets_distribution():
     (["--n-predict", "0"], "--n-predict must be at least 1"),
     (["--n-predict", "1"], "--tie-weights needs --n-predict >= 2"),
     (["--resume"], "no checkpoint"),
-    (["--temperature", "0"], "--temperature must be > 0"),
+    (["--temperature", "0"], "--temperature must be a finite number > 0"),
     (["--distill", "1.5"], "--distill must be in [0, 1]"),
+    (["--temperature", "inf"], "--temperature must be a finite number > 0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0"),
+    (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
+    (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0"),
+    (["--out", ""], "--out is empty"),
+    (["--cache", ""], "--cache is empty"),
 ])
 def test_bad_arguments(target, prompts, recordings, tmp_path, capsys, extra, message):
     assert run(target, prompts, recordings, tmp_path / "out", *extra) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--out", "--cache"])
+def test_output_directory_that_is_a_file_refused_before_loading(target, prompts, recordings, tmp_path, capsys,
+                                                                  monkeypatch, option):
+    (tmp_path / "file").write_text("x")
+    monkeypatch.setattr("nanospec.train.__main__.load_prompt_set", lambda path: pytest.fail("loaded the prompts"))
+    assert run(target, prompts, recordings, tmp_path / "out", option, str(tmp_path / "file" / "sub")) == 2
+    assert f"{option} {tmp_path / 'file' / 'sub'}: {tmp_path / 'file'} exists and is not a directory" in \
+        capsys.readouterr().err
 
 
 def test_unknown_model_and_prompt_set(prompts, recordings, tmp_path, capsys):

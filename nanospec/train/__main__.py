@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import shlex
 import sys
 import time
@@ -147,12 +148,21 @@ def check_args(args, vocab_size: int | None = None) -> None:
         positive("stop_after", args.stop_after)
     if args.epochs_greedy + args.epochs_mixed < 1:
         raise ValueError("nothing to train: --epochs-greedy and --epochs-mixed are both 0")
-    if args.sampled_runs and not args.temperature > 0:
-        raise ValueError(f"--temperature must be > 0 for sampled runs, got {args.temperature}")
+    if args.sampled_runs and not 0 < args.temperature < math.inf:
+        raise ValueError(f"--temperature must be a finite number > 0 for sampled runs, got {args.temperature}")
     if not 0 <= args.distill <= 1:
         raise ValueError(f"--distill must be in [0, 1], got {args.distill}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if not 0 < args.lr < math.inf:
+        raise ValueError(f"--lr must be a finite number > 0, got {args.lr}")
+    if not 0 <= args.weight_decay < math.inf:
+        raise ValueError(f"--weight-decay must be a finite number >= 0, got {args.weight_decay}")
+    for name, path in (("--out", args.out), ("--cache", args.cache)):
+        if path == "":
+            raise ValueError(f"{name} is empty: give a directory")
+        if path is not None:
+            nearest = next(p for p in (Path(path), *Path(path).parents) if p.exists())
+            if not nearest.is_dir():
+                raise ValueError(f"{name} {path}: {nearest} exists and is not a directory")
     if args.kind == "eagle3" and args.sampled_runs:
         raise ValueError("--kind eagle3 trains on the greedy continuations only: pass --sampled-runs 0")
     if args.kind == "mlp" and args.tie_weights and args.n_predict < 2:
