@@ -152,6 +152,16 @@ def test_output_directory_that_is_a_file_refused_before_loading(target, prompts,
         capsys.readouterr().err
 
 
+@pytest.mark.parametrize("extra, message", [
+    (["--max-tokens", "600"], "--max-tokens 600: the longest prompt"),
+])
+def test_what_the_target_cannot_do_refused_before_its_weights(target, prompts, recordings, tmp_path, capsys,
+                                                              monkeypatch, extra, message):
+    monkeypatch.setattr("nanospec.model.loader.safe_open", lambda *a, **k: pytest.fail("read the weights"))
+    assert run(target, prompts, recordings, tmp_path / "out", *extra) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_unknown_model_and_prompt_set(prompts, recordings, tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--prompts", str(prompts)]) == 2
     assert "model path does not exist" in capsys.readouterr().err

@@ -52,7 +52,7 @@ from pathlib import Path
 import torch
 
 from nanospec.model.llama import Llama
-from nanospec.model.loader import load_checkpoint
+from nanospec.model.loader import open_checkpoint
 from nanospec.model.mlp_speculator import save_mlp_speculator
 from nanospec.train.data import (PROMPT_SET, concat_examples, encode_chat, held_out_prompts, hot_vocabulary,
                                  load_prompt_set, make_examples)
@@ -193,14 +193,18 @@ def train(args, command: list[str]) -> int:
     if args.resume and not (out / "checkpoint" / "state.json").is_file():
         raise FileNotFoundError(f"--resume: no checkpoint in {out / 'checkpoint'}")
     prompt_rows = load_prompt_set(args.prompts)[:args.limit or None]
-    checkpoint = load_checkpoint(args.model, torch.float32)
-    config, tokenizer = checkpoint.config, checkpoint.tokenizer
+    opened = open_checkpoint(args.model)  # the config and tokenizer, checked against the arguments before any weight
+    config, tokenizer = opened.config, opened.tokenizer()
     check_args(args, config.vocab_size)
     if args.kind == "mlp" and args.inner_dim and args.init_from_target and args.inner_dim != config.hidden_size:
         print(f"--init-from-target needs --inner-dim {config.hidden_size} (the target's hidden size): random init")
     prompt_ids = [encode_chat(tokenizer, row["prompt"]) for row in prompt_rows]
-    target = Llama(config, checkpoint.tensors, "cpu", torch.float32,
-                   max_len=max(map(len, prompt_ids)) + args.max_tokens)
+    longest = max(map(len, prompt_ids))
+    if longest + args.max_tokens > config.max_position_embeddings:
+        raise ValueError(f"--max-tokens {args.max_tokens}: the longest prompt ({longest} tokens) and its continuation "
+                         f"would pass the target's context of {config.max_position_embeddings} tokens")
+    checkpoint = opened.load(torch.float32)
+    target = Llama(config, checkpoint.tensors, "cpu", torch.float32, max_len=longest + args.max_tokens)
     del checkpoint
     eos_ids = list(tokenizer.eos_token_ids)
     if args.kind == "eagle3":
