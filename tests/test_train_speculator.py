@@ -154,6 +154,7 @@ def test_output_directory_that_is_a_file_refused_before_loading(target, prompts,
 
 @pytest.mark.parametrize("extra, message", [
     (["--max-tokens", "600"], "--max-tokens 600: the longest prompt"),
+    (["--kind", "eagle3"], "which must be three distinct layers of the target, which has L = 2"),
 ])
 def test_what_the_target_cannot_do_refused_before_its_weights(target, prompts, recordings, tmp_path, capsys,
                                                               monkeypatch, extra, message):

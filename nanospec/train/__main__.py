@@ -56,7 +56,7 @@ from nanospec.model.loader import open_checkpoint
 from nanospec.model.mlp_speculator import save_mlp_speculator
 from nanospec.train.data import (PROMPT_SET, concat_examples, encode_chat, held_out_prompts, hot_vocabulary,
                                  load_prompt_set, make_examples)
-from nanospec.train.eagle3_run import train_eagle3
+from nanospec.train.eagle3_run import eagle3_aux_layers, train_eagle3
 from nanospec.train.loop import Trainer, evaluate, new_speculator, plot, target_head
 from nanospec.train.record import Recording, record
 
@@ -196,6 +196,8 @@ def train(args, command: list[str]) -> int:
     opened = open_checkpoint(args.model)  # the config and tokenizer, checked against the arguments before any weight
     config, tokenizer = opened.config, opened.tokenizer()
     check_args(args, config.vocab_size)
+    if args.kind == "eagle3":
+        eagle3_aux_layers(config.num_hidden_layers)
     if args.kind == "mlp" and args.inner_dim and args.init_from_target and args.inner_dim != config.hidden_size:
         print(f"--init-from-target needs --inner-dim {config.hidden_size} (the target's hidden size): random init")
     prompt_ids = [encode_chat(tokenizer, row["prompt"]) for row in prompt_rows]

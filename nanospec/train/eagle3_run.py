@@ -120,12 +120,23 @@ class Eagle3Trainer(Trainer):
         return evaluate(self.unroller, data, self.draft_index)
 
 
+def eagle3_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """The target layers a new head fuses: the default ``(2, L // 2, L - 3)``; ValueError where those are not three
+    distinct layers of the target (a target of 1, 2, 4, 5 or 6 layers)."""
+    ids = default_aux_layers(num_layers)
+    if len(set(ids)) != 3 or not all(0 <= i < num_layers for i in ids):
+        raise ValueError(f"--kind eagle3: the head fuses the states entering layers (2, L // 2, L - 3) = {list(ids)}, "
+                         f"which must be three distinct layers of the target, which has L = {num_layers}: a target "
+                         f"of 3 or at least 7 layers")
+    return ids
+
+
 def train_eagle3(args, target: Llama, prompt_rows: list[dict], prompt_ids: list[list[int]], record_runs,
                  command: list[str], started: float) -> int:
     """Record (or read from the cache), train, write the head and its summary; ``record_runs`` is the trainer's
     cached recording (``aux_layers`` given)."""
     config, out = target.config, Path(args.out)
-    aux_layers = default_aux_layers(config.num_hidden_layers)
+    aux_layers = eagle3_aux_layers(config.num_hidden_layers)
     runs, recordings, timings = record_runs(args, target, prompt_ids, aux_layers=aux_layers)
     recording = recordings[0]
     held_out = held_out_prompts(prompt_rows, args.val_every)
