@@ -21,6 +21,7 @@ the head's K/V past rejected guesses all run."""
 import dataclasses
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 from typing import NamedTuple
@@ -976,6 +977,13 @@ def test_a_truncated_head_file_is_refused_naming_it(target, device, tmp_path):
     file = next(head.glob("*.safetensors"))
     file.write_bytes(file.read_bytes()[:-100])
     with pytest.raises(ValueError, match=r"not a valid safetensors file: .*\.safetensors \(tensor .* is cut short"):
+        eagle_llm(target, head, device)
+
+
+def test_a_head_directory_without_config_is_refused_naming_it(target, device, tmp_path):
+    head = write_head(tmp_path / "head", random_tensors(head_config(), seed=0, embedding=False), head_config())
+    (head / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{head} has no config.json (an EAGLE-3 head directory")):
         eagle_llm(target, head, device)
 
 

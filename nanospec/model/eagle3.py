@@ -172,6 +172,9 @@ def load_eagle3_head(path: str | Path, target: LlamaConfig, device: torch.device
     target before any weight is read (ValueError naming the field or tensor)."""
     path = Path(path)
     where = path / "config.json"
+    if not where.exists():
+        raise FileNotFoundError(f"{path} has no config.json (an EAGLE-3 head directory holds config.json and its "
+                                "safetensors)")
     config = Eagle3Config.from_dict(read_json(where), str(where))
     if config.target_hidden_size != target.hidden_size:
         field = "target_hidden_size" if config.target_hidden_size != config.layer.hidden_size else "hidden_size"
