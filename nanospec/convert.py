@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanospec.model.embedded import embedded_model_path
-from nanospec.model.loader import load_checkpoint
+from nanospec.model.loader import open_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -46,12 +46,14 @@ def convert(in_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch
         raise ValueError(f"{out_dir} holds a sharded checkpoint (model.safetensors.index.json) that would shadow "
                          "the converted weights: choose an empty directory")
 
-    checkpoint = load_checkpoint(in_path, dtype)
-    config, tensors = checkpoint.config, checkpoint.tensors
+    opened = open_checkpoint(in_path)  # its config, checked before any weight is read
+    config = opened.config
+    if num_layers is not None and num_layers > config.num_hidden_layers:
+        raise ValueError(f"num_layers must be between 1 and {config.num_hidden_layers} (the layers of {in_path}), "
+                         f"got {num_layers}")
+    checkpoint = opened.load(dtype)
+    tensors = checkpoint.tensors
     if num_layers is not None:
-        if num_layers > config.num_hidden_layers:
-            raise ValueError(f"num_layers must be between 1 and {config.num_hidden_layers} (the layers of "
-                             f"{in_path}), got {num_layers}")
         config = dataclasses.replace(config, num_hidden_layers=num_layers)
         tensors = {name: tensors[name] for name in config.weight_shapes()}
 

@@ -115,7 +115,7 @@ def test_cli(converted_dir, tmp_path, capsys):
 def test_cli_refuses_bad_paths_before_loading(tmp_path, capsys, monkeypatch, source, output):
     (tmp_path / "afile").write_text("a file, not a directory")
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("nanospec.convert.load_checkpoint", lambda *args: pytest.fail("loaded before checking paths"))
+    monkeypatch.setattr("nanospec.convert.open_checkpoint", lambda *args: pytest.fail("loaded before checking paths"))
     with pytest.raises(SystemExit) as exit_info:
         main([source, output])
     err = capsys.readouterr().err
@@ -141,3 +141,12 @@ def test_convert_hf_directory_untied(tmp_path):
         torch.testing.assert_close(converted(input_ids).logits, original(input_ids).logits, rtol=0, atol=0)
     draft = load_checkpoint(convert(out, tmp_path / "draft", num_layers=1), torch.float32)
     assert "lm_head.weight" in draft.tensors and draft.config.num_hidden_layers == 1
+
+
+def test_too_many_layers_refused_before_the_weights_are_read(tmp_path, monkeypatch):
+    from tiny import make_tiny_llama
+
+    make_tiny_llama(tmp_path / "in", layers=2)
+    monkeypatch.setattr("nanospec.model.loader.safe_open", lambda *a, **k: pytest.fail("read the weights"))
+    with pytest.raises(ValueError, match="num_layers must be between 1 and 2"):
+        convert(tmp_path / "in", tmp_path / "out", num_layers=3)
