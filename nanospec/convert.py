@@ -1,7 +1,8 @@
 """Convert a checkpoint (a .gguf file or a Hugging Face directory) to a Hugging Face directory that both
-transformers and nanospec load: config.json, generation_config.json, model.safetensors, tokenizer.json and
-tokenizer_config.json. With --num-layers N it keeps only the first N layers (plus the embeddings, the final norm and
-the head): a cheap draft model for speculative decoding that shares the target's tokenizer.
+transformers and nanospec load: config.json, generation_config.json (the input's default sampling and stop ids),
+model.safetensors, tokenizer.json and tokenizer_config.json. With --num-layers N it keeps only the first N layers
+(plus the embeddings, the final norm and the head): a cheap draft model for speculative decoding that shares the
+target's tokenizer.
 
     python -m nanospec.convert model.gguf out_dir --dtype bfloat16
     python -m nanospec.convert model.gguf draft_dir --num-layers 4
@@ -21,6 +22,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanospec.model.embedded import embedded_model_path
+from nanospec.model.generation_config import default_sampling, to_generation_config
 from nanospec.model.loader import open_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -47,6 +49,7 @@ def convert(in_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch
                          "the converted weights: choose an empty directory")
 
     opened = open_checkpoint(in_path)  # its config, checked before any weight is read
+    sampling = default_sampling(str(in_path))[0]  # its generation_config.json's or general.sampling keys
     config = opened.config
     if num_layers is not None and num_layers > config.num_hidden_layers:
         raise ValueError(f"num_layers must be between 1 and {config.num_hidden_layers} (the layers of {in_path}), "
@@ -65,6 +68,7 @@ def convert(in_path: str | os.PathLike, out_dir: str | os.PathLike, dtype: torch
     _write_json(out_dir / "generation_config.json", {
         "bos_token_id": config.bos_token_id,
         "eos_token_id": checkpoint.tokenizer.eos_token_ids,
+        **to_generation_config(sampling),
     })
     checkpoint.tokenizer.save(out_dir)
     return out_dir

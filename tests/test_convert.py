@@ -150,3 +150,18 @@ def test_too_many_layers_refused_before_the_weights_are_read(tmp_path, monkeypat
     monkeypatch.setattr("nanospec.model.loader.safe_open", lambda *a, **k: pytest.fail("read the weights"))
     with pytest.raises(ValueError, match="num_layers must be between 1 and 2"):
         convert(tmp_path / "in", tmp_path / "out", num_layers=3)
+
+
+@pytest.mark.parametrize("generation", [{"do_sample": True, "temperature": 0.6, "top_p": 0.9, "top_k": 0},
+                                        {"do_sample": False, "max_new_tokens": 7}])
+def test_the_inputs_default_sampling_is_kept(tmp_path, generation):
+    from tiny import make_tiny_llama
+
+    from nanospec.model.generation_config import default_sampling
+
+    make_tiny_llama(tmp_path / "in", layers=1)
+    (tmp_path / "in" / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, **generation}))
+    out = convert(tmp_path / "in", tmp_path / "out")
+    fields = default_sampling(str(tmp_path / "in"))[0]
+    assert fields and default_sampling(str(out)) == (fields, str(out / "generation_config.json"))
+    assert transformers.GenerationConfig.from_pretrained(out).do_sample == generation["do_sample"]

@@ -70,6 +70,20 @@ def read_generation_config(file: Path) -> tuple[dict, str]:
     return _checked(fields, file, {ours: theirs for theirs, ours in KEYS.items()}), str(file)
 
 
+def to_generation_config(fields: dict) -> dict:
+    """generation_config.json's keys for SamplingParams `fields` (:func:`default_sampling`'s), which
+    :func:`read_generation_config` reads back as the same fields and transformers samples alike: temperature 0 as
+    ``do_sample: false``, any other as ``do_sample: true`` with it; no top-k (-1) as ``top_k: 0``."""
+    config = {theirs: fields[ours] for theirs, ours in KEYS.items() if ours in fields}
+    if "temperature" in config:
+        config["do_sample"] = config["temperature"] != 0
+        if not config["do_sample"]:
+            del config["temperature"]
+    if config.get("top_k") == -1:
+        config["top_k"] = 0
+    return config
+
+
 def _checked(fields: dict, source, names: dict[str, str] | None = None) -> dict:
     """`fields`, which SamplingParams takes; ValueError naming `source` and the key (its name there, `names`: field ->
     key) otherwise."""
