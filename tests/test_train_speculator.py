@@ -163,6 +163,13 @@ def test_what_the_target_cannot_do_refused_before_its_weights(target, prompts, r
     assert message in capsys.readouterr().err
 
 
+def test_output_directory_that_is_the_target_refused(target, prompts, recordings, capsys):
+    before = (target / "model.safetensors").read_bytes()
+    assert run(target, prompts, recordings, target) == 2
+    assert f"--out {target} is the target model's directory" in capsys.readouterr().err
+    assert (target / "model.safetensors").read_bytes() == before
+
+
 def test_unknown_model_and_prompt_set(prompts, recordings, tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nope"), "--out", str(tmp_path / "o"), "--prompts", str(prompts)]) == 2
     assert "model path does not exist" in capsys.readouterr().err

@@ -163,6 +163,9 @@ def check_args(args, vocab_size: int | None = None) -> None:
             nearest = next(p for p in (Path(path), *Path(path).parents) if p.exists())
             if not nearest.is_dir():
                 raise ValueError(f"{name} {path}: {nearest} exists and is not a directory")
+    if args.model and Path(args.out).exists() and Path(args.out).resolve() == Path(args.model).resolve():
+        raise ValueError(f"--out {args.out} is the target model's directory, whose config.json and "
+                         "model.safetensors the output would replace: choose another one")
     if args.kind == "eagle3" and args.sampled_runs:
         raise ValueError("--kind eagle3 trains on the greedy continuations only: pass --sampled-runs 0")
     if args.kind == "mlp" and args.tie_weights and args.n_predict < 2:
