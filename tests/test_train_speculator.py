@@ -2,6 +2,7 @@
 resumable, that its recorded hidden states are the target's, and that bad arguments fail clearly."""
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -180,6 +181,9 @@ def test_unknown_model_and_prompt_set(prompts, recordings, tmp_path, capsys):
 def test_resume_with_other_settings_is_refused(trained, target, prompts, recordings, tmp_path, capsys):
     assert run(target, prompts, recordings, tmp_path, "--stop-after", "2") == 0
     assert run(target, prompts, recordings, tmp_path, "--resume", "--lr", "0.01") == 2
+    assert "other settings" in capsys.readouterr().err
+    shutil.copytree(target, tmp_path / "another")  # another target (of the same shape)
+    assert run(target, prompts, recordings, tmp_path, "--resume", "--model", str(tmp_path / "another")) == 2
     assert "other settings" in capsys.readouterr().err
 
 

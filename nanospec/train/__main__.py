@@ -326,7 +326,7 @@ def write_outputs(args, command: list[str], trainer: Trainer, prompt_rows: list[
 
 
 def settings_of(args) -> dict:
-    keys = ("prompts", "limit", "max_tokens", "sampled_runs", "sampled_every", "prompt_text", "temperature",
+    keys = ("model", "prompts", "limit", "max_tokens", "sampled_runs", "sampled_every", "prompt_text", "temperature",
             "n_predict", "inner_dim", "hot_vocab",
             "tie_weights", "scale_input", "init_from_target", "epochs_greedy", "epochs_mixed", "distill", "batch_size",
             "lr", "weight_decay", "warmup", "val_every", "seed")

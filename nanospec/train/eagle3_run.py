@@ -204,6 +204,6 @@ def write_outputs(args, command: list[str], trainer: Eagle3Trainer, config: dict
 
 
 def settings_of(args) -> dict:
-    keys = ("kind", "prompts", "limit", "max_tokens", "prompt_text", "n_predict", "inner_dim", "hot_vocab",
+    keys = ("kind", "model", "prompts", "limit", "max_tokens", "prompt_text", "n_predict", "inner_dim", "hot_vocab",
             "epochs_greedy", "distill", "batch_size", "lr", "weight_decay", "warmup", "val_every", "seed")
     return {k: getattr(args, k) for k in keys}
