@@ -114,7 +114,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (mlp 100, eagle3 50)")
     p.add_argument("--val-every", type=int, default=10,
-                   help="every N-th prompt of each category is held out (0: none)")
+                   help="every N-th prompt of each category is held out (0: none; else at least 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads (0: torch's default, every core); on a busy machine use 1")
@@ -146,6 +146,9 @@ def check_args(args, vocab_size: int | None = None) -> None:
         positive("limit", args.limit)
     if args.stop_after is not None:
         positive("stop_after", args.stop_after)
+    if args.val_every == 1:
+        raise ValueError("--val-every 1 holds out every prompt, leaving none to train on: give 0 (none held out) or "
+                         "at least 2")
     if args.epochs_greedy + args.epochs_mixed < 1:
         raise ValueError("nothing to train: --epochs-greedy and --epochs-mixed are both 0")
     if args.sampled_runs and not 0 < args.temperature < math.inf:
