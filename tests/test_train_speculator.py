@@ -178,6 +178,9 @@ def test_unknown_model_and_prompt_set(prompts, recordings, tmp_path, capsys):
     assert "model path does not exist" in capsys.readouterr().err
     assert main(["--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "none.jsonl")]) == 2
     assert "prompt set not found" in capsys.readouterr().err
+    (tmp_path / "latin1.jsonl").write_bytes('{"prompt": "caf\u00e9"}\n'.encode("latin-1"))
+    assert main(["--out", str(tmp_path / "o"), "--prompts", str(tmp_path / "latin1.jsonl")]) == 2
+    assert f"{tmp_path / 'latin1.jsonl'}: not UTF-8 text" in capsys.readouterr().err
 
 
 def test_resume_with_other_settings_is_refused(trained, target, prompts, recordings, tmp_path, capsys):

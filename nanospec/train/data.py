@@ -26,8 +26,12 @@ def load_prompt_set(path: str | os.PathLike) -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"prompt set not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error})") from None
     rows = []
-    for number, line in enumerate(path.read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:
