@@ -135,6 +135,7 @@ def test_distillation_loss_is_the_targets_distribution():
     (["--lr", "inf"], "--lr must be a finite number > 0"),
     (["--weight-decay", "-1"], "--weight-decay must be a finite number >= 0"),
     (["--weight-decay", "inf"], "--weight-decay must be a finite number >= 0"),
+    (["--seed", str(2**64)], "--seed must be between -2**62 and 2**62"),
     (["--val-every", "1"], "--val-every 1 holds out every prompt"),
     (["--kind", "eagle3", "--val-every", "1"], "--val-every 1 holds out every prompt"),
     (["--out", ""], "--out is empty"),

@@ -146,6 +146,8 @@ def check_args(args, vocab_size: int | None = None) -> None:
         positive("limit", args.limit)
     if args.stop_after is not None:
         positive("stop_after", args.stop_after)
+    if not -2**62 <= args.seed <= 2**62:  # it seeds torch generators (64-bit), offset per run and phase
+        raise ValueError(f"--seed must be between -2**62 and 2**62, got {args.seed}")
     if args.val_every == 1:
         raise ValueError("--val-every 1 holds out every prompt, leaving none to train on: give 0 (none held out) or "
                          "at least 2")
