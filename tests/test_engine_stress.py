@@ -62,8 +62,8 @@ def random_prompts(rng: random.Random, n: int) -> list[list[int]]:
         r = rng.random()
         if r < 0.4:  # a shared prefix (the prefix cache), maybe a whole base
             base = rng.choice(bases)
-            tail = [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 6))]
-            prompts.append(base[:rng.randint(1, len(base))] + tail)
+            head = base[:rng.randint(1, len(base))]
+            prompts.append(head + [rng.randrange(3, VOCAB) for _ in range(rng.randint(0, 6))])
         elif r < 0.55:  # longer than a chunk
             prompts.append([rng.randrange(3, VOCAB) for _ in range(rng.randint(40, 70))])
         elif r < 0.7:  # repetitive: n-gram guesses that are accepted
@@ -122,7 +122,7 @@ SPECULATION = {
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_workload_matches_alone_and_returns_every_block(tiny_path, plain, device, speculation, seed):
     rng = random.Random(seed)
-    llm = LLM(str(tiny_path), num_blocks=20, block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
+    llm = LLM(str(tiny_path), num_blocks=24, block_size=4, max_num_batched_tokens=32, max_num_seqs=8,
               enable_prefix_caching=True, enable_chunked_prefill=seed == 0, device=device,
               speculative_config=SPECULATION[speculation], **FP32)
     prompts, params, final = run_mix(llm, rng, 12)
